@@ -1,0 +1,150 @@
+"""Probe a mooncake_master quickly, and run one on free local ports.
+
+Mooncake's own ``setup()`` blocks about 90 s against a dead master, so every
+client probes first: a TCP connect to the RPC port and, when the admin address
+answers, ``GET /health``. Both are bounded by ``connect_timeout_s``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+
+from mooncake_diffusion._mooncake import mooncake_dir
+from mooncake_diffusion.errors import ConfigError, MasterUnavailableError
+from mooncake_diffusion.settings import MooncakeSettings, split_address
+
+__all__ = ["MasterProcess", "admin_get", "free_port", "probe_master"]
+
+
+def admin_get(admin: str, path: str, timeout: float = 2.0) -> bytes:
+    """GET ``http://{admin}{path}`` from the master's admin server."""
+    with urllib.request.urlopen(f"http://{admin}{path}", timeout=timeout) as r:
+        return r.read()
+
+
+def probe_master(settings: MooncakeSettings, *, require_admin: bool = False) -> None:
+    """Return when the master answers; raise ``MasterUnavailableError`` naming the
+    address within ``settings.connect_timeout_s`` otherwise.
+
+    The admin ``/health`` check is skipped when nothing listens on the admin
+    address, unless ``require_admin``.
+    """
+    deadline = time.monotonic() + settings.connect_timeout_s
+    host, port = split_address(settings.master, "master")
+    last = "no answer"
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            with socket.create_connection((host, port), timeout=max(min(left, 1.0), 0.05)):
+                break
+        except OSError as e:
+            last = str(e)
+        if time.monotonic() + 0.1 >= deadline:
+            raise MasterUnavailableError(
+                f"no Mooncake master at {settings.master} ({last}) after "
+                f"{settings.connect_timeout_s:.1f}s; start one with `mooncake-diffusion cluster up`"
+                " or set MOONCAKE_MASTER"
+            )
+        time.sleep(0.1)
+    try:
+        left = max(deadline - time.monotonic(), 0.2)
+        health = json.loads(admin_get(settings.admin_address, "/health", timeout=left))
+    except (OSError, ValueError, urllib.error.URLError) as e:
+        if require_admin:
+            raise MasterUnavailableError(
+                f"Mooncake master admin at {settings.admin_address} does not answer: {e}"
+            ) from None
+        return
+    if health.get("status") != "ok" or not health.get("service_ready", True):
+        raise MasterUnavailableError(f"Mooncake master at {settings.master} is not ready: {health}")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """An ephemeral TCP port that is free right now (outside Mooncake's own ranges)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class MasterProcess:
+    """A real ``mooncake_master`` child process on free loopback ports.
+
+    ``start()`` returns once ``/health`` reports ready (about 1 s); ``stop()``
+    sends SIGTERM and waits, killing after 10 s. Idempotent.
+    """
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        *,
+        lease_ttl_ms: int = 1000,
+        client_ttl_s: int = 3,
+        log_path: str | None = None,
+    ) -> None:
+        self.host = host
+        self.lease_ttl_ms = lease_ttl_ms
+        self.client_ttl_s = client_ttl_s
+        self.log_path = log_path
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.settings: MooncakeSettings | None = None
+
+    def start(self, timeout: float = 20.0) -> MooncakeSettings:
+        binary = os.path.join(mooncake_dir(), "mooncake_master")
+        if not os.access(binary, os.X_OK):
+            raise ConfigError(f"mooncake_master not found or not executable at {binary}")
+        for _attempt in range(3):  # a port can be taken between probe and bind
+            rpc, admin = free_port(self.host), free_port(self.host)
+            log = open(self.log_path or os.devnull, "ab")  # noqa: SIM115 - owned by Popen
+            self.proc = subprocess.Popen(
+                [
+                    binary,
+                    f"-rpc_port={rpc}",
+                    f"-rpc_address={self.host}",
+                    f"-metrics_port={admin}",
+                    f"-metrics_host={self.host}",
+                    f"-default_kv_lease_ttl={self.lease_ttl_ms}",
+                    f"-client_ttl={self.client_ttl_s}",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+            log.close()
+            settings = MooncakeSettings(master=f"{self.host}:{rpc}", admin=f"{self.host}:{admin}")
+            if self._wait_ready(settings, timeout):
+                self.settings = settings
+                return settings
+            self.stop()
+        raise MasterUnavailableError("mooncake_master did not become ready after 3 attempts")
+
+    def _wait_ready(self, settings: MooncakeSettings, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc is None or self.proc.poll() is not None:
+                return False
+            try:
+                health = json.loads(admin_get(settings.admin_address, "/health", 0.5))
+                if health.get("service_ready"):
+                    return True
+            except (OSError, ValueError):
+                pass
+            time.sleep(0.05)
+        return False
+
+    def stop(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

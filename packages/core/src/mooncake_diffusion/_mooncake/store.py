@@ -1,0 +1,121 @@
+"""A Mooncake Store client with typed errors and register-once buffers.
+
+One ``StoreClient`` per process role: a pure client (``segment_bytes=0``) in
+producers and consumers, a segment owner in the store host. Calls block and
+release the GIL inside Mooncake; the client is safe to share between threads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from mooncake_diffusion._mooncake import import_mooncake
+from mooncake_diffusion._mooncake.codes import OBJECT_NOT_FOUND, check, error_for
+from mooncake_diffusion._mooncake.master import probe_master
+from mooncake_diffusion.errors import MasterUnavailableError
+from mooncake_diffusion.registration import Registrations
+from mooncake_diffusion.settings import MooncakeSettings
+
+__all__ = ["StoreClient"]
+
+
+class StoreClient:
+    """Connects at construction (probing the master first; fails within
+    ``settings.connect_timeout_s`` if it is not there); ``close()`` when done."""
+
+    def __init__(self, settings: MooncakeSettings, *, segment_bytes: int = 0) -> None:
+        self._mod = import_mooncake("store")
+        probe_master(settings)
+        self._store = self._mod.MooncakeDistributedStore()
+        rc = self._store.setup(
+            settings.local_hostname,
+            "P2PHANDSHAKE",
+            segment_bytes,
+            0,
+            settings.protocol,
+            settings.device,
+            settings.master,
+        )
+        if rc != 0:
+            raise MasterUnavailableError(
+                f"Mooncake Store setup against master {settings.master} failed ({rc})"
+            )
+        self.regs = Registrations(self._register, self._unregister)
+        self._closed = False
+
+    def _register(self, ptr: int, nbytes: int, device: str) -> None:
+        check(self._store.register_buffer(ptr, nbytes), "store register_buffer")
+
+    def _unregister(self, ptr: int) -> None:
+        check(self._store.unregister_buffer(ptr), "store unregister_buffer")
+
+    def _config(self, pin: str) -> object:
+        cfg = self._mod.ReplicateConfig()
+        if pin == "hard":
+            cfg.with_hard_pin = True
+        elif pin == "soft":
+            if hasattr(cfg, "soft_pin_action"):  # Mooncake >= 0.3.13
+                cfg.soft_pin_action = self._mod.SoftPinAction.ENABLE
+            else:
+                cfg.with_soft_pin = True
+        return cfg
+
+    def put_many(
+        self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int], *, pin: str
+    ) -> None:
+        """Store each registered ``ptrs[i]`` under ``keys[i]``; all or nothing.
+
+        ``pin`` is ``"hard"`` (never evicted), ``"soft"`` (evicted last) or
+        ``"none"``. On any failure the keys that did land are removed and the
+        first error is raised (``StoreFullError`` when the pool is full).
+        """
+        if not keys:
+            return
+        codes = self._store.batch_put_from(list(keys), list(ptrs), list(sizes), self._config(pin))
+        failed = [(k, c) for k, c in zip(keys, codes, strict=True) if c < 0]
+        if failed:
+            self.remove_many([k for k, c in zip(keys, codes, strict=True) if c >= 0])
+            key, code = failed[0]
+            raise error_for(code, f"store put of {key!r}")
+
+    def get_many(
+        self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]
+    ) -> list[bool]:
+        """Read each key into registered ``ptrs[i]``; ``False`` where the key is absent.
+
+        Any other failure raises (``PeerGoneError`` when the store host died).
+        """
+        if not keys:
+            return []
+        codes = self._store.batch_get_into(list(keys), list(ptrs), list(sizes))
+        found = []
+        for key, code in zip(keys, codes, strict=True):
+            if code == OBJECT_NOT_FOUND:
+                found.append(False)
+            else:
+                check(code, f"store get of {key!r}")
+                found.append(True)
+        return found
+
+    def remove_many(self, keys: Sequence[str]) -> None:
+        """Remove keys with force (leases granted by reads do not block); absent keys
+        are fine."""
+        if not keys:
+            return
+        for key, code in zip(keys, self._store.batch_remove(list(keys), True), strict=True):
+            if code < 0 and code != OBJECT_NOT_FOUND:
+                raise error_for(code, f"store remove of {key!r}")
+
+    def remove_prefix(self, prefix: str) -> int:
+        """Remove every key starting with ``prefix`` (with force); returns how many."""
+        import re
+
+        return max(self._store.remove_by_regex("^" + re.escape(prefix), True), 0)
+
+    def close(self) -> None:
+        """Unregister buffers and disconnect (about 1 s inside Mooncake). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self.regs.close()
+        self._store.close()

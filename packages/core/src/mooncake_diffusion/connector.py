@@ -1,0 +1,444 @@
+"""DiffusionConnector: publish a stage's output, consume another stage's output.
+
+Call sequence (every stage worker has one connector; it both publishes and consumes):
+
+    conn = DiffusionConnector(role="denoise", transfer_mode="auto", settings=s)
+    conn.register(out_buffer)           # optional, once: buffers reused across requests
+    pub = conn.publish(StagePayload(request_id=r, kind="latent", tensor=out_buffer))
+    queue.send(pub.encode())            # the handle is usable at once ...
+    pub.wait(timeout=30)                # ... and the bytes are consumable after this
+    # in the consumer process:
+    with conn.consume(handle_bytes, dst=registered_dst) as got:
+        vae.decode(got.tensor)          # a view of dst: no copy was made
+    conn.cleanup(r)                     # drop whatever request r still holds
+    conn.close()
+
+``publish`` never blocks on bytes: each publication commits on a worker
+thread of its own, so one slow request never delays another's handoff.
+``consume`` blocks until every tensor has landed or its deadline passes.
+
+Transport choice (``transfer_mode``):
+    p2p    the consumer pulls straight from the producer's registered memory
+           (Transfer Engine); the producer holds the tensors until consumed.
+    store  the producer puts into Mooncake Store and is free at once; the
+           bytes outlive the producer; any consumer may come later.
+    auto   per payload: p2p when ``publish(..., consumer=...)`` names a
+           consumer that is known and ready now, store otherwise.
+    memory an in-process fake (unit tests only).
+
+Thread-safe. Producer and consumer sides are separate classes; this facade
+only picks and wires them.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from mooncake_diffusion.errors import (
+    AlreadyConsumedError,
+    ConfigError,
+    DestinationMismatchError,
+    DuplicatePublishError,
+    PayloadError,
+)
+from mooncake_diffusion.payload import Publication, ReceivedPayload, StagePayload
+from mooncake_diffusion.pool import FreeList
+from mooncake_diffusion.schema import PayloadHandle, decode_handle
+from mooncake_diffusion.settings import MooncakeSettings
+from mooncake_diffusion.tensors import Region, check_destination, describe, empty_buffer, view_of
+from mooncake_diffusion.transports import Transport, load_transport
+
+__all__ = ["ConnectorStats", "DiffusionConnector", "TransferMode"]
+
+TransferMode = Literal["p2p", "store", "auto", "memory"]
+_MODES = ("p2p", "store", "auto", "memory")
+_ROLES = ("encode", "denoise", "decode")
+
+
+@dataclass(frozen=True)
+class ConnectorStats:
+    """What a connector holds right now; leak checks compare it with a baseline."""
+
+    live_publications: int
+    registered_regions: int
+    registered_bytes: int
+    pool_bytes_in_use: int
+    transports: tuple[str, ...]
+
+
+class _Transports:
+    """Creates each transport on first use and owns them all."""
+
+    def __init__(self, settings: MooncakeSettings) -> None:
+        self._settings = settings
+        self._made: dict[str, Transport] = {}
+        self._lock = threading.Lock()
+
+    def get(self, name: str) -> Transport:
+        with self._lock:
+            t = self._made.get(name)
+            if t is None:
+                t = self._made[name] = load_transport(name)(self._settings)
+            return t
+
+    def existing(self) -> list[Transport]:
+        with self._lock:
+            return list(self._made.values())
+
+    def close(self) -> None:
+        for t in self.existing():
+            t.close()
+        self._made.clear()
+
+
+@dataclass
+class _Live:
+    handle: PayloadHandle
+    transport: Transport
+    future: Future[None]
+
+
+class _Publisher:
+    """The producer side: describes, prepares and commits publications."""
+
+    def __init__(self, transports: _Transports, mode: str, workers: int) -> None:
+        self._transports = transports
+        self._mode = mode
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="mcd-publish")
+        self._live: dict[tuple[str, str], _Live] = {}
+        self._lock = threading.Lock()
+
+    def transport_for(self, consumer: str | None) -> Transport:
+        if self._mode == "auto":
+            return self._transports.get("p2p" if consumer else "store")
+        return self._transports.get(self._mode)
+
+    def publish(self, payload: StagePayload, consumer: str | None) -> Publication:
+        specs, regions = [], []
+        for name, t in payload.tensors.items():
+            spec, region = describe(name, t)
+            specs.append(spec)
+            regions.append(region)
+        key = (payload.request_id, payload.kind)
+        with self._lock:
+            live = self._live.get(key)
+            if live is not None and self._still_live(live):
+                raise DuplicatePublishError(
+                    f"request {payload.request_id!r} already published a {payload.kind!r} "
+                    f"({live.handle.payload_id}); release it or cleanup() the request first"
+                )
+            transport = self.transport_for(consumer)
+            payload_id = f"{payload.request_id}/{payload.kind}/{uuid.uuid4().hex[:16]}"
+            source = transport.prepare(payload_id, regions, payload.lease)
+            handle = PayloadHandle(
+                payload_id=payload_id,
+                request_id=payload.request_id,
+                kind=payload.kind,
+                transport=transport.name,  # type: ignore[arg-type]
+                lease=payload.lease,
+                tensors=tuple(specs),
+                source=source,  # type: ignore[arg-type]
+                meta_json=payload.meta_json,
+            )
+            future = self._pool.submit(self._commit, transport, handle, regions)
+            self._live[key] = _Live(handle, transport, future)
+        return Publication(handle, future, lambda: self.release(key, payload_id))
+
+    @staticmethod
+    def _still_live(live: _Live) -> bool:
+        if live.future.done() and live.future.exception() is not None:
+            return False
+        held = getattr(live.transport, "holds", None)  # p2p knows when it was consumed
+        return held(live.handle.payload_id) if held is not None else True
+
+    def _commit(self, transport: Transport, handle: PayloadHandle, regions: list[Region]) -> None:
+        try:
+            transport.commit(handle.payload_id, handle.source, regions, handle.lease)
+        except BaseException:
+            transport.discard(handle)
+            with self._lock:
+                key = (handle.request_id, handle.kind)
+                live = self._live.get(key)
+                if live is not None and live.handle.payload_id == handle.payload_id:
+                    del self._live[key]
+            raise
+
+    def release(self, key: tuple[str, str], payload_id: str) -> None:
+        with self._lock:
+            live = self._live.get(key)
+            if live is None or live.handle.payload_id != payload_id:
+                return
+            del self._live[key]
+        self._withdraw(live)
+
+    @staticmethod
+    def _withdraw(live: _Live) -> None:
+        try:
+            live.future.result()
+        except BaseException:
+            return  # a failed commit already discarded its bytes
+        live.transport.discard(live.handle)
+
+    def cleanup(self, request_id: str) -> int:
+        with self._lock:
+            keys = [k for k in self._live if k[0] == request_id]
+            lives = [self._live.pop(k) for k in keys]
+        for live in lives:
+            self._withdraw(live)
+        return len(lives)
+
+    def live_count(self) -> int:
+        with self._lock:
+            return sum(1 for live in self._live.values() if self._still_live(live))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        with self._lock:
+            lives, self._live = list(self._live.values()), {}
+        for live in lives:
+            if live.transport.name != "store":  # store payloads outlive their producer
+                self._withdraw(live)
+
+
+class _Receiver:
+    """The consumer side: destinations, the receive pool and the consumed ledger."""
+
+    _LEDGER_MAX = 65536
+
+    def __init__(self, transports: _Transports, pool_bytes: int, device: str) -> None:
+        self._transports = transports
+        self._pool_bytes = pool_bytes
+        self._device = device
+        self._pool_buf: Any = None
+        self._pool_region: Region | None = None
+        self._freelist = FreeList(pool_bytes)
+        self._pinned_in: set[str] = set()
+        self._consumed: OrderedDict[str, None] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def consume(self, handle: Any, dst: Any, timeout: float) -> ReceivedPayload:
+        h = _as_handle(handle)
+        with self._lock:
+            if h.payload_id in self._consumed:
+                raise AlreadyConsumedError(f"payload {h.payload_id} was already consumed here")
+        transport = self._transports.get(h.transport)
+        tensors, regions, offsets = self._destinations(h, dst)
+        if offsets:
+            self._pin_pool(transport)
+        try:
+            transport.fetch(h, regions, time.monotonic() + timeout)
+        except BaseException:
+            self._free(offsets)
+            raise
+        if h.lease == "delete_on_consume":
+            with self._lock:
+                self._consumed[h.payload_id] = None
+                while len(self._consumed) > self._LEDGER_MAX:
+                    self._consumed.popitem(last=False)
+        return ReceivedPayload(h, tensors, lambda: self._free(offsets))
+
+    def _destinations(
+        self, h: PayloadHandle, dst: Any
+    ) -> tuple[dict[str, Any], list[Region], list[int]]:
+        names = [t.name for t in h.tensors]
+        if dst is not None and not isinstance(dst, Mapping):
+            if len(names) != 1:
+                raise DestinationMismatchError(
+                    f"payload has tensors {names}; pass dst as a dict keyed by name"
+                )
+            dst = {names[0]: dst}
+        if dst is not None and set(dst) != set(names):
+            raise DestinationMismatchError(
+                f"dst names {sorted(dst)} do not match the payload's {sorted(names)}"
+            )
+        tensors: dict[str, Any] = {}
+        regions: list[Region] = []
+        offsets: list[int] = []
+        try:
+            for spec in h.tensors:
+                if dst is not None:
+                    regions.append(check_destination(spec, dst[spec.name]))
+                    tensors[spec.name] = dst[spec.name]
+                    continue
+                off = self._freelist.allocate(spec.nbytes) if spec.nbytes else None
+                if off is None:  # empty tensor, or larger than the pool's free space
+                    buf = empty_buffer(spec.nbytes, self._device)
+                    view = view_of(buf, 0, spec)
+                else:
+                    offsets.append(off)
+                    view = view_of(self._pool(), off, spec)
+                tensors[spec.name] = view
+                regions.append(describe(spec.name, view)[1])
+        except BaseException:
+            self._free(offsets)
+            raise
+        return tensors, regions, offsets
+
+    def _pool(self) -> Any:
+        with self._lock:
+            if self._pool_buf is None:
+                buf = empty_buffer(self._pool_bytes, self._device)
+                buf[:] = 0  # fault the pages in once, not on every first read
+                self._pool_buf = buf
+                self._pool_region = describe("pool", buf)[1]
+            return self._pool_buf
+
+    def _pin_pool(self, transport: Transport) -> None:
+        self._pool()
+        with self._lock:
+            if transport.name not in self._pinned_in:
+                assert self._pool_region is not None
+                transport.pin(self._pool_region)
+                self._pinned_in.add(transport.name)
+
+    def _free(self, offsets: list[int]) -> None:
+        for off in offsets:
+            self._freelist.free(off)
+        offsets.clear()
+
+    @property
+    def pool_in_use(self) -> int:
+        return self._freelist.used
+
+
+def _as_handle(handle: Any) -> PayloadHandle:
+    if isinstance(handle, PayloadHandle):
+        return handle
+    if isinstance(handle, Publication):
+        return handle.handle
+    if isinstance(handle, bytes | bytearray | memoryview):
+        return decode_handle(handle)
+    raise PayloadError(
+        f"expected a PayloadHandle, Publication or bytes, got {type(handle).__name__}"
+    )
+
+
+class DiffusionConnector:
+    """One stage worker's view of the transfer layer (see the module docstring).
+
+    ``role`` is ``encode``, ``denoise`` or ``decode`` (labels metrics and logs).
+    ``settings`` default to ``MooncakeSettings.from_env()``. Mooncake clients
+    start lazily: a p2p-only connector never contacts the master. Construction
+    fails fast with ``ConfigError`` on bad arguments.
+    """
+
+    def __init__(
+        self,
+        role: str,
+        transfer_mode: TransferMode = "auto",
+        settings: MooncakeSettings | None = None,
+        *,
+        publish_workers: int = 4,
+        receive_pool_bytes: int = 256 << 20,
+        receive_device: str = "cpu",
+        timeout_s: float = 30.0,
+    ) -> None:
+        if role not in _ROLES:
+            raise ConfigError(f"role must be one of {_ROLES}, got {role!r}")
+        if transfer_mode not in _MODES:
+            raise ConfigError(f"transfer_mode must be one of {_MODES}, got {transfer_mode!r}")
+        if publish_workers < 1 or receive_pool_bytes < 0 or timeout_s <= 0:
+            raise ConfigError("publish_workers >= 1, receive_pool_bytes >= 0, timeout_s > 0")
+        self.role = role
+        self.transfer_mode = transfer_mode
+        self.settings = settings or MooncakeSettings.from_env()
+        self.timeout_s = timeout_s
+        self._transports = _Transports(self.settings)
+        self._publisher = _Publisher(self._transports, transfer_mode, publish_workers)
+        self._receiver = _Receiver(self._transports, receive_pool_bytes, receive_device)
+        self._closed = False
+
+    def publish(self, payload: StagePayload, *, consumer: str | None = None) -> Publication:
+        """Start publishing ``payload``; returns at once (see ``Publication``).
+
+        ``consumer`` names a consumer known and ready now; in ``auto`` mode that
+        selects p2p. Raises ``PayloadError`` for unusable tensors and
+        ``DuplicatePublishError`` if (request_id, kind) is still live here.
+        """
+        self._check_open()
+        return self._publisher.publish(payload, consumer)
+
+    def consume(
+        self,
+        handle: PayloadHandle | Publication | bytes,
+        dst: Any = None,
+        *,
+        timeout: float | None = None,
+    ) -> ReceivedPayload:
+        """Receive a payload in place; blocks until it has landed.
+
+        ``dst`` is a tensor (single-tensor payloads) or a dict of tensors by
+        name, written in place and returned as-is; without it, tensors are views
+        into connector-owned registered memory, valid until ``release()``.
+        Raises ``HandleError``, ``DestinationMismatchError``, ``PayloadGoneError``
+        (``AlreadyConsumedError``), ``TransferError`` or ``DeadlineExceededError``.
+        """
+        self._check_open()
+        return self._receiver.consume(handle, dst, timeout or self.timeout_s)
+
+    def register(self, tensor: Any) -> None:
+        """Register ``tensor``'s whole allocation once with every transport this
+        connector publishes through, so later publishes and consumes into it
+        cost no registration. Lasts until ``unregister`` or ``close``."""
+        self._check_open()
+        region = describe("registered", tensor)[1]
+        for t in self._publish_transports():
+            t.pin(region)
+
+    def unregister(self, tensor: Any) -> None:
+        """Undo ``register``; in-flight transfers keep their own registration."""
+        region = describe("registered", tensor)[1]
+        for t in self._transports.existing():
+            t.unpin(region)
+
+    def _publish_transports(self) -> list[Transport]:
+        if self.transfer_mode == "auto":
+            return [self._transports.get("p2p"), self._transports.get("store")]
+        return [self._transports.get(self.transfer_mode)]
+
+    def cleanup(self, request_id: str) -> int:
+        """Withdraw every live publication of ``request_id`` from this connector,
+        and in store mode every stored object of the request. Returns how many
+        publications were withdrawn."""
+        n = self._publisher.cleanup(request_id)
+        for t in self._transports.existing():
+            remove = getattr(t, "remove_request", None)
+            if remove is not None:
+                remove(request_id)
+        return n
+
+    def stats(self) -> ConnectorStats:
+        regs = [t.registered() for t in self._transports.existing()]
+        return ConnectorStats(
+            live_publications=self._publisher.live_count(),
+            registered_regions=sum(r[0] for r in regs),
+            registered_bytes=sum(r[1] for r in regs),
+            pool_bytes_in_use=self._receiver.pool_in_use,
+            transports=tuple(t.name for t in self._transports.existing()),
+        )
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ConfigError("connector is closed")
+
+    def close(self) -> None:
+        """Finish in-flight publishes, drop p2p holds, unregister all memory and
+        stop every thread. Store payloads stay for their consumers. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._publisher.close()
+        self._transports.close()
+
+    def __enter__(self) -> DiffusionConnector:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,252 @@
+"""The wire schema: every control message that crosses a process boundary.
+
+Typed, frozen msgspec structs encoded as compact msgpack arrays. Never pickle;
+tensor bytes never travel here, only where they are and how they are laid out.
+
+A handle on the wire is ``[MAGIC, SCHEMA_VERSION, body]``. ``decode_handle``
+checks the magic (a foreign object), the version (an unknown producer), then
+decodes the body with full validation (dtype names, shapes, byte ranges, size
+limits) and raises ``HandleError`` naming what is wrong.
+
+Version history:
+    1  first version: TensorSpec, PayloadHandle with P2PSource | StoreSource |
+       MemorySource, FetchRequest/FetchReply for the p2p side channel.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Literal
+
+import msgspec
+
+from mooncake_diffusion.errors import HandleError
+
+__all__ = [
+    "DTYPE_SIZES",
+    "MAGIC",
+    "SCHEMA_VERSION",
+    "FetchReply",
+    "FetchRequest",
+    "Kind",
+    "LeaseMode",
+    "MemorySource",
+    "P2PSource",
+    "PayloadHandle",
+    "StoreSource",
+    "TensorSpec",
+    "decode_handle",
+    "decode_message",
+    "encode",
+]
+
+MAGIC = "mcd"
+SCHEMA_VERSION = 1
+
+#: Element size in bytes of every dtype a handle may carry.
+DTYPE_SIZES: dict[str, int] = {
+    "bool": 1,
+    "uint8": 1,
+    "int8": 1,
+    "int16": 2,
+    "int32": 4,
+    "int64": 8,
+    "float16": 2,
+    "bfloat16": 2,
+    "float32": 4,
+    "float64": 8,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+}
+
+Kind = Literal["embedding", "latent", "feature", "checkpoint"]
+LeaseMode = Literal["delete_on_consume", "shared"]
+
+MAX_TENSORS = 64
+MAX_RANK = 8
+MAX_NAME = 128
+MAX_TENSOR_BYTES = 1 << 40  # 1 TiB: far above any real latent, far below overflow
+MAX_META_BYTES = 8192
+MAX_RANGES = 4096
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+class TensorSpec(msgspec.Struct, frozen=True, array_like=True):
+    """One tensor of a payload: layout plus the byte ranges that hold its data.
+
+    ``strides`` are in elements, like torch's. ``ranges`` are ``(offset, length)``
+    pairs in bytes from the tensor's first element, sorted and disjoint; for a
+    contiguous tensor it is the single range ``(0, nbytes)``.
+    """
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    ranges: tuple[tuple[int, int], ...]
+
+    def __post_init__(self) -> None:
+        _check(0 < len(self.name) <= MAX_NAME, f"tensor name length must be 1..{MAX_NAME}")
+        _check(self.dtype in DTYPE_SIZES, f"unsupported dtype {self.dtype!r}")
+        _check(len(self.shape) <= MAX_RANK, f"rank {len(self.shape)} exceeds {MAX_RANK}")
+        _check(len(self.strides) == len(self.shape), "strides and shape differ in length")
+        _check(all(d >= 0 for d in self.shape), f"negative dimension in shape {self.shape}")
+        _check(self.nbytes <= MAX_TENSOR_BYTES, f"tensor of {self.nbytes} bytes is too large")
+        _check(len(self.ranges) <= MAX_RANGES, "too many byte ranges")
+        end = 0
+        total = 0
+        for off, length in self.ranges:
+            _check(off >= end and length > 0, f"byte ranges overlap or are empty: {self.ranges}")
+            end = off + length
+            total += length
+        _check(total == self.nbytes, f"byte ranges cover {total} bytes, tensor has {self.nbytes}")
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * DTYPE_SIZES[self.dtype]
+
+
+class P2PSource(msgspec.Struct, frozen=True, array_like=True, tag=1):
+    """Bytes stay in the producer's registered memory until a consumer fetches them.
+
+    ``segment`` is the producer's Transfer Engine segment (``ip:rpc_port``),
+    ``endpoint`` the ``host:port`` of its side channel that serves fetches.
+    """
+
+    segment: str
+    endpoint: str
+
+
+class StoreSource(msgspec.Struct, frozen=True, array_like=True, tag=2):
+    """Bytes live in Mooncake Store under ``f"{prefix}/{i}"`` for each non-empty tensor i."""
+
+    prefix: str
+
+
+class MemorySource(msgspec.Struct, frozen=True, array_like=True, tag=3):
+    """The in-process fake transport: bytes live in a dict inside one process."""
+
+    fabric: str
+
+
+class PayloadHandle(msgspec.Struct, frozen=True, array_like=True):
+    """The small, serializable reference to one published payload.
+
+    It travels in queue messages; the bytes it names move through a transport.
+    """
+
+    payload_id: str
+    request_id: str
+    kind: Kind
+    transport: Literal["p2p", "store", "memory"]
+    lease: LeaseMode
+    tensors: tuple[TensorSpec, ...]
+    source: P2PSource | StoreSource | MemorySource
+    meta_json: str = "{}"
+    ttl_s: float | None = None
+
+    def __post_init__(self) -> None:
+        _check(0 < len(self.request_id) <= 256, "request_id length must be 1..256")
+        _check(0 < len(self.payload_id) <= 512, "payload_id length must be 1..512")
+        _check(len(self.tensors) <= MAX_TENSORS, f"more than {MAX_TENSORS} tensors")
+        names = [t.name for t in self.tensors]
+        _check(len(set(names)) == len(names), f"duplicate tensor names in {names}")
+        _check(len(self.meta_json) <= MAX_META_BYTES, "meta is larger than 8 KiB")
+        _check(self.ttl_s is None or self.ttl_s > 0, "ttl_s must be positive")
+        kinds = {"p2p": P2PSource, "store": StoreSource, "memory": MemorySource}
+        _check(
+            isinstance(self.source, kinds[self.transport]),
+            f"transport {self.transport!r} with a {type(self.source).__name__}",
+        )
+
+    @property
+    def meta(self) -> dict:
+        return json.loads(self.meta_json)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    def encode(self) -> bytes:
+        """The handle as bytes for a queue message (see ``decode_handle``)."""
+        return encode(self)
+
+
+class FetchRequest(msgspec.Struct, frozen=True, array_like=True, tag=10):
+    """Consumer -> producer on the p2p side channel: write the payload into my buffers.
+
+    ``addrs``/``lengths`` are the consumer's registered destinations, one per
+    non-empty tensor, in handle order.
+    """
+
+    payload_id: str
+    segment: str
+    addrs: tuple[int, ...]
+    lengths: tuple[int, ...]
+
+
+class FetchReply(msgspec.Struct, frozen=True, array_like=True, tag=11):
+    """Producer -> consumer: ``status`` is ``ok``, ``gone``, ``consumed``, ``mismatch`` or
+    ``failed``; ``detail`` explains any status but ``ok``."""
+
+    status: Literal["ok", "gone", "consumed", "mismatch", "failed"]
+    detail: str = ""
+
+
+class _Envelope(msgspec.Struct, frozen=True, array_like=True):
+    magic: str
+    version: int
+    body: msgspec.Raw
+
+
+_encoder = msgspec.msgpack.Encoder()
+_envelope_decoder = msgspec.msgpack.Decoder(_Envelope)
+_handle_decoder = msgspec.msgpack.Decoder(PayloadHandle)
+_message_decoder = msgspec.msgpack.Decoder(FetchRequest | FetchReply)
+
+
+def encode(obj: PayloadHandle | FetchRequest | FetchReply) -> bytes:
+    """Encode a schema object inside the versioned envelope."""
+    return _encoder.encode(_Envelope(MAGIC, SCHEMA_VERSION, msgspec.Raw(_encoder.encode(obj))))
+
+
+def _open(data: bytes | bytearray | memoryview, what: str) -> msgspec.Raw:
+    try:
+        env = _envelope_decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise HandleError(f"not a mooncake-diffusion {what}: {e}") from None
+    if env.magic != MAGIC:
+        raise HandleError(f"not a mooncake-diffusion {what} (magic {env.magic!r})")
+    if env.version != SCHEMA_VERSION:
+        raise HandleError(
+            f"{what} has schema version {env.version}; this build reads only version "
+            f"{SCHEMA_VERSION} (upgrade the older side)"
+        )
+    return env.body
+
+
+def decode_handle(data: bytes | bytearray | memoryview) -> PayloadHandle:
+    """Decode and validate a handle; raises ``HandleError`` on anything unexpected."""
+    body = _open(data, "handle")
+    try:
+        return _handle_decoder.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise HandleError(f"invalid handle: {e}") from None
+
+
+def decode_message(data: bytes | bytearray | memoryview) -> FetchRequest | FetchReply:
+    """Decode a side-channel message; raises ``HandleError`` on anything unexpected."""
+    body = _open(data, "message")
+    try:
+        return _message_decoder.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise HandleError(f"invalid side-channel message: {e}") from None

@@ -1,0 +1,73 @@
+"""Where the Mooncake cluster is and how to reach it."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+
+from mooncake_diffusion.errors import ConfigError
+
+__all__ = ["MooncakeSettings", "split_address"]
+
+
+def split_address(addr: str, what: str = "address") -> tuple[str, int]:
+    """``"host:port"`` -> ``(host, port)``; raises ``ConfigError`` naming ``what``."""
+    host, sep, port = addr.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"{what} must be 'host:port', got {addr!r}")
+    return host, int(port)
+
+
+@dataclass(frozen=True)
+class MooncakeSettings:
+    """Connection settings shared by every connector of a deployment.
+
+    ``master`` is the mooncake_master RPC address. ``admin`` is its HTTP admin
+    address (``-metrics_port``, default 9003), used for the fast health probe
+    and for listing keys; when ``None`` it is the master's host with port 9003.
+    ``local_hostname`` is the address peers use to reach this process.
+    """
+
+    master: str = "127.0.0.1:50051"
+    admin: str | None = None
+    local_hostname: str = "127.0.0.1"
+    protocol: str = "tcp"
+    device: str = ""
+    connect_timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        split_address(self.master, "master")
+        if self.admin is not None:
+            split_address(self.admin, "admin")
+        if self.connect_timeout_s <= 0:
+            raise ConfigError("connect_timeout_s must be positive")
+
+    @property
+    def admin_address(self) -> str:
+        if self.admin is not None:
+            return self.admin
+        return f"{split_address(self.master)[0]}:9003"
+
+    @classmethod
+    def from_env(cls, **overrides: object) -> MooncakeSettings:
+        """Settings from ``MOONCAKE_MASTER``, ``MOONCAKE_ADMIN``, ``MOONCAKE_LOCAL_HOSTNAME``,
+        ``MOONCAKE_PROTOCOL`` and ``MOONCAKE_DEVICE``; explicit ``overrides`` win."""
+        env = {
+            "master": os.environ.get("MOONCAKE_MASTER"),
+            "admin": os.environ.get("MOONCAKE_ADMIN"),
+            "local_hostname": os.environ.get("MOONCAKE_LOCAL_HOSTNAME"),
+            "protocol": os.environ.get("MOONCAKE_PROTOCOL"),
+            "device": os.environ.get("MOONCAKE_DEVICE"),
+        }
+        merged = {k: v for k, v in env.items() if v is not None}
+        merged.update({k: v for k, v in overrides.items() if v is not None})
+        return replace(cls(), **merged)  # type: ignore[arg-type]
+
+    def as_env(self) -> dict[str, str]:
+        """The environment variables that ``from_env`` reads back to these settings."""
+        return {
+            "MOONCAKE_MASTER": self.master,
+            "MOONCAKE_ADMIN": self.admin_address,
+            "MOONCAKE_LOCAL_HOSTNAME": self.local_hostname,
+            "MOONCAKE_PROTOCOL": self.protocol,
+        }
