@@ -69,6 +69,8 @@ class ConnectorStats:
     live_publications: int
     registered_regions: int
     registered_bytes: int
+    #: registered for a transfer that has not released them; 0 when idle
+    temporary_registrations: int
     pool_bytes_in_use: int
     transports: tuple[str, ...]
 
@@ -420,9 +422,14 @@ class DiffusionConnector:
             live_publications=self._publisher.live_count(),
             registered_regions=sum(r[0] for r in regs),
             registered_bytes=sum(r[1] for r in regs),
+            temporary_registrations=sum(r[2] for r in regs),
             pool_bytes_in_use=self._receiver.pool_in_use,
             transports=tuple(t.name for t in self._transports.existing()),
         )
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def _check_open(self) -> None:
         if self._closed:

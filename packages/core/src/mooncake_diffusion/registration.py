@@ -27,6 +27,8 @@ from mooncake_diffusion.tensors import Region
 
 __all__ = ["Registrations"]
 
+_EMPTY = -1  # the lease of a zero-byte region, which needs no registration
+
 
 @dataclass
 class _Entry:
@@ -83,7 +85,7 @@ class Registrations:
     def acquire(self, region: Region) -> int:
         """Make ``region`` registered for one transfer; returns a lease for ``release``."""
         if region.nbytes == 0:
-            return 0
+            return _EMPTY
         ptr, nbytes = region.extent
         with self._lock:
             entry = self._covering(ptr, nbytes)
@@ -94,8 +96,8 @@ class Registrations:
             return entry.ptr
 
     def release(self, lease: int) -> None:
-        """End one ``acquire``; a lease of 0 (empty region) is ignored."""
-        if lease == 0:
+        """End one ``acquire``; the lease of an empty region is ignored."""
+        if lease == _EMPTY:
             return
         with self._lock:
             entry = self._entries.get(lease)
@@ -112,6 +114,11 @@ class Registrations:
     def count(self) -> int:
         """Registered extents right now (leak checks compare this with a baseline)."""
         return len(self._entries)
+
+    @property
+    def temporary(self) -> int:
+        """Extents registered for a transfer, not pinned: 0 whenever nothing is in flight."""
+        return sum(1 for e in self._entries.values() if not e.pinned)
 
     @property
     def nbytes(self) -> int:

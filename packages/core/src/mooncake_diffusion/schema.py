@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Literal
 
 import msgspec
@@ -234,13 +235,23 @@ def _open(data: bytes | bytearray | memoryview, what: str) -> msgspec.Raw:
     return env.body
 
 
+def _named(error: Exception) -> str:
+    """Name the handle field in a msgspec error path (array-encoded: ``$[2]`` -> kind)."""
+    fields = PayloadHandle.__struct_fields__
+    return re.sub(
+        r"`\$\[(\d+)\]",
+        lambda m: f"`{fields[int(m[1])]}" if int(m[1]) < len(fields) else m[0],
+        str(error),
+    )
+
+
 def decode_handle(data: bytes | bytearray | memoryview) -> PayloadHandle:
     """Decode and validate a handle; raises ``HandleError`` on anything unexpected."""
     body = _open(data, "handle")
     try:
         return _handle_decoder.decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
-        raise HandleError(f"invalid handle: {e}") from None
+        raise HandleError(f"invalid handle: {_named(e)}") from None
 
 
 def decode_message(data: bytes | bytearray | memoryview) -> FetchRequest | FetchReply:

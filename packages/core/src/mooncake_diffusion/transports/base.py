@@ -17,7 +17,7 @@ mode; the connector calls, in this order:
                                            region holds its bytes or raises
     both
       pin(region) / unpin(region)          register caller memory once
-      registered() -> (count, bytes)       for leak checks
+      registered() -> (count, bytes, temporary)  for leak checks
       close()                              idempotent; nothing stays registered
 
 Regions passed to ``prepare``/``commit`` must stay alive and unchanged until
@@ -71,7 +71,7 @@ class Transport(ABC):
     def unpin(self, region: Region) -> None: ...
 
     @abstractmethod
-    def registered(self) -> tuple[int, int]: ...
+    def registered(self) -> tuple[int, int, int]: ...
 
     @abstractmethod
     def close(self) -> None: ...

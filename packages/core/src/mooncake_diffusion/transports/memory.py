@@ -86,8 +86,8 @@ class MemoryTransport(Transport):
     def unpin(self, region: Region) -> None:
         self.regs.unpin(region)
 
-    def registered(self) -> tuple[int, int]:
-        return self.regs.count, self.regs.nbytes
+    def registered(self) -> tuple[int, int, int]:
+        return self.regs.count, self.regs.nbytes, self.regs.temporary
 
     def close(self) -> None:
         self.regs.close()

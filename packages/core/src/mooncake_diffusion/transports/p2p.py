@@ -140,8 +140,8 @@ class P2PTransport(Transport):
     def unpin(self, region: Region) -> None:
         self._engine.regs.unpin(region)
 
-    def registered(self) -> tuple[int, int]:
-        return self._engine.regs.count, self._engine.regs.nbytes
+    def registered(self) -> tuple[int, int, int]:
+        return self._engine.regs.count, self._engine.regs.nbytes, self._engine.regs.temporary
 
     def holds(self, payload_id: str) -> bool:
         """Whether this producer still holds ``payload_id`` for a consumer."""

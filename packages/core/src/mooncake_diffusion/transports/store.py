@@ -109,8 +109,8 @@ class StoreTransport(Transport):
     def unpin(self, region: Region) -> None:
         self._client.regs.unpin(region)
 
-    def registered(self) -> tuple[int, int]:
-        return self._client.regs.count, self._client.regs.nbytes
+    def registered(self) -> tuple[int, int, int]:
+        return self._client.regs.count, self._client.regs.nbytes, self._client.regs.temporary
 
     def remove_request(self, request_id: str) -> int:
         """Remove every object of ``request_id`` in the store, whoever published it."""

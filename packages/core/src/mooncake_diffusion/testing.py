@@ -1,0 +1,74 @@
+"""pytest plugin (entry point ``pytest11``): a real Mooncake cluster and leak checks.
+
+Fixtures:
+    mooncake_cluster   session-wide LocalCluster (real master + store host)
+    connector_factory  makes DiffusionConnectors on that cluster; at teardown
+                       checks each is idle (no in-flight registrations, receive
+                       pool empty), closes it, and checks no store key and no
+                       extra thread is left
+Helpers: ``assert_no_leaks(cluster, thread_baseline)``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from mooncake_diffusion._mooncake.cluster import LocalCluster
+from mooncake_diffusion.connector import DiffusionConnector
+
+__all__ = ["assert_no_leaks"]
+
+
+def _threads() -> set[str]:
+    return {f"{t.name}#{t.ident}" for t in threading.enumerate()}
+
+
+def assert_no_leaks(
+    cluster: LocalCluster | None, thread_baseline: set[str], timeout: float = 5.0
+) -> None:
+    """Fail unless the store holds no key and no thread outlives ``thread_baseline``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        extra = _threads() - thread_baseline
+        keys = cluster.keys() if cluster is not None else []
+        if not extra and not keys:
+            return
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert not keys, f"store keys left behind: {keys[:10]}"
+    assert not extra, f"threads left behind: {sorted(extra)}"
+
+
+@pytest.fixture(scope="session")
+def mooncake_cluster() -> Iterator[LocalCluster]:
+    """A real mooncake_master plus a 1 GiB store host for the whole session."""
+    with LocalCluster(pool_bytes=1 << 30) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def connector_factory(
+    mooncake_cluster: LocalCluster,
+) -> Iterator[Callable[..., DiffusionConnector]]:
+    baseline = _threads()
+    made: list[DiffusionConnector] = []
+
+    def make(mode: str = "p2p", role: str = "denoise", **kw: Any) -> DiffusionConnector:
+        conn = DiffusionConnector(role, mode, mooncake_cluster.settings, **kw)  # type: ignore[arg-type]
+        made.append(conn)
+        return conn
+
+    yield make
+    idle = [c.stats() for c in made if not c.closed]
+    for c in made:
+        c.close()
+    for s in idle:
+        assert s.temporary_registrations == 0, f"registrations left in flight: {s}"
+        assert s.pool_bytes_in_use == 0, f"received payloads not released: {s}"
+    assert_no_leaks(mooncake_cluster, baseline)

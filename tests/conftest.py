@@ -1,0 +1,40 @@
+"""Shared fixtures. The Mooncake cluster and leak checks come from the
+``mooncake_diffusion.testing`` pytest plugin (fixtures ``mooncake_cluster``,
+``connector_factory``)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from mooncake_diffusion.connector import DiffusionConnector
+from mooncake_diffusion.settings import MooncakeSettings
+from mooncake_diffusion.testing import assert_no_leaks
+from mooncake_diffusion.transports.memory import fabric_keys
+
+MODES = [
+    pytest.param("memory", marks=pytest.mark.unit, id="memory"),
+    pytest.param("p2p", marks=pytest.mark.integration, id="p2p"),
+    pytest.param("store", marks=pytest.mark.integration, id="store"),
+]
+
+
+@pytest.fixture(params=MODES)
+def pair(request):
+    """(producer, consumer) connectors of one mode, leak-checked at teardown."""
+    mode = request.param
+    if mode != "memory":
+        make = request.getfixturevalue("connector_factory")
+        yield make(mode, "denoise"), make(mode, "decode")
+        return
+    baseline = {f"{t.name}#{t.ident}" for t in threading.enumerate()}
+    settings = MooncakeSettings()
+    prod = DiffusionConnector("denoise", "memory", settings)
+    cons = DiffusionConnector("decode", "memory", settings)
+    yield prod, cons
+    stats = [prod.stats(), cons.stats()]
+    prod.close()
+    cons.close()
+    assert all(s.temporary_registrations == 0 and s.pool_bytes_in_use == 0 for s in stats), stats
+    assert fabric_keys() == [], fabric_keys()
+    assert_no_leaks(None, baseline)
