@@ -53,6 +53,7 @@ from dataclasses import asdict, dataclass
 from typing import IO, Any
 
 import torch
+
 from mooncake_diffusion import DiffusionConnector, LocalCluster, MooncakeSettings, StagePayload
 
 MIB = 1 << 20
@@ -411,15 +412,18 @@ class Row:
 
 
 def measure_size(paths: list[Path], n: int, warmup: int, repeats: int) -> dict[str, float]:
-    """Verify, warm up, then time every path round-robin; returns median seconds by path."""
+    """Verify, warm up, then time every path round-robin; returns median seconds by path.
+
+    The order flips on every repeat, so no path always runs right after the same other.
+    """
     for p in paths:
         p.prepare(n, 1 + warmup + repeats)
         p.verify(n)
         for _ in range(warmup):
             p.run(n)
     times: dict[str, list[float]] = {p.name: [] for p in paths}
-    for _ in range(repeats):
-        for p in paths:
+    for i in range(repeats):
+        for p in paths if i % 2 == 0 else reversed(paths):
             times[p.name].append(p.run(n))
     return {name: statistics.median(ts) for name, ts in times.items()}
 
@@ -577,8 +581,8 @@ def run_all(cfg: Config, cluster: LocalCluster) -> tuple[list[Row], dict[str, An
         stack.callback(raw_te.close)
         raw_store = RawStore(settings, src, dst)
         stack.callback(raw_store.close)
+        memcpy = Memcpy(src, dst)  # timed on its own: torch's copy threads disturb the others
         paths: list[Path] = [
-            Memcpy(src, dst),
             raw_te,
             ConnectorP2P(p2p_cons, dst, peer),
             raw_store,
@@ -586,7 +590,8 @@ def run_all(cfg: Config, cluster: LocalCluster) -> tuple[list[Row], dict[str, An
         ]
         for n in cfg.sizes:
             t = time.perf_counter()
-            medians = measure_size(paths, n, cfg.warmup, cfg.repeats)
+            medians = measure_size([memcpy], n, cfg.warmup, cfg.repeats)
+            medians |= measure_size(paths, n, cfg.warmup, cfg.repeats)
             rows += rows_for(n, medians)
             log(f"{fmt_size(n)}: done in {time.perf_counter() - t:.1f} s")
         log(f"4 KiB round trips ({cfg.rt_iterations} per mode)")

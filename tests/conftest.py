@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+
 from mooncake_diffusion.connector import DiffusionConnector
 from mooncake_diffusion.settings import MooncakeSettings
 from mooncake_diffusion.testing import assert_no_leaks

@@ -7,7 +7,8 @@ import asyncio
 import numpy as np
 import pytest
 import torch
-from data import make_tensor, same_bytes
+
+from helpers import make_tensor, same_bytes
 from mooncake_diffusion import StagePayload, decode_handle
 from mooncake_diffusion.errors import (
     AlreadyConsumedError,

@@ -1,4 +1,5 @@
 import pytest
+
 from mooncake_diffusion.pool import ALIGN, FreeList
 
 pytestmark = pytest.mark.unit

@@ -1,4 +1,5 @@
 import pytest
+
 from mooncake_diffusion.errors import TransferError
 from mooncake_diffusion.registration import Registrations
 from mooncake_diffusion.tensors import Region

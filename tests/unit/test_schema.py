@@ -1,5 +1,6 @@
 import msgspec
 import pytest
+
 from mooncake_diffusion.errors import HandleError
 from mooncake_diffusion.schema import (
     SCHEMA_VERSION,

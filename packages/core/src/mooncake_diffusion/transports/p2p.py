@@ -11,6 +11,7 @@ processes; a failed write un-claims it so the consumer may retry.
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -30,6 +31,8 @@ from mooncake_diffusion.transports.base import Transport
 
 __all__ = ["P2PTransport"]
 
+_TOMBSTONES = 65536  # consumed payload ids remembered, to tell "consumed" from "gone"
+
 
 @dataclass
 class _Held:
@@ -47,6 +50,7 @@ class P2PTransport(Transport):
         self._engine = Engine(settings)
         self._server: SideChannelServer | None = None
         self._held: dict[str, _Held] = {}
+        self._consumed: OrderedDict[str, None] = OrderedDict()  # tombstones, bounded
         self._lock = threading.Lock()
 
     # producer side -----------------------------------------------------------
@@ -85,6 +89,8 @@ class P2PTransport(Transport):
         with self._lock:
             held = self._held.get(req.payload_id)
             if held is None:
+                if req.payload_id in self._consumed:
+                    return FetchReply("consumed", f"payload {req.payload_id} was already consumed")
                 return FetchReply("gone", f"payload {req.payload_id} is not held by this producer")
             if held.claimed:
                 return FetchReply("consumed", f"payload {req.payload_id} was already consumed")
@@ -103,6 +109,10 @@ class P2PTransport(Transport):
                 held.claimed = False
             return FetchReply("failed", str(e))
         if held.lease == "delete_on_consume":
+            with self._lock:
+                self._consumed[req.payload_id] = None
+                while len(self._consumed) > _TOMBSTONES:
+                    self._consumed.popitem(last=False)
             self._drop(req.payload_id)
         return FetchReply("ok")
 

@@ -1,0 +1,187 @@
+"""The ``mooncake-diffusion`` command."""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import os
+import re
+import signal
+import sys
+import threading
+
+from mooncake_diffusion.errors import MooncakeDiffusionError
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "kib": 1 << 10,
+    "m": 1 << 20,
+    "mib": 1 << 20,
+    "g": 1 << 30,
+    "gib": 1 << 30,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+}
+
+
+def parse_size(text: str) -> int:
+    """``"1GiB"``, ``"512M"``, ``"4096"`` -> bytes; raises ``ArgumentTypeError``."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    if not m or m[2].lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 512MiB or 1GiB)")
+    return int(float(m[1]) * _UNITS[m[2].lower()])
+
+
+def _shape(text: str) -> tuple[int, ...]:
+    try:
+        shape = tuple(int(d) for d in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a shape: {text!r} (e.g. 1,16,21,90,160)") from None
+    if not shape or any(d <= 0 for d in shape):
+        raise argparse.ArgumentTypeError(f"shape dimensions must be positive: {text!r}")
+    return shape
+
+
+def _modes(text: str) -> tuple[str, ...]:
+    modes = tuple(m.strip() for m in text.split(",") if m.strip())
+    bad = sorted(set(modes) - {"p2p", "store"})
+    if not modes or bad:
+        raise argparse.ArgumentTypeError(f"unknown modes {bad or [text]}; choose from p2p, store")
+    return modes
+
+
+def _cluster_up(args: argparse.Namespace) -> int:
+    from mooncake_diffusion._mooncake.cluster import LocalCluster
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    with LocalCluster(args.pool_size, host=args.host, lease_ttl_ms=args.lease_ttl_ms) as c:
+        s = c.settings
+        assert s is not None
+        print(
+            f"Mooncake cluster up: master {s.master}, admin http://{s.admin_address}, "
+            f"store host pool {args.pool_size / 2**30:.2f} GiB"
+        )
+        print("Connect with these settings (Ctrl-C stops the cluster):")
+        for k, v in s.as_env().items():
+            print(f"export {k}={v}")
+        sys.stdout.flush()
+        stop.wait()
+        print("stopping cluster", flush=True)
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from mooncake_diffusion.demo import run_demo
+
+    rows = run_demo(args.shape, args.dtype, args.modes, args.repeats)
+    return 0 if all(r["verified"] for r in rows) else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="mooncake-diffusion",
+        description="Disaggregated diffusion serving on Mooncake: move stage outputs "
+        "(embeddings, latents) between Encode, Denoise and Decode workers.",
+    )
+    sub = p.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser(
+        "demo",
+        help="move a video-sized latent between two processes through p2p and store",
+        description="Start an embedded Mooncake cluster and a producer process, move a "
+        "Wan 720p video latent to this process through each transport, check every byte "
+        "and print what moved, how and how fast.",
+    )
+    demo.add_argument(
+        "--shape",
+        type=_shape,
+        default=(1, 16, 21, 90, 160),
+        help="latent shape, comma separated (default: Wan 720p, 81 frames)",
+    )
+    demo.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=["bfloat16", "float16", "float32"],
+        help="latent dtype",
+    )
+    demo.add_argument(
+        "--modes",
+        type=_modes,
+        default=("p2p", "store"),
+        help="transports to show, comma separated (default: p2p,store)",
+    )
+    demo.add_argument("--repeats", type=int, default=3, help="transfers per mode (default 3)")
+    demo.set_defaults(func=_demo)
+
+    cluster = sub.add_parser("cluster", help="run an embedded Mooncake cluster")
+    csub = cluster.add_subparsers(dest="action", required=True)
+    up = csub.add_parser(
+        "up",
+        help="start a master and a store host; print connection settings; stay up until Ctrl-C",
+    )
+    up.add_argument(
+        "--pool-size", type=parse_size, default=1 << 30, help="store host DRAM pool (default 1GiB)"
+    )
+    up.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    up.add_argument(
+        "--lease-ttl-ms",
+        type=int,
+        default=1000,
+        help="master's read-lease TTL in ms (default 1000)",
+    )
+    up.set_defaults(func=_cluster_up)
+    return p
+
+
+#: Lines Mooncake prints on every healthy start-up; the CLI drops only these.
+_NATIVE_NOISE = (
+    b"Local segment descriptor not found",
+    b"WARNING: Logging before InitGoogleLogging()",
+)
+
+
+def _filter_native_stderr() -> None:
+    """Route fd 2 (shared with Mooncake's C++ logging and child processes) through
+    a thread that drops the known start-up noise and passes everything else."""
+    out = os.dup(2)
+    r, w = os.pipe()
+    os.dup2(w, 2)
+    os.close(w)
+
+    def pump() -> None:
+        with os.fdopen(r, "rb") as src:
+            for line in src:
+                if not any(n in line for n in _NATIVE_NOISE):
+                    os.write(out, line)
+
+    pumper = threading.Thread(target=pump, name="mcd-stderr", daemon=True)
+    pumper.start()
+
+    def drain() -> None:  # at exit: close our end so the pump sees EOF and finishes
+        sys.stderr.flush()
+        os.dup2(out, 2)
+        pumper.join(timeout=2)
+
+    atexit.register(drain)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if os.environ.get("MC_LOG_LEVEL", "ERROR") == "ERROR":
+        _filter_native_stderr()
+    try:
+        return args.func(args)
+    except MooncakeDiffusionError as e:
+        print(f"mooncake-diffusion: error: {e}", file=sys.stderr)
+        return 2
+    except ImportError as e:
+        print(f"mooncake-diffusion: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

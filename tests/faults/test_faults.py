@@ -1,0 +1,104 @@
+"""Dead peers, a dead master, a full pool: typed errors, nothing lost or leaked,
+and the connector keeps working afterwards."""
+
+import socket
+import time
+
+import pytest
+import torch
+
+from helpers import make_tensor, same_bytes
+from mooncake_diffusion import DiffusionConnector, LocalCluster, MooncakeSettings, StagePayload
+from mooncake_diffusion.demo import ProducerProcess
+from mooncake_diffusion.errors import (
+    MasterUnavailableError,
+    PeerGoneError,
+    StoreFullError,
+    TransferError,
+)
+from mooncake_diffusion.testing import assert_no_leaks
+
+pytestmark = pytest.mark.faults
+
+
+def _dead_address():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"  # closed again: nothing listens
+
+
+def test_dead_master_fails_fast_naming_the_address():
+    addr = _dead_address()
+    conn = DiffusionConnector("denoise", "store", MooncakeSettings(master=addr))
+    t0 = time.monotonic()
+    with pytest.raises(MasterUnavailableError, match=addr):
+        conn.publish(StagePayload("r1", "latent", tensor=torch.zeros(4)))
+    # Mooncake's own setup() would block ~90 s; the probe gives up after 5 s
+    assert time.monotonic() - t0 < 15
+    conn.close()
+
+
+def test_killed_p2p_producer_is_a_peer_error_and_consumer_goes_on(
+    mooncake_cluster, connector_factory
+):
+    consumer = connector_factory("p2p", "decode")
+    p = ProducerProcess(mooncake_cluster.settings)
+    r = p.request(op="publish", mode="p2p", request_id="r1", dtype="float32", shape=[1024], seed=1)
+    p.kill()
+    with pytest.raises(TransferError):  # PeerGoneError or a failed write
+        consumer.consume(bytes.fromhex(r["handle"]), timeout=5)
+    with ProducerProcess(mooncake_cluster.settings) as p2:
+        r = p2.request(
+            op="publish", mode="p2p", request_id="r2", dtype="float32", shape=[1024], seed=2
+        )
+        with consumer.consume(bytes.fromhex(r["handle"])) as got:
+            assert same_bytes(got.tensor, make_tensor("float32", (1024,), 2))
+
+
+def test_store_pool_full_is_typed_and_leaves_no_keys():
+    baseline = {f"{t.name}#{t.ident}" for t in __import__("threading").enumerate()}
+    with LocalCluster(pool_bytes=64 << 20) as cluster:
+        conn = DiffusionConnector("denoise", "store", cluster.settings)
+        too_big = torch.zeros(96 << 20, dtype=torch.uint8)
+        with pytest.raises(StoreFullError):
+            conn.publish(StagePayload("r1", "latent", tensor=too_big)).wait(30)
+        assert cluster.keys() == []
+        assert conn.stats().live_publications == 0
+        # the same request may publish again once its failed attempt is gone
+        ok = make_tensor("float32", (1 << 20,), 5)
+        pub = conn.publish(StagePayload("r1", "latent", tensor=ok))
+        with conn.consume(pub.wait(30)) as got:
+            assert same_bytes(got.tensor, ok)
+        conn.close()
+        assert_no_leaks(cluster, baseline)
+
+
+def test_hard_pinned_payloads_are_never_evicted_when_the_pool_fills():
+    with LocalCluster(pool_bytes=64 << 20) as cluster:
+        conn = DiffusionConnector("denoise", "store", cluster.settings)
+        tensors = [make_tensor("uint8", (8 << 20,), i) for i in range(12)]
+        handles, refused = [], 0
+        for i, t in enumerate(tensors):
+            try:
+                handles.append(
+                    (i, conn.publish(StagePayload(f"r{i}", "latent", tensor=t)).wait(30))
+                )
+            except StoreFullError:
+                refused += 1
+        assert refused > 0, "a 64 MiB pool cannot hold 96 MiB"
+        for i, h in handles:  # every accepted payload is still there, intact
+            with conn.consume(h) as got:
+                assert same_bytes(got.tensor, tensors[i])
+        assert cluster.keys() == []
+        conn.close()
+
+
+def test_killed_store_host_is_a_peer_error():
+    with LocalCluster(pool_bytes=64 << 20) as cluster:
+        conn = DiffusionConnector("denoise", "store", cluster.settings)
+        pub = conn.publish(StagePayload("r1", "latent", tensor=torch.ones(1024)))
+        pub.wait(30)
+        cluster.kill_store_host()
+        with pytest.raises((PeerGoneError, TransferError)):
+            conn.consume(pub, timeout=5)
+        conn.close()

@@ -1,0 +1,67 @@
+"""The `mooncake-diffusion` command as a user runs it."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import urllib.request
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+CLI = [sys.executable, "-m", "mooncake_diffusion.cli"]
+
+
+def test_cluster_up_prints_settings_serves_and_stops_on_ctrl_c():
+    proc = subprocess.Popen(
+        [*CLI, "cluster", "up", "--pool-size", "128MiB"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    watchdog = threading.Timer(60, proc.kill)  # a hung start fails the test, never the run
+    watchdog.start()
+    try:
+        env = {}
+        while "MOONCAKE_PROTOCOL" not in env:
+            line = proc.stdout.readline()
+            assert line, f"cluster up exited: {proc.wait()} {proc.stderr.read()}"
+            m = re.match(r"export (\w+)=(\S+)", line)
+            if m:
+                env[m[1]] = m[2]
+        health = json.loads(
+            urllib.request.urlopen(f"http://{env['MOONCAKE_ADMIN']}/health", timeout=5).read()
+        )
+        assert health["service_ready"] is True
+        segments = urllib.request.urlopen(
+            f"http://{env['MOONCAKE_ADMIN']}/get_all_segments", timeout=5
+        ).read()
+        assert segments.strip(), "the store host mounted no segment"
+    finally:
+        proc.send_signal(signal.SIGINT)
+        rc = proc.wait(30)
+        watchdog.cancel()
+        proc.stdout.close()
+        proc.stderr.close()
+    assert rc == 0
+    with pytest.raises(OSError):
+        urllib.request.urlopen(f"http://{env['MOONCAKE_ADMIN']}/health", timeout=2)
+
+
+def test_demo_moves_and_checks_a_latent_through_both_modes():
+    out = subprocess.run(
+        [*CLI, "demo", "--shape", "1,16,5,32,32", "--repeats", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ),
+    )
+    assert out.returncode == 0, out.stderr
+    assert re.search(r"\| p2p \|.*\| True \|", out.stdout), out.stdout
+    assert re.search(r"\| store \|.*\| True \|", out.stdout), out.stdout
+    assert "store keys left: 0" in out.stdout
+    assert "Local segment descriptor" not in out.stderr

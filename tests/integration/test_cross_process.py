@@ -1,0 +1,101 @@
+"""Producer and consumer in separate processes, real master and store host."""
+
+import pytest
+import torch
+
+from helpers import make_tensor, same_bytes
+from mooncake_diffusion.demo import ProducerProcess
+from mooncake_diffusion.errors import AlreadyConsumedError, PayloadGoneError
+
+pytestmark = pytest.mark.integration
+
+KB, MB = 1 << 10, 1 << 20
+ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "int64": 8}
+
+
+@pytest.fixture
+def producer(mooncake_cluster, connector_factory):
+    # connector_factory first, so its leak check runs after the producer exits
+    with ProducerProcess(mooncake_cluster.settings) as p:
+        yield p
+
+
+def publish(producer, mode, request_id, dtype, shape, seed, **kw):
+    r = producer.request(
+        op="publish",
+        mode=mode,
+        request_id=request_id,
+        dtype=dtype,
+        shape=list(shape),
+        seed=seed,
+        **kw,
+    )
+    assert r["ok"], r
+    return bytes.fromhex(r["handle"])
+
+
+@pytest.mark.parametrize("mode", ["p2p", "store"])
+@pytest.mark.parametrize(
+    ("nbytes", "dtype"),
+    [
+        (KB, "bfloat16"),
+        (MB, "float16"),
+        (16 * MB, "float32"),
+        (64 * MB, "int64"),
+        (256 * MB, "bfloat16"),
+    ],
+    ids=["1KB-bf16", "1MB-fp16", "16MB-fp32", "64MB-int64", "256MB-bf16"],
+)
+def test_bytes_cross_processes_unchanged(producer, connector_factory, mode, nbytes, dtype):
+    shape = (nbytes // ITEMSIZE[dtype] // 64, 64)
+    handle = publish(producer, mode, f"r-{nbytes}", dtype, shape, seed=nbytes)
+    consumer = connector_factory(mode, "decode")
+    dst = torch.empty(shape, dtype=getattr(torch, dtype))
+    consumer.register(dst)
+    got = consumer.consume(handle, dst=dst)
+    assert got.tensor is dst
+    assert same_bytes(dst, make_tensor(dtype, shape, nbytes))
+    assert got.meta == {"seed": nbytes}
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32", "int64"])
+@pytest.mark.parametrize("mode", ["p2p", "store"])
+def test_every_dtype_into_connector_owned_memory(producer, connector_factory, mode, dtype):
+    shape = (3, 5, 7, 11)
+    handle = publish(producer, mode, "r1", dtype, shape, seed=3)
+    with connector_factory(mode, "decode").consume(handle) as got:
+        assert same_bytes(got.tensor, make_tensor(dtype, shape, 3))
+
+
+def test_p2p_payload_is_consumed_once_across_consumers(producer, connector_factory):
+    handle = publish(producer, "p2p", "r1", "float32", (256,), seed=1)
+    first, second = connector_factory("p2p", "decode"), connector_factory("p2p", "decode")
+    first.consume(handle).release()
+    with pytest.raises(AlreadyConsumedError):
+        second.consume(handle)
+    stats = producer.request(op="stats")["stats"]["p2p"]
+    assert stats["live_publications"] == 0
+    assert stats["temporary_registrations"] == 0
+
+
+def test_store_payload_outlives_its_producer(mooncake_cluster, connector_factory):
+    with ProducerProcess(mooncake_cluster.settings) as p:
+        handle = publish(p, "store", "r1", "bfloat16", (1, 16, 21, 90, 160), seed=9)
+    # the producer process has exited; its bytes wait in the store host
+    assert len(mooncake_cluster.keys()) == 1
+    consumer = connector_factory("store", "decode")
+    with consumer.consume(handle) as got:
+        assert same_bytes(got.tensor, make_tensor("bfloat16", (1, 16, 21, 90, 160), 9))
+    with pytest.raises(PayloadGoneError):
+        connector_factory("store", "decode").consume(handle, timeout=0.5)
+
+
+def test_shared_store_payload_is_readable_by_many_then_cleaned_up(producer, connector_factory):
+    handle = publish(producer, "store", "r1", "float32", (1024,), seed=4, lease="shared")
+    readers = [connector_factory("store", "decode") for _ in range(3)]
+    for r in readers:
+        with r.consume(handle) as got:
+            assert same_bytes(got.tensor, make_tensor("float32", (1024,), 4))
+    readers[0].cleanup("r1")  # any connector can remove a request's stored objects
+    with pytest.raises(PayloadGoneError):
+        readers[1].consume(handle, timeout=0.3)
