@@ -3,10 +3,11 @@
 Run ``uv run python bench/transfer.py [--quick] [--json PATH] [--sizes-mb 1,16,64,256]
 [--repeats N]``. One run starts a ``LocalCluster`` (a real ``mooncake_master`` plus a
 store host process) and a peer process (this file with ``--peer``), then, for each size,
-times these paths round-robin (one run of each path per repeat, so machine noise hits all
-of them alike), after one verified run and warm-up runs:
+times these paths after one verified run and warm-up runs each:
 
-    memcpy           in-process ``dst.copy_(src)``: the memory-bandwidth limit.
+    memcpy           in-process ``dst.copy_(src)``: the memory-bandwidth limit. Timed in a
+                     loop of its own (torch's copy threads would disturb the paths after it);
+                     at small sizes it runs partly from cache, so read it as a ceiling only.
     raw_te_write     raw ``TransferEngine.batch_transfer_sync_write`` from this process into
                      a registered buffer of the peer process (bench -> peer).
     connector_p2p    the peer is a p2p producer (source registered once, payloads published
@@ -18,9 +19,11 @@ of them alike), after one verified run and warm-up runs:
                      ``publish`` + ``wait`` + ``consume(handle, dst=dst)`` (the consume
                      removes the delete-on-consume object), i.e. the same put + get + remove.
 
-and the fixed cost of a 4 KiB round trip (publish, wait, consume, release) for p2p and store,
-both connectors in this process (each has its own Transfer Engine, so bytes still cross
-loopback TCP), as p50/p90 over many iterations.
+The four Mooncake paths run round-robin (one run of each per repeat, the order flipped on
+every other repeat), so machine noise hits them alike. Then the fixed cost of a 4 KiB round
+trip (publish, wait, consume, release of the received payload) for p2p and store, both
+connectors in this process (each has its own Transfer Engine, so bytes still cross loopback
+TCP), as p50/p90 over many iterations.
 
 Reading the output: sizes are MiB (2**20 bytes), throughput is GB/s (1e9 bytes/s), seconds
 are medians over repeats. ``ratio`` is a throughput ratio of a connector path to the raw
@@ -28,7 +31,9 @@ Mooncake path doing the same work: connector_p2p / raw_te_write and connector_st
 raw_store. 1.0 means the connector adds nothing; 0.9 means it costs 10 %. The raw rows are
 the base; memcpy has no ratio (its GB/s is the ceiling for every path). Every path's bytes
 are checked once per size against the source, so a fast-but-wrong path cannot win. This
-machine is small and noisy: read ratios near 1.0 as "within noise".
+machine is small and noisy: read ratios near 1.0 as "within noise". On a 2-vCPU VM with a
+250 Hz kernel, a thread handoff that loses its CPU to a busy thread costs a whole 4 ms tick;
+4 ms and 8 ms outliers in the round trips are that.
 
 Handles travel between processes as bytes (hex in JSON lines over the peer's stdin/stdout);
 nothing is pickled.
@@ -299,10 +304,12 @@ class ConnectorP2P(Path):
     def __init__(self, cons: DiffusionConnector, dst: torch.Tensor, peer: PeerClient) -> None:
         self.cons, self.dst, self.peer = cons, dst, peer
         self.handles: deque[bytes] = deque()
+        self.batches = 0
         peer.call("p2p_setup")
 
     def prepare(self, n: int, count: int) -> None:
-        reply = self.peer.call("p2p_publish", n=n, k=count, tag=f"p2p-{n}")
+        self.batches += 1
+        reply = self.peer.call("p2p_publish", n=n, k=count, tag=f"p2p-{self.batches}")
         self.handles.extend(bytes.fromhex(h) for h in reply["handles"])
 
     def run(self, n: int) -> float:
@@ -391,9 +398,9 @@ class ConnectorStore(Path):
         pub.wait(60)
         got = self.cons.consume(pub.encode(), dst=self.dst[:n])
         got.release()
-        dt = time.perf_counter() - t
-        pub.release()  # untimed; the object is already gone (consume removed it)
-        return dt
+        # No pub.release(): consume already removed the object, and a release would only
+        # add a remove RPC outside the transfer. close() drops the producer's bookkeeping.
+        return time.perf_counter() - t
 
     def verify(self, n: int) -> None:
         self.dst[:n].zero_()
@@ -454,7 +461,7 @@ def roundtrip(
     iterations: int,
     warmup: int,
 ) -> dict[str, float]:
-    """p50/p90 ms of publish + wait + consume + release of one 4 KiB tensor."""
+    """p50/p90 ms of publish + wait + consume + received.release() of one 4 KiB tensor."""
     tag = f"rt-{prod.transfer_mode}"
     dst[:ROUNDTRIP_BYTES].zero_()
     times: list[float] = []
@@ -465,8 +472,7 @@ def roundtrip(
         pub.wait(30)
         got = cons.consume(pub.encode(), dst=dst[:ROUNDTRIP_BYTES])
         got.release()
-        dt = time.perf_counter() - t
-        pub.release()  # untimed: drops the producer's bookkeeping of the publication
+        dt = time.perf_counter() - t  # no pub.release(), as in ConnectorStore.run
         if i == 0:
             check(torch.equal(dst[:ROUNDTRIP_BYTES], src[:ROUNDTRIP_BYTES]), f"{tag} bytes")
         if i >= warmup:

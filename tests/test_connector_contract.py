@@ -159,3 +159,18 @@ def test_publication_can_be_awaited(pair):
     handle = asyncio.run(run())
     assert decode_handle(handle.encode()) == handle
     cons.consume(handle).release()
+
+
+def test_consumed_publications_hold_nothing_in_the_producer(pair):
+    prod, cons = pair
+    x = make_tensor("float32", (256,), 9)
+    for i in range(20):
+        pub = prod.publish(StagePayload(f"r{i}", "latent", tensor=x))
+        cons.consume(pub.wait(10)).release()
+    assert prod.stats().live_publications == 0
+    assert prod.stats().temporary_registrations == 0
+    # still a duplicate on this connector until the request is cleaned up
+    with pytest.raises(DuplicatePublishError):
+        prod.publish(StagePayload("r0", "latent", tensor=x))
+    prod.cleanup("r0")
+    cons.consume(prod.publish(StagePayload("r0", "latent", tensor=x)).wait(10)).release()

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from helpers import make_tensor, same_bytes
+from mooncake_diffusion import StagePayload
 from mooncake_diffusion.demo import ProducerProcess
 from mooncake_diffusion.errors import AlreadyConsumedError, PayloadGoneError
 
@@ -99,3 +100,14 @@ def test_shared_store_payload_is_readable_by_many_then_cleaned_up(producer, conn
     readers[0].cleanup("r1")  # any connector can remove a request's stored objects
     with pytest.raises(PayloadGoneError):
         readers[1].consume(handle, timeout=0.3)
+
+
+def test_auto_mode_uses_p2p_for_a_ready_consumer_and_store_otherwise(connector_factory):
+    prod, cons = connector_factory("auto", "denoise"), connector_factory("auto", "decode")
+    x = make_tensor("float32", (4096,), 8)
+    direct = prod.publish(StagePayload("r1", "latent", tensor=x), consumer="decode-0")
+    relayed = prod.publish(StagePayload("r2", "latent", tensor=x))
+    assert direct.handle.transport == "p2p" and relayed.handle.transport == "store"
+    for pub in (direct, relayed):
+        with cons.consume(pub.wait(10)) as got:
+            assert same_bytes(got.tensor, x)

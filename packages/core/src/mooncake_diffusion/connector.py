@@ -108,13 +108,22 @@ class _Live:
 
 
 class _Publisher:
-    """The producer side: describes, prepares and commits publications."""
+    """The producer side: describes, prepares and commits publications.
+
+    ``_live`` holds publications that still own producer resources: a commit
+    in flight, or a p2p payload not yet consumed. A committed store payload
+    owns nothing here (the store host has the bytes), so it moves to
+    ``_recent``, a bounded ledger used only to reject duplicates.
+    """
+
+    _RECENT_MAX = 65536
 
     def __init__(self, transports: _Transports, mode: str, workers: int) -> None:
         self._transports = transports
         self._mode = mode
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="mcd-publish")
         self._live: dict[tuple[str, str], _Live] = {}
+        self._recent: OrderedDict[tuple[str, str], str] = OrderedDict()
         self._lock = threading.Lock()
 
     def transport_for(self, consumer: str | None) -> Transport:
@@ -130,11 +139,13 @@ class _Publisher:
             regions.append(region)
         key = (payload.request_id, payload.kind)
         with self._lock:
-            live = self._live.get(key)
-            if live is not None and self._still_live(live):
+            self._prune()
+            earlier = self._live[key].handle.payload_id if key in self._live else None
+            earlier = earlier or self._recent.get(key)
+            if earlier is not None:
                 raise DuplicatePublishError(
                     f"request {payload.request_id!r} already published a {payload.kind!r} "
-                    f"({live.handle.payload_id}); release it or cleanup() the request first"
+                    f"({earlier}); release it or cleanup() the request first"
                 )
             transport = self.transport_for(consumer)
             payload_id = f"{payload.request_id}/{payload.kind}/{uuid.uuid4().hex[:16]}"
@@ -149,35 +160,44 @@ class _Publisher:
                 source=source,  # type: ignore[arg-type]
                 meta_json=payload.meta_json,
             )
-            future = self._pool.submit(self._commit, transport, handle, regions)
-            self._live[key] = _Live(handle, transport, future)
-        return Publication(handle, future, lambda: self.release(key, payload_id))
+            live = _Live(handle, transport, Future())
+            self._live[key] = live
+            live.future = self._pool.submit(self._commit, live, regions)
+        return Publication(handle, live.future, lambda: self.release(live))
 
-    @staticmethod
-    def _still_live(live: _Live) -> bool:
-        if live.future.done() and live.future.exception() is not None:
-            return False
-        held = getattr(live.transport, "holds", None)  # p2p knows when it was consumed
-        return held(live.handle.payload_id) if held is not None else True
+    def _prune(self) -> None:
+        """Move p2p payloads their consumer has taken to ``_recent`` (lock held)."""
+        for key in [k for k, v in self._live.items() if v.future.done() and not _holds(v)]:
+            self._remember(key, self._live.pop(key).handle.payload_id)
 
-    def _commit(self, transport: Transport, handle: PayloadHandle, regions: list[Region]) -> None:
+    def _remember(self, key: tuple[str, str], payload_id: str) -> None:
+        self._recent[key] = payload_id
+        while len(self._recent) > self._RECENT_MAX:
+            self._recent.popitem(last=False)
+
+    def _commit(self, live: _Live, regions: list[Region]) -> None:
+        handle, key = live.handle, (live.handle.request_id, live.handle.kind)
         try:
-            transport.commit(handle.payload_id, handle.source, regions, handle.lease)
+            live.transport.commit(handle.payload_id, handle.source, regions, handle.lease)
         except BaseException:
-            transport.discard(handle)
+            live.transport.discard(handle)
             with self._lock:
-                key = (handle.request_id, handle.kind)
-                live = self._live.get(key)
-                if live is not None and live.handle.payload_id == handle.payload_id:
+                if self._live.get(key) is live:
                     del self._live[key]
             raise
+        if not hasattr(live.transport, "holds"):  # bytes left the producer
+            with self._lock:
+                if self._live.get(key) is live:
+                    del self._live[key]
+                    self._remember(key, handle.payload_id)
 
-    def release(self, key: tuple[str, str], payload_id: str) -> None:
+    def release(self, live: _Live) -> None:
+        key = (live.handle.request_id, live.handle.kind)
         with self._lock:
-            live = self._live.get(key)
-            if live is None or live.handle.payload_id != payload_id:
-                return
-            del self._live[key]
+            if self._live.get(key) is live:
+                del self._live[key]
+            if self._recent.get(key) == live.handle.payload_id:
+                del self._recent[key]
         self._withdraw(live)
 
     @staticmethod
@@ -190,23 +210,33 @@ class _Publisher:
 
     def cleanup(self, request_id: str) -> int:
         with self._lock:
-            keys = [k for k in self._live if k[0] == request_id]
-            lives = [self._live.pop(k) for k in keys]
+            lives = [self._live.pop(k) for k in [k for k in self._live if k[0] == request_id]]
+            recent = [k for k in self._recent if k[0] == request_id]
+            for k in recent:
+                del self._recent[k]
         for live in lives:
             self._withdraw(live)
-        return len(lives)
+        return len(lives) + len(recent)
 
     def live_count(self) -> int:
         with self._lock:
-            return sum(1 for live in self._live.values() if self._still_live(live))
+            self._prune()
+            return len(self._live)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
         with self._lock:
             lives, self._live = list(self._live.values()), {}
+            self._recent.clear()
         for live in lives:
             if live.transport.name != "store":  # store payloads outlive their producer
                 self._withdraw(live)
+
+
+def _holds(live: _Live) -> bool:
+    """Whether the producer still holds the payload's bytes for a consumer."""
+    holds = getattr(live.transport, "holds", None)
+    return holds is not None and holds(live.handle.payload_id)
 
 
 class _Receiver:
@@ -406,9 +436,9 @@ class DiffusionConnector:
         return [self._transports.get(self.transfer_mode)]
 
     def cleanup(self, request_id: str) -> int:
-        """Withdraw every live publication of ``request_id`` from this connector,
-        and in store mode every stored object of the request. Returns how many
-        publications were withdrawn."""
+        """Withdraw every publication of ``request_id`` made by this connector,
+        and in store mode every stored object of the request, whoever published
+        it. Returns how many of this connector's publications were dropped."""
         n = self._publisher.cleanup(request_id)
         for t in self._transports.existing():
             remove = getattr(t, "remove_request", None)
