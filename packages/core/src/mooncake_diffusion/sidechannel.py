@@ -1,8 +1,9 @@
 """The p2p side channel: a consumer asks the producer to write a payload into it.
 
-One request per TCP connection, framed as a 4-byte big-endian length plus a
-``schema`` message (msgpack, versioned; never pickle). The server runs one
-accept thread and a small pool of handler threads; ``close()`` joins them all.
+Each request and reply is framed as a 4-byte big-endian length plus a
+``schema`` message (msgpack, versioned; never pickle). Connections persist:
+the client keeps idle ones per producer, the server runs one thread per
+connection; ``close()`` on either side ends them and joins every thread.
 """
 
 from __future__ import annotations
@@ -13,13 +14,12 @@ import struct
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 from mooncake_diffusion.errors import DeadlineExceededError, HandleError, PeerGoneError
 from mooncake_diffusion.schema import FetchReply, FetchRequest, decode_message, encode
 from mooncake_diffusion.settings import split_address
 
-__all__ = ["SideChannelServer", "call"]
+__all__ = ["SideChannelClient", "SideChannelServer"]
 
 _MAX_FRAME = 1 << 20
 _HEADER = struct.Struct(">I")
@@ -48,17 +48,21 @@ def _recv(sock: socket.socket) -> bytes:
 
 
 class SideChannelServer:
-    """Serves ``FetchRequest``s with ``handler`` (called on a pool thread)."""
+    """Serves ``FetchRequest``s with ``handler``, one thread per consumer connection.
 
-    def __init__(
-        self, host: str, handler: Callable[[FetchRequest], FetchReply], workers: int = 4
-    ) -> None:
+    Connections are persistent: a consumer reuses one for many fetches, so a
+    fetch costs one round trip and no connection set-up. ``handler`` runs on
+    the connection's thread and may block (it performs the transfer).
+    """
+
+    def __init__(self, host: str, handler: Callable[[FetchRequest], FetchReply]) -> None:
         self._handler = handler
         self._sock = socket.create_server((host, 0))
         self._sock.settimeout(0.25)
         self.endpoint = f"{host}:{self._sock.getsockname()[1]}"
         self._stop = threading.Event()
-        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="mcd-p2p-serve")
+        self._conns: dict[socket.socket, threading.Thread] = {}
+        self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._accept, name="mcd-p2p-accept", daemon=True)
         self._thread.start()
 
@@ -70,48 +74,135 @@ class SideChannelServer:
                 continue
             except OSError:
                 return
-            self._pool.submit(self._serve, conn)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            t = threading.Thread(
+                target=self._serve, args=(conn,), name="mcd-p2p-serve", daemon=True
+            )
+            with self._lock:
+                if self._stop.is_set():
+                    conn.close()
+                    return
+                self._conns[conn] = t
+            t.start()
 
     def _serve(self, conn: socket.socket) -> None:
-        with conn:
-            try:
-                conn.settimeout(30)
-                msg = decode_message(_recv(conn))
-                if not isinstance(msg, FetchRequest):
-                    reply = FetchReply("failed", "expected a FetchRequest")
-                else:
-                    reply = self._handler(msg)
-            except (OSError, ConnectionError, HandleError) as e:
-                reply = FetchReply("failed", f"bad request: {e}")
-            with contextlib.suppress(OSError):
-                _send(conn, encode(reply))
+        try:
+            while True:
+                try:
+                    data = _recv(conn)
+                except (OSError, ConnectionError, HandleError):
+                    return  # closed by the consumer, by close(), or a broken frame
+                try:
+                    msg = decode_message(data)
+                    if isinstance(msg, FetchRequest):
+                        reply = self._handler(msg)
+                    else:
+                        reply = FetchReply("failed", "expected a FetchRequest")
+                except HandleError as e:
+                    reply = FetchReply("failed", f"bad request: {e}")
+                try:
+                    _send(conn, encode(reply))
+                except OSError:
+                    return
+        finally:
+            with self._lock:
+                self._conns.pop(conn, None)
+            conn.close()
 
     def close(self) -> None:
-        """Stop accepting, finish in-flight requests, join every thread. Idempotent."""
+        """Stop accepting, end every connection after its current request, join all
+        threads. Idempotent."""
         if self._stop.is_set():
             return
         self._stop.set()
         self._sock.close()
         self._thread.join()
-        self._pool.shutdown(wait=True)
+        with self._lock:
+            conns = dict(self._conns)
+        for conn in conns:
+            with contextlib.suppress(OSError):  # wakes the blocked recv; replies still go out
+                conn.shutdown(socket.SHUT_RD)
+        for t in conns.values():
+            t.join()
 
 
-def call(endpoint: str, request: FetchRequest, deadline: float) -> FetchReply:
-    """Send ``request`` to ``endpoint`` and wait for the reply until ``deadline``
-    (``time.monotonic()``); raises ``PeerGoneError`` or ``DeadlineExceededError``."""
+class SideChannelClient:
+    """A consumer's connections to producers, kept open and reused.
+
+    Thread-safe: each call takes an idle connection to the endpoint or opens
+    one, so concurrent fetches never share a socket.
+    """
+
+    _IDLE_MAX = 4  # idle connections kept per producer
+
+    def __init__(self) -> None:
+        self._idle: dict[str, list[socket.socket]] = {}
+        self._lock = threading.Lock()
+
+    def call(self, endpoint: str, request: FetchRequest, deadline: float) -> FetchReply:
+        """Send ``request`` and wait for the reply until ``deadline``
+        (``time.monotonic()``); raises ``PeerGoneError`` or ``DeadlineExceededError``.
+
+        A reused connection that turns out closed (the producer restarted or
+        dropped it) is replaced once by a fresh one.
+        """
+        with self._lock:
+            idle = self._idle.get(endpoint)
+            sock = idle.pop() if idle else None
+        if sock is not None:
+            try:
+                return self._exchange(endpoint, sock, request, deadline)
+            except PeerGoneError:
+                pass  # stale pooled connection: retry once on a new one
+        return self._exchange(endpoint, _connect(endpoint, deadline), request, deadline)
+
+    def _exchange(
+        self, endpoint: str, sock: socket.socket, request: FetchRequest, deadline: float
+    ) -> FetchReply:
+        try:
+            sock.settimeout(max(deadline - time.monotonic(), 0.001))
+            _send(sock, encode(request))
+            reply = decode_message(_recv(sock))
+        except TimeoutError:
+            sock.close()
+            raise DeadlineExceededError(f"producer {endpoint} did not answer in time") from None
+        except (OSError, ConnectionError) as e:
+            sock.close()
+            raise PeerGoneError(f"producer {endpoint} is unreachable: {e}") from None
+        except HandleError:
+            sock.close()
+            raise
+        if not isinstance(reply, FetchReply):
+            sock.close()
+            raise HandleError(f"producer {endpoint} sent {type(reply).__name__}, not a reply")
+        with self._lock:
+            idle = self._idle.setdefault(endpoint, [])
+            if len(idle) < self._IDLE_MAX:
+                idle.append(sock)
+                sock = None  # type: ignore[assignment]
+        if sock is not None:
+            sock.close()
+        return reply
+
+    def close(self) -> None:
+        """Close every idle connection. Idempotent."""
+        with self._lock:
+            idle, self._idle = self._idle, {}
+        for socks in idle.values():
+            for sock in socks:
+                sock.close()
+
+
+def _connect(endpoint: str, deadline: float) -> socket.socket:
     host, port = split_address(endpoint, "producer endpoint")
     left = deadline - time.monotonic()
     if left <= 0:
         raise DeadlineExceededError(f"deadline passed before contacting producer {endpoint}")
     try:
-        with socket.create_connection((host, port), timeout=min(left, 5.0)) as sock:
-            sock.settimeout(max(deadline - time.monotonic(), 0.001))
-            _send(sock, encode(request))
-            reply = decode_message(_recv(sock))
+        sock = socket.create_connection((host, port), timeout=min(left, 5.0))
     except TimeoutError:
-        raise DeadlineExceededError(f"producer {endpoint} did not answer in time") from None
-    except (OSError, ConnectionError) as e:
+        raise DeadlineExceededError(f"producer {endpoint} did not accept in time") from None
+    except OSError as e:
         raise PeerGoneError(f"producer {endpoint} is unreachable: {e}") from None
-    if not isinstance(reply, FetchReply):
-        raise HandleError(f"producer {endpoint} sent {type(reply).__name__}, not a FetchReply")
-    return reply
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock

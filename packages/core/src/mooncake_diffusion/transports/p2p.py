@@ -25,7 +25,7 @@ from mooncake_diffusion.errors import (
 )
 from mooncake_diffusion.schema import FetchReply, FetchRequest, LeaseMode, P2PSource, PayloadHandle
 from mooncake_diffusion.settings import MooncakeSettings
-from mooncake_diffusion.sidechannel import SideChannelServer, call
+from mooncake_diffusion.sidechannel import SideChannelClient, SideChannelServer
 from mooncake_diffusion.tensors import Region
 from mooncake_diffusion.transports.base import Transport
 
@@ -49,6 +49,7 @@ class P2PTransport(Transport):
         super().__init__(settings)
         self._engine = Engine(settings)
         self._server: SideChannelServer | None = None
+        self._client = SideChannelClient()
         self._held: dict[str, _Held] = {}
         self._consumed: OrderedDict[str, None] = OrderedDict()  # tombstones, bounded
         self._lock = threading.Lock()
@@ -129,7 +130,7 @@ class P2PTransport(Transport):
                 tuple(r.ptr for r in dst),
                 tuple(r.nbytes for r in dst),
             )
-            reply = call(source.endpoint, req, deadline)
+            reply = self._client.call(source.endpoint, req, deadline)
         finally:
             for lease_id in leases:
                 self._engine.regs.release(lease_id)
@@ -159,6 +160,7 @@ class P2PTransport(Transport):
             return payload_id in self._held
 
     def close(self) -> None:
+        self._client.close()
         if self._server is not None:
             self._server.close()
         with self._lock:
