@@ -20,6 +20,15 @@ MODES = [
 ]
 
 
+@pytest.fixture(autouse=True)
+def _no_thread_left_behind():
+    """Every test ends with a leak check: no thread outlives it. (Set up first, so
+    it runs after every other fixture's teardown, including connector leak checks.)"""
+    baseline = {f"{t.name}#{t.ident}" for t in threading.enumerate()}
+    yield
+    assert_no_leaks(None, baseline)
+
+
 @pytest.fixture(params=MODES)
 def pair(request):
     """(producer, consumer) connectors of one mode, leak-checked at teardown."""
