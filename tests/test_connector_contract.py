@@ -12,6 +12,7 @@ from helpers import make_tensor, same_bytes
 from mooncake_diffusion import StagePayload, decode_handle
 from mooncake_diffusion.errors import (
     AlreadyConsumedError,
+    DeadlineExceededError,
     DestinationMismatchError,
     DuplicatePublishError,
     HandleError,
@@ -174,3 +175,93 @@ def test_consumed_publications_hold_nothing_in_the_producer(pair):
         prod.publish(StagePayload("r0", "latent", tensor=x))
     prod.cleanup("r0")
     cons.consume(prod.publish(StagePayload("r0", "latent", tensor=x)).wait(10)).release()
+
+
+def test_chunked_payload_yields_views_of_dst_in_order(pair):
+    prod, cons = pair
+    x = make_tensor("bfloat16", (1, 4, 12, 6, 8), 11)  # [B, C, T, H, W]
+    pub = prod.publish(StagePayload("r1", "latent", tensor=x, chunk_dim=2, num_chunks=5))
+    dst = torch.empty_like(x)
+    got = cons.consume(pub, dst=dst)
+    pieces = torch.tensor_split(x, 5, 2)
+    seen = []
+    for chunk in got:
+        seen.append(chunk.index)
+        assert chunk.tensor.data_ptr() >= dst.data_ptr()  # a view into dst, not a copy
+        assert same_bytes(chunk.tensor.contiguous(), pieces[chunk.index].contiguous())
+    assert seen == [0, 1, 2, 3, 4]
+    assert got.tensor is dst and same_bytes(dst, x)
+    got.release()
+    pub.wait(10)
+
+
+def test_streaming_producer_consumer_sees_chunk_0_before_chunk_1_exists(pair):
+    prod, cons = pair
+    buf = torch.zeros(1, 2, 4, 8, 8)
+    final = make_tensor("float32", (1, 2, 4, 8, 8), 12)
+    pub = prod.publish(
+        StagePayload("r1", "latent", tensor=buf, chunk_dim=-3, num_chunks=4), stream=True
+    )
+    got = cons.consume(pub.handle)
+    for i in range(4):
+        buf[:, :, i] = final[:, :, i]  # the producer "computes" chunk i ...
+        pub.chunk_ready(i)  # ... and hands it over
+        chunk = got.chunk(i, timeout=10)  # the consumer has it before chunk i+1 exists
+        assert same_bytes(chunk.tensor.contiguous(), final[:, :, i : i + 1].contiguous())
+        if i < 3:
+            assert not buf[:, :, i + 1].any()
+    assert same_bytes(got.tensor, final)
+    got.release()
+    pub.wait(10)
+
+
+def test_a_specific_chunk_can_be_awaited_out_of_order(pair):
+    prod, cons = pair
+    x = make_tensor("float32", (6, 32), 13)
+    pub = prod.publish(StagePayload("r1", "latent", tensor=x, chunk_dim=0, num_chunks=3))
+    with cons.consume(pub) as got:
+        assert same_bytes(got.chunk(2).tensor, x[4:6])
+        assert same_bytes(got.chunk(0).tensor, x[0:2])
+        with pytest.raises(PayloadError, match="out of range"):
+            got.chunk(3)
+
+
+@pytest.mark.parametrize(
+    ("dim", "n", "match"),
+    [(7, 2, "out of range"), (0, 2, "more than dim"), (2, 13, "more than dim")],
+)
+def test_bad_chunk_plans_are_rejected_and_leave_nothing(pair, dim, n, match):
+    prod, _ = pair
+    x = torch.zeros(1, 4, 12)
+    with pytest.raises(PayloadError, match=match):
+        prod.publish(StagePayload("r1", "latent", tensor=x, chunk_dim=dim, num_chunks=n))
+    assert prod.stats().live_publications == 0
+
+
+def test_destination_with_the_wrong_shape_for_the_plan_is_rejected(pair):
+    prod, cons = pair
+    x = make_tensor("float32", (1, 4, 12), 14)
+    pub = prod.publish(StagePayload("r1", "latent", tensor=x, chunk_dim=2, num_chunks=4))
+    with pytest.raises(DestinationMismatchError, match="shape"):
+        cons.consume(pub, dst=torch.empty(1, 12, 4))
+    cons.consume(pub).release()
+
+
+def test_chunk_ready_is_checked_and_a_stream_released_early_leaves_nothing(pair):
+    prod, cons = pair
+    buf = make_tensor("float32", (4, 16), 15)
+    pub = prod.publish(
+        StagePayload("r1", "latent", tensor=buf, chunk_dim=0, num_chunks=4), stream=True
+    )
+    pub.chunk_ready(0)
+    with pytest.raises(PayloadError, match="already marked"):
+        pub.chunk_ready(0)
+    with pytest.raises(PayloadError, match="out of range"):
+        pub.chunk_ready(4)
+    got = cons.consume(pub.handle, timeout=2)
+    assert same_bytes(got.chunk(0).tensor, buf[0:1])
+    pub.release()  # the producer gives up after one chunk
+    with pytest.raises((PayloadGoneError, DeadlineExceededError)):
+        got.wait()
+    got.release()
+    assert prod.stats().live_publications == 0

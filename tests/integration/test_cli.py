@@ -63,5 +63,6 @@ def test_demo_moves_and_checks_a_latent_through_both_modes():
     assert out.returncode == 0, out.stderr
     assert re.search(r"\| p2p \|.*\| True \|", out.stdout), out.stdout
     assert re.search(r"\| store \|.*\| True \|", out.stdout), out.stdout
+    assert re.search(r"\| p2p-net \| p2p/net.*\| True \|", out.stdout), out.stdout
     assert "store keys left: 0" in out.stdout
     assert "Local segment descriptor" not in out.stderr

@@ -1,10 +1,12 @@
 """Producer and consumer in separate processes, real master and store host."""
 
+import dataclasses
+
 import pytest
 import torch
 
 from helpers import make_tensor, same_bytes
-from mooncake_diffusion import StagePayload
+from mooncake_diffusion import DiffusionConnector, StagePayload
 from mooncake_diffusion.demo import ProducerProcess
 from mooncake_diffusion.errors import AlreadyConsumedError, PayloadGoneError
 
@@ -111,3 +113,38 @@ def test_auto_mode_uses_p2p_for_a_ready_consumer_and_store_otherwise(connector_f
     for pub in (direct, relayed):
         with cons.consume(pub.wait(10)) as got:
             assert same_bytes(got.tensor, x)
+
+
+@pytest.mark.parametrize(("same_host", "path"), [(True, "p2p/shm"), (False, "p2p/net")])
+def test_same_host_p2p_copies_memory_directly_unless_turned_off(
+    producer, mooncake_cluster, same_host, path
+):
+    handle = publish(producer, "p2p", "r1", "bfloat16", (1, 16, 21, 90, 160), seed=21)
+    settings = dataclasses.replace(mooncake_cluster.settings, same_host=same_host)
+    consumer = DiffusionConnector("decode", "p2p", settings)
+    try:
+        with consumer.consume(handle) as got:
+            assert got.path == path
+            assert same_bytes(got.tensor, make_tensor("bfloat16", (1, 16, 21, 90, 160), 21))
+    finally:
+        consumer.close()
+
+
+def test_chunked_stream_across_processes_lands_chunk_by_chunk(producer, connector_factory):
+    for mode in ("p2p", "store"):
+        r = producer.request(
+            op="publish",
+            mode=mode,
+            request_id=f"c-{mode}",
+            dtype="bfloat16",
+            shape=[1, 16, 21, 90, 160],
+            seed=22,
+            chunk_dim=2,
+            num_chunks=7,
+        )
+        assert r["ok"], r
+        consumer = connector_factory(mode, "decode")
+        expected = torch.tensor_split(make_tensor("bfloat16", (1, 16, 21, 90, 160), 22), 7, 2)
+        with consumer.consume(bytes.fromhex(r["handle"])) as got:
+            for chunk in got:
+                assert same_bytes(chunk.tensor.contiguous(), expected[chunk.index].contiguous())

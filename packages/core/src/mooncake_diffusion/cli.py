@@ -47,9 +47,12 @@ def _shape(text: str) -> tuple[int, ...]:
 
 def _modes(text: str) -> tuple[str, ...]:
     modes = tuple(m.strip() for m in text.split(",") if m.strip())
-    bad = sorted(set(modes) - {"p2p", "store"})
+    known = ("p2p", "p2p-net", "store")
+    bad = sorted(set(modes) - set(known))
     if not modes or bad:
-        raise argparse.ArgumentTypeError(f"unknown modes {bad or [text]}; choose from p2p, store")
+        raise argparse.ArgumentTypeError(
+            f"unknown modes {bad or [text]}; choose from {', '.join(known)}"
+        )
     return modes
 
 
@@ -93,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
         "demo",
         help="move a video-sized latent between two processes through p2p and store",
         description="Start an embedded Mooncake cluster and a producer process, move a "
-        "Wan 720p video latent to this process through each transport, check every byte "
+        "Wan 720p video latent to this process through each path, check every byte "
         "and print what moved, how and how fast.",
     )
     demo.add_argument(
@@ -111,8 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--modes",
         type=_modes,
-        default=("p2p", "store"),
-        help="transports to show, comma separated (default: p2p,store)",
+        default=("p2p", "p2p-net", "store"),
+        help="paths to show, comma separated: p2p (a same-host memory copy when possible), "
+        "p2p-net (Transfer Engine only), store (default: all three)",
     )
     demo.add_argument("--repeats", type=int, default=3, help="transfers per mode (default 3)")
     demo.set_defaults(func=_demo)

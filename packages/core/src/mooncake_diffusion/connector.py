@@ -32,15 +32,17 @@ only picks and wires them.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from mooncake_diffusion.chunks import chunk_bounds, plan, plan_for
 from mooncake_diffusion.errors import (
     AlreadyConsumedError,
     ConfigError,
@@ -50,10 +52,18 @@ from mooncake_diffusion.errors import (
 )
 from mooncake_diffusion.payload import Publication, ReceivedPayload, StagePayload
 from mooncake_diffusion.pool import FreeList
-from mooncake_diffusion.schema import PayloadHandle, decode_handle
+from mooncake_diffusion.schema import PayloadHandle, check_chunking, decode_handle
 from mooncake_diffusion.settings import MooncakeSettings
-from mooncake_diffusion.tensors import Region, check_destination, describe, empty_buffer, view_of
+from mooncake_diffusion.tensors import (
+    Region,
+    check_destination,
+    describe,
+    empty_buffer,
+    narrow,
+    view_of,
+)
 from mooncake_diffusion.transports import Transport, load_transport
+from mooncake_diffusion.transports.base import Plan
 
 __all__ = ["ConnectorStats", "DiffusionConnector", "TransferMode"]
 
@@ -105,6 +115,12 @@ class _Live:
     handle: PayloadHandle
     transport: Transport
     future: Future[None]
+    regions: list[Region] = field(default_factory=list)
+    plan: Plan = ()
+    marked: set[int] = field(default_factory=set)  # chunks handed to a commit
+    committed: int = 0
+    inflight: int = 0  # commits running now
+    settled: threading.Event = field(default_factory=threading.Event)  # set when inflight == 0
 
 
 class _Publisher:
@@ -123,7 +139,8 @@ class _Publisher:
         self._mode = mode
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="mcd-publish")
         self._live: dict[tuple[str, str], _Live] = {}
-        self._recent: OrderedDict[tuple[str, str], str] = OrderedDict()
+        # handle and transport only: the tensors are not kept alive by the ledger
+        self._recent: OrderedDict[tuple[str, str], tuple[PayloadHandle, Transport]] = OrderedDict()
         self._lock = threading.Lock()
 
     def transport_for(self, consumer: str | None) -> Transport:
@@ -131,25 +148,33 @@ class _Publisher:
             return self._transports.get("p2p" if consumer else "store")
         return self._transports.get(self._mode)
 
-    def publish(self, payload: StagePayload, consumer: str | None) -> Publication:
+    def publish(self, payload: StagePayload, consumer: str | None, stream: bool) -> Publication:
         specs, regions = [], []
         for name, t in payload.tensors.items():
             spec, region = describe(name, t)
             specs.append(spec)
             regions.append(region)
+        chunk_dim = payload.chunk_dim
+        if chunk_dim is not None and chunk_dim < 0:
+            chunk_dim += len(specs[0].shape)
+        try:
+            check_chunking(specs, chunk_dim, payload.num_chunks)
+        except ValueError as e:
+            raise PayloadError(str(e)) from None
+        chunk_plan = plan(specs, chunk_dim, payload.num_chunks)
         key = (payload.request_id, payload.kind)
         with self._lock:
             self._prune()
-            earlier = self._live[key].handle.payload_id if key in self._live else None
-            earlier = earlier or self._recent.get(key)
+            earlier = self._live[key].handle if key in self._live else None
+            earlier = earlier or (self._recent[key][0] if key in self._recent else None)
             if earlier is not None:
                 raise DuplicatePublishError(
                     f"request {payload.request_id!r} already published a {payload.kind!r} "
-                    f"({earlier}); release it or cleanup() the request first"
+                    f"({earlier.payload_id}); release it or cleanup() the request first"
                 )
             transport = self.transport_for(consumer)
             payload_id = f"{payload.request_id}/{payload.kind}/{uuid.uuid4().hex[:16]}"
-            source = transport.prepare(payload_id, regions, payload.lease)
+            source = transport.prepare(payload_id, regions, payload.lease, chunk_plan)
             handle = PayloadHandle(
                 payload_id=payload_id,
                 request_id=payload.request_id,
@@ -159,63 +184,105 @@ class _Publisher:
                 tensors=tuple(specs),
                 source=source,  # type: ignore[arg-type]
                 meta_json=payload.meta_json,
+                chunk_dim=chunk_dim,
+                num_chunks=payload.num_chunks,
             )
-            live = _Live(handle, transport, Future())
+            live = _Live(handle, transport, Future(), regions, chunk_plan)
             self._live[key] = live
-            live.future = self._pool.submit(self._commit, live, regions)
-        return Publication(handle, live.future, lambda: self.release(live))
+        if not stream:
+            for i in range(len(chunk_plan)):
+                self.chunk_ready(live, i)
+        return Publication(
+            handle, live.future, lambda: self.release(live), lambda i: self.chunk_ready(live, i)
+        )
+
+    def chunk_ready(self, live: _Live, index: int) -> None:
+        with self._lock:
+            if not 0 <= index < len(live.plan):
+                raise PayloadError(f"chunk {index} out of range 0..{len(live.plan) - 1}")
+            if index in live.marked:
+                raise PayloadError(f"chunk {index} of {live.handle.payload_id} already marked")
+            if live.future.done():
+                return  # failed or released: nothing more moves
+            live.marked.add(index)
+            live.inflight += 1
+            live.settled.clear()
+        self._pool.submit(self._commit, live, index)
 
     def _prune(self) -> None:
         """Move p2p payloads their consumer has taken to ``_recent`` (lock held)."""
         for key in [k for k, v in self._live.items() if v.future.done() and not _holds(v)]:
-            self._remember(key, self._live.pop(key).handle.payload_id)
+            live = self._live.pop(key)
+            self._remember(key, live.handle, live.transport)
 
-    def _remember(self, key: tuple[str, str], payload_id: str) -> None:
-        self._recent[key] = payload_id
+    def _remember(self, key: tuple[str, str], handle: PayloadHandle, transport: Transport) -> None:
+        self._recent[key] = (handle, transport)
         while len(self._recent) > self._RECENT_MAX:
             self._recent.popitem(last=False)
 
-    def _commit(self, live: _Live, regions: list[Region]) -> None:
-        handle, key = live.handle, (live.handle.request_id, live.handle.kind)
+    def _commit(self, live: _Live, chunk: int) -> None:
         try:
-            live.transport.commit(handle.payload_id, handle.source, regions, handle.lease)
-        except BaseException:
-            live.transport.discard(handle)
+            self._commit_chunk(live, chunk)
+        finally:
             with self._lock:
+                live.inflight -= 1
+                if live.inflight == 0:
+                    live.settled.set()
+
+    def _commit_chunk(self, live: _Live, chunk: int) -> None:
+        handle, key = live.handle, (live.handle.request_id, live.handle.kind)
+        if live.future.done():
+            return  # withdrawn or failed meanwhile
+        try:
+            live.transport.commit(
+                handle.payload_id, handle.source, live.regions, handle.lease, live.plan, chunk
+            )
+        except BaseException as e:
+            with self._lock:
+                first = not live.future.done()
+                if first:
+                    live.future.set_exception(e)
                 if self._live.get(key) is live:
                     del self._live[key]
-            raise
-        if not hasattr(live.transport, "holds"):  # bytes left the producer
-            with self._lock:
-                if self._live.get(key) is live:
-                    del self._live[key]
-                    self._remember(key, handle.payload_id)
+            if first:
+                live.transport.discard(handle)
+            return
+        with self._lock:
+            live.committed += 1
+            if live.committed < len(live.plan) or live.future.done():
+                return
+            live.future.set_result(None)
+            if not hasattr(live.transport, "holds") and self._live.get(key) is live:
+                del self._live[key]  # the bytes left the producer
+                self._remember(key, handle, live.transport)
 
     def release(self, live: _Live) -> None:
         key = (live.handle.request_id, live.handle.kind)
         with self._lock:
             if self._live.get(key) is live:
                 del self._live[key]
-            if self._recent.get(key) == live.handle.payload_id:
+            if key in self._recent and self._recent[key][0] is live.handle:
                 del self._recent[key]
         self._withdraw(live)
 
-    @staticmethod
-    def _withdraw(live: _Live) -> None:
-        try:
-            live.future.result()
-        except BaseException:
-            return  # a failed commit already discarded its bytes
-        live.transport.discard(live.handle)
+    def _withdraw(self, live: _Live) -> None:
+        """Stop further chunks, let running commits finish, then remove every byte."""
+        with self._lock:
+            if not live.future.done():  # a stream never finished: stop it here
+                live.future.set_exception(PayloadError("publication released before all chunks"))
+            if live.inflight == 0:
+                live.settled.set()
+        live.settled.wait()  # a put still writing cannot be removed (Mooncake -703)
+        live.transport.discard(live.handle)  # idempotent: fine after a failed commit
 
     def cleanup(self, request_id: str) -> int:
         with self._lock:
             lives = [self._live.pop(k) for k in [k for k in self._live if k[0] == request_id]]
-            recent = [k for k in self._recent if k[0] == request_id]
-            for k in recent:
-                del self._recent[k]
+            recent = [self._recent.pop(k) for k in [k for k in self._recent if k[0] == request_id]]
         for live in lives:
             self._withdraw(live)
+        for handle, transport in recent:
+            transport.discard(handle)
         return len(lives) + len(recent)
 
     def live_count(self) -> int:
@@ -224,6 +291,10 @@ class _Publisher:
             return len(self._live)
 
     def close(self) -> None:
+        with self._lock:
+            for live in self._live.values():  # streams never completed end here
+                if not live.future.done():
+                    live.future.set_exception(PayloadError("connector closed mid-stream"))
         self._pool.shutdown(wait=True)
         with self._lock:
             lives, self._live = list(self._live.values()), {}
@@ -246,6 +317,7 @@ class _Receiver:
 
     def __init__(self, transports: _Transports, pool_bytes: int, device: str) -> None:
         self._transports = transports
+        self._fetchers: ThreadPoolExecutor | None = None  # for chunked (streamed) fetches
         self._pool_bytes = pool_bytes
         self._device = device
         self._pool_buf: Any = None
@@ -264,17 +336,47 @@ class _Receiver:
         tensors, regions, offsets = self._destinations(h, dst)
         if offsets:
             self._pin_pool(transport)
+        deadline = time.monotonic() + timeout
+        got = ReceivedPayload(
+            h, tensors, lambda: self._free(offsets), lambda i: _chunk_views(h, tensors, i), deadline
+        )
+        if h.num_chunks == 1:  # nothing to overlap: fetch here and raise here
+            try:
+                self._fetch(transport, h, regions, deadline, got)
+            except BaseException:
+                self._free(offsets)
+                raise
+            return got
+        with self._lock:
+            if self._fetchers is None:
+                self._fetchers = ThreadPoolExecutor(4, thread_name_prefix="mcd-consume")
+            fetchers = self._fetchers
+        fetchers.submit(self._fetch_quietly, transport, h, regions, deadline, got)
+        return got
+
+    def _fetch(
+        self,
+        transport: Transport,
+        h: PayloadHandle,
+        regions: list[Region],
+        deadline: float,
+        got: ReceivedPayload,
+    ) -> None:
         try:
-            transport.fetch(h, regions, time.monotonic() + timeout)
-        except BaseException:
-            self._free(offsets)
+            got.path = transport.fetch(h, regions, plan_for(h), deadline, got._chunk_landed)
+        except BaseException as e:
+            got._finish(e)
             raise
         if h.lease == "delete_on_consume":
             with self._lock:
                 self._consumed[h.payload_id] = None
                 while len(self._consumed) > self._LEDGER_MAX:
                     self._consumed.popitem(last=False)
-        return ReceivedPayload(h, tensors, lambda: self._free(offsets))
+        got._finish(None)
+
+    def _fetch_quietly(self, *args: Any) -> None:
+        with contextlib.suppress(BaseException):  # the error is handed to the caller
+            self._fetch(*args)
 
     def _destinations(
         self, h: PayloadHandle, dst: Any
@@ -339,6 +441,22 @@ class _Receiver:
     def pool_in_use(self) -> int:
         return self._freelist.used
 
+    def close(self) -> None:
+        """Wait for streamed fetches still running, then stop their threads."""
+        if self._fetchers is not None:
+            self._fetchers.shutdown(wait=True)
+
+
+def _chunk_views(h: PayloadHandle, tensors: dict[str, Any], index: int) -> dict[str, Any]:
+    """Views of chunk ``index`` of every tensor (the whole tensors when unchunked)."""
+    if h.chunk_dim is None:
+        return tensors
+    views = {}
+    for spec in h.tensors:
+        start, stop = chunk_bounds(spec.shape[h.chunk_dim], h.num_chunks)[index]
+        views[spec.name] = narrow(tensors[spec.name], h.chunk_dim, start, stop - start)
+    return views
+
 
 def _as_handle(handle: Any) -> PayloadHandle:
     if isinstance(handle, PayloadHandle):
@@ -387,15 +505,19 @@ class DiffusionConnector:
         self._receiver = _Receiver(self._transports, receive_pool_bytes, receive_device)
         self._closed = False
 
-    def publish(self, payload: StagePayload, *, consumer: str | None = None) -> Publication:
+    def publish(
+        self, payload: StagePayload, *, consumer: str | None = None, stream: bool = False
+    ) -> Publication:
         """Start publishing ``payload``; returns at once (see ``Publication``).
 
         ``consumer`` names a consumer known and ready now; in ``auto`` mode that
-        selects p2p. Raises ``PayloadError`` for unusable tensors and
+        selects p2p. With ``stream=True`` the tensors may still be being
+        computed: chunk ``i`` moves once ``Publication.chunk_ready(i)`` is called.
+        Raises ``PayloadError`` for unusable tensors or a bad chunk plan, and
         ``DuplicatePublishError`` if (request_id, kind) is still live here.
         """
         self._check_open()
-        return self._publisher.publish(payload, consumer)
+        return self._publisher.publish(payload, consumer, stream)
 
     def consume(
         self,
@@ -404,13 +526,17 @@ class DiffusionConnector:
         *,
         timeout: float | None = None,
     ) -> ReceivedPayload:
-        """Receive a payload in place; blocks until it has landed.
+        """Receive a payload in place.
 
         ``dst`` is a tensor (single-tensor payloads) or a dict of tensors by
         name, written in place and returned as-is; without it, tensors are views
         into connector-owned registered memory, valid until ``release()``.
-        Raises ``HandleError``, ``DestinationMismatchError``, ``PayloadGoneError``
-        (``AlreadyConsumedError``), ``TransferError`` or ``DeadlineExceededError``.
+        An unchunked payload has landed when this returns; a chunked one is
+        fetched in the background: iterate the result to get each chunk as it
+        lands. Bad input raises here (``HandleError``, ``DestinationMismatchError``,
+        ``AlreadyConsumedError`` for a payload this connector consumed); transfer
+        errors (``PayloadGoneError``, ``TransferError``, ``DeadlineExceededError``)
+        raise here or, for chunked payloads, from the iteration.
         """
         self._check_open()
         return self._receiver.consume(handle, dst, timeout or self.timeout_s)
@@ -472,6 +598,7 @@ class DiffusionConnector:
             return
         self._closed = True
         self._publisher.close()
+        self._receiver.close()
         self._transports.close()
 
     def __enter__(self) -> DiffusionConnector:

@@ -92,6 +92,8 @@ def _publish(
         tensor=x,
         lease=cmd.get("lease", "delete_on_consume"),
         meta={"seed": cmd["seed"]},
+        chunk_dim=cmd.get("chunk_dim"),
+        num_chunks=cmd.get("num_chunks", 1),
     )
     t0 = time.perf_counter()
     pub = conn.publish(payload)
@@ -150,15 +152,17 @@ class ProducerProcess:
 
 # --------------------------------------------------------------------------- the demo
 _PATHS = {
-    "p2p": "Transfer Engine: producer pushes into the consumer (batch write)",
+    "p2p": "p2p: producer writes into the consumer (same host: one memory copy)",
+    "p2p-net": "p2p over the network: Transfer Engine batch write (loopback TCP here)",
     "store": "Mooncake Store: producer -> store host -> consumer",
 }
+MODES = tuple(_PATHS)
 
 
 def run_demo(
     shape: tuple[int, ...] = WAN_720P_LATENT,
     dtype: str = "bfloat16",
-    modes: tuple[str, ...] = ("p2p", "store"),
+    modes: tuple[str, ...] = MODES,
     repeats: int = 3,
     out: TextIO = sys.stdout,
 ) -> list[dict]:
@@ -179,14 +183,18 @@ def run_demo(
             f"cluster up in {time.perf_counter() - t0:.1f}s: master {cluster.settings.master}, "
             f"store host with a {pool / 2**30:.1f} GiB pool"
         )
+        net = dataclasses.replace(cluster.settings, same_host=False)
         with (
             ProducerProcess(cluster.settings) as producer,
             DiffusionConnector("decode", "auto", cluster.settings) as consumer,
+            DiffusionConnector("decode", "p2p", net) as net_consumer,
         ):
             dst = torch.empty(shape, dtype=getattr(torch, dtype))
             consumer.register(dst)
+            net_consumer.register(dst)
             for mode in modes:
-                rows.append(_demo_mode(producer, consumer, dst, mode, repeats, say))
+                conn = net_consumer if mode == "p2p-net" else consumer
+                rows.append(_demo_mode(producer, conn, dst, mode, repeats, say))
             leftover = cluster.keys()
         say("")
         say(_table(rows, nbytes))
@@ -213,7 +221,7 @@ def _demo_mode(
         seed = 1000 + i
         r = producer.request(
             op="publish",
-            mode=mode,
+            mode=mode.removesuffix("-net"),
             request_id=f"demo-{mode}-{i}",
             dtype=str(dst.dtype)[6:],
             shape=list(dst.shape),
@@ -229,14 +237,16 @@ def _demo_mode(
         expected = make_tensor(str(dst.dtype)[6:], tuple(dst.shape), seed)
         ok = torch.equal(got.tensor.view(-1).view(torch.uint8), expected.view(-1).view(torch.uint8))
         verified &= ok
+        path = got.path
         got.release()
         say(
             f"  transfer {i + 1}/{repeats}: handle {len(handle)} B, producer wait "
-            f"{r['wait_s'] * 1e3:.1f} ms, consume {times[-1] * 1e3:.1f} ms, bytes equal: {ok}"
+            f"{r['wait_s'] * 1e3:.1f} ms, consume {times[-1] * 1e3:.1f} ms via {path}, "
+            f"bytes equal: {ok}"
         )
     return {
         "mode": mode,
-        "path": _PATHS[mode],
+        "path": f"{path}: {_PATHS[mode]}",
         "consume_s": sorted(times)[len(times) // 2],
         "publish_wait_s": sorted(waits)[len(waits) // 2],
         "verified": verified,

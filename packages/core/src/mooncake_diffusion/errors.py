@@ -16,7 +16,7 @@ boundary, so no caller above them ever sees a raw code such as ``-706``.
     ├── TransferError               bytes did not move                          [retryable]
     │   └── PeerGoneError             the producer or store host is unreachable  [retryable]
     ├── StoreFullError              the store pool has no room (-200)           [retryable]
-    ├── LeasedError                 the object is leased by a reader (-706)     [retryable]
+    ├── LeasedError                 leased by a reader (-706) or mid-put (-703) [retryable]
     ├── DeadlineExceededError (TimeoutError)  a wait ran past its deadline      [retryable]
     └── MooncakeError               any other Mooncake failure, with its code
 

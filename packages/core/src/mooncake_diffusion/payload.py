@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable, Generator, Mapping
+import threading
+import time
+from collections.abc import Callable, Generator, Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -12,7 +14,7 @@ from typing import Any
 from mooncake_diffusion.errors import DeadlineExceededError, PayloadError
 from mooncake_diffusion.schema import MAX_META_BYTES, Kind, LeaseMode, PayloadHandle
 
-__all__ = ["Publication", "ReceivedPayload", "StagePayload"]
+__all__ = ["ChunkView", "Publication", "ReceivedPayload", "StagePayload"]
 
 _KINDS = ("embedding", "latent", "feature", "checkpoint")
 _LEASES = ("delete_on_consume", "shared")
@@ -26,6 +28,10 @@ class StagePayload:
     ``delete_on_consume`` (one consumer; removed once read) or ``shared``
     (many readers until released). The tensors must stay unchanged until the
     publication is done (store) or consumed (p2p).
+
+    ``chunk_dim``/``num_chunks`` cut every tensor into ``num_chunks`` slices
+    along ``chunk_dim`` (negative counts from the end) that move, and are
+    consumed, one by one: e.g. ``chunk_dim=2`` is T of ``[B, C, T, H, W]``.
     """
 
     request_id: str
@@ -34,6 +40,8 @@ class StagePayload:
     tensor: Any = None
     meta: Mapping[str, Any] = field(default_factory=dict)
     lease: LeaseMode = "delete_on_consume"
+    chunk_dim: int | None = None
+    num_chunks: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not 0 < len(self.request_id) <= 256:
@@ -51,6 +59,10 @@ class StagePayload:
             object.__setattr__(self, "tensor", None)
         if not self.tensors:
             raise PayloadError("a payload needs at least one tensor")
+        if not isinstance(self.num_chunks, int) or self.num_chunks < 1:
+            raise PayloadError(f"num_chunks must be a positive int, got {self.num_chunks!r}")
+        if self.num_chunks > 1 and self.chunk_dim is None:
+            raise PayloadError("num_chunks > 1 needs a chunk_dim")
         try:
             meta_json = json.dumps(dict(self.meta), separators=(",", ":"), allow_nan=False)
         except (TypeError, ValueError) as e:
@@ -67,17 +79,29 @@ class StagePayload:
 class Publication:
     """A publish in flight: ``handle`` is usable at once; the bytes may still move.
 
-    ``wait(timeout)`` blocks until the payload can be consumed and re-raises any
+    ``wait(timeout)`` blocks until every chunk can be consumed and re-raises any
     publish error; ``await publication`` does the same in asyncio. ``release()``
-    withdraws the payload wherever it is (idempotent).
+    withdraws the payload wherever it is (idempotent). A streaming publication
+    (``publish(..., stream=True)``) moves chunk ``i`` only after
+    ``chunk_ready(i)``: call it as soon as the producer has written that slice.
     """
 
     def __init__(
-        self, handle: PayloadHandle, future: Future[None], release: Callable[[], None]
+        self,
+        handle: PayloadHandle,
+        future: Future[None],
+        release: Callable[[], None],
+        chunk_ready: Callable[[int], None],
     ) -> None:
         self.handle = handle
         self._future = future
         self._release = release
+        self._chunk_ready = chunk_ready
+
+    def chunk_ready(self, index: int) -> None:
+        """Chunk ``index`` of a streaming publication is written: start moving it.
+        Raises ``PayloadError`` for an index out of range or already marked."""
+        self._chunk_ready(index)
 
     def wait(self, timeout: float | None = None) -> PayloadHandle:
         try:
@@ -103,28 +127,111 @@ class Publication:
         self._release()
 
 
+@dataclass(frozen=True)
+class ChunkView:
+    """Chunk ``index`` of a received payload: views of the destination, no copies."""
+
+    index: int
+    tensors: dict[str, Any]
+
+    @property
+    def tensor(self) -> Any:
+        if len(self.tensors) != 1:
+            raise PayloadError(f"payload has {len(self.tensors)} tensors: {list(self.tensors)}")
+        return next(iter(self.tensors.values()))
+
+
 class ReceivedPayload:
-    """Consumed tensors: views into the caller's ``dst`` or into connector-owned
-    registered memory. ``release()`` (or leaving a ``with`` block) returns the
-    connector-owned memory; views must not be used after that."""
+    """A payload being received into views of the caller's ``dst`` or of
+    connector-owned registered memory.
+
+    Iterating yields each chunk in order as soon as it has landed, while later
+    chunks may still be moving; ``chunk(i)`` waits for one chunk; ``tensors``,
+    ``tensor`` and ``wait()`` wait for all of them. Transfer errors surface
+    there. ``release()`` (or leaving a ``with`` block) waits for the transfer to
+    end and returns connector-owned memory; views must not be used after that.
+    """
 
     def __init__(
-        self, handle: PayloadHandle, tensors: dict[str, Any], release: Callable[[], None]
+        self,
+        handle: PayloadHandle,
+        tensors: dict[str, Any],
+        release: Callable[[], None],
+        chunk_view: Callable[[int], dict[str, Any]],
+        deadline: float,
     ) -> None:
         self.handle = handle
-        self.tensors = tensors
+        self._tensors = tensors
         self._release: Callable[[], None] | None = release
+        self._chunk_view = chunk_view
+        self._deadline = deadline
+        #: how the bytes came: "p2p/net", "p2p/shm", "store" or "memory" (once done)
+        self.path = ""
+        self._landed = [threading.Event() for _ in range(handle.num_chunks)]
+        self._arrived: set[int] = set()
+        self._done = threading.Event()
+        self._error: BaseException | None = None
 
+    # called by the connector's fetch ---------------------------------------
+    def _chunk_landed(self, index: int) -> None:
+        self._arrived.add(index)
+        self._landed[index].set()
+
+    def _finish(self, error: BaseException | None) -> None:
+        self._error = error
+        self._done.set()
+        for event in self._landed:  # wake every waiter; they check what arrived
+            event.set()
+
+    # the caller's side -------------------------------------------------------
     @property
     def meta(self) -> dict[str, Any]:
         return self.handle.meta
 
     @property
+    def num_chunks(self) -> int:
+        return self.handle.num_chunks
+
+    def _until(self, event: threading.Event, timeout: float | None, what: str) -> None:
+        # the transfer enforces the deadline itself; the grace lets its error win
+        left = self._deadline - time.monotonic() + 1.0 if timeout is None else timeout
+        if not event.wait(max(left, 0.0)):
+            raise DeadlineExceededError(f"{what} of {self.handle.payload_id} not in time")
+
+    def chunk(self, index: int, timeout: float | None = None) -> ChunkView:
+        """Wait for chunk ``index`` (any order) and return its views."""
+        if not 0 <= index < self.num_chunks:
+            raise PayloadError(f"chunk {index} out of range 0..{self.num_chunks - 1}")
+        self._until(self._landed[index], timeout, f"chunk {index}")
+        if index not in self._arrived:
+            assert self._error is not None
+            raise self._error
+        return ChunkView(index, self._chunk_view(index))
+
+    def __iter__(self) -> Iterator[ChunkView]:
+        for i in range(self.num_chunks):
+            yield self.chunk(i)
+
+    def wait(self, timeout: float | None = None) -> ReceivedPayload:
+        """Block until every chunk has landed; re-raises the transfer's error."""
+        self._until(self._done, timeout, "payload")
+        if self._error is not None:
+            raise self._error
+        return self
+
+    @property
+    def tensors(self) -> dict[str, Any]:
+        """Every tensor, whole, once all chunks have landed."""
+        self.wait()
+        return self._tensors
+
+    @property
     def tensor(self) -> Any:
-        """The only tensor of a single-tensor payload."""
-        if len(self.tensors) != 1:
-            raise PayloadError(f"payload has {len(self.tensors)} tensors: {list(self.tensors)}")
-        return next(iter(self.tensors.values()))
+        """The only tensor of a single-tensor payload (waits for all chunks)."""
+        tensors = self.tensors
+        if len(tensors) != 1:
+            raise PayloadError(f"payload has {len(tensors)} tensors: {list(tensors)}")
+        return next(iter(tensors.values()))
 
     def __getitem__(self, name: str) -> Any:
         return self.tensors[name]
@@ -132,6 +239,7 @@ class ReceivedPayload:
     def release(self) -> None:
         release, self._release = self._release, None
         if release is not None:
+            self._done.wait()  # never hand memory back while bytes may still land in it
             release()
 
     def __enter__(self) -> ReceivedPayload:

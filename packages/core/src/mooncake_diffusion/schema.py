@@ -9,8 +9,9 @@ decodes the body with full validation (dtype names, shapes, byte ranges, size
 limits) and raises ``HandleError`` naming what is wrong.
 
 Version history:
-    1  first version: TensorSpec, PayloadHandle with P2PSource | StoreSource |
-       MemorySource, FetchRequest/FetchReply for the p2p side channel.
+    1  first version: TensorSpec, PayloadHandle (with chunk_dim/num_chunks) and
+       P2PSource | StoreSource | MemorySource; FetchRequest, ChunkDone and
+       FetchReply on the p2p side channel.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ __all__ = [
     "DTYPE_SIZES",
     "MAGIC",
     "SCHEMA_VERSION",
+    "ChunkDone",
     "FetchReply",
     "FetchRequest",
     "Kind",
@@ -37,6 +39,7 @@ __all__ = [
     "PayloadHandle",
     "StoreSource",
     "TensorSpec",
+    "check_chunking",
     "decode_handle",
     "decode_message",
     "encode",
@@ -116,6 +119,30 @@ class TensorSpec(msgspec.Struct, frozen=True, array_like=True):
         return self.numel * DTYPE_SIZES[self.dtype]
 
 
+MAX_CHUNKS = 1024
+
+
+def check_chunking(
+    tensors: tuple[TensorSpec, ...] | list[TensorSpec], chunk_dim: int | None, num_chunks: int
+) -> None:
+    """Raise ``ValueError`` unless every tensor can be cut ``num_chunks`` ways along
+    ``chunk_dim`` (non-negative; ``None`` means unchunked, with ``num_chunks`` 1)."""
+    if chunk_dim is None:
+        _check(num_chunks == 1, "num_chunks needs a chunk_dim")
+        return
+    _check(1 <= num_chunks <= MAX_CHUNKS, f"num_chunks must be 1..{MAX_CHUNKS}")
+    for t in tensors:
+        _check(
+            0 <= chunk_dim < len(t.shape),
+            f"chunk_dim {chunk_dim} is out of range for tensor {t.name!r} of rank {len(t.shape)}",
+        )
+        _check(
+            num_chunks <= t.shape[chunk_dim],
+            f"{num_chunks} chunks is more than dim {chunk_dim} of tensor {t.name!r} "
+            f"(size {t.shape[chunk_dim]})",
+        )
+
+
 class P2PSource(msgspec.Struct, frozen=True, array_like=True, tag=1):
     """Bytes stay in the producer's registered memory until a consumer fetches them.
 
@@ -154,6 +181,8 @@ class PayloadHandle(msgspec.Struct, frozen=True, array_like=True):
     source: P2PSource | StoreSource | MemorySource
     meta_json: str = "{}"
     ttl_s: float | None = None
+    chunk_dim: int | None = None
+    num_chunks: int = 1
 
     def __post_init__(self) -> None:
         _check(0 < len(self.request_id) <= 256, "request_id length must be 1..256")
@@ -163,6 +192,7 @@ class PayloadHandle(msgspec.Struct, frozen=True, array_like=True):
         _check(len(set(names)) == len(names), f"duplicate tensor names in {names}")
         _check(len(self.meta_json) <= MAX_META_BYTES, "meta is larger than 8 KiB")
         _check(self.ttl_s is None or self.ttl_s > 0, "ttl_s must be positive")
+        check_chunking(self.tensors, self.chunk_dim, self.num_chunks)
         kinds = {"p2p": P2PSource, "store": StoreSource, "memory": MemorySource}
         _check(
             isinstance(self.source, kinds[self.transport]),
@@ -186,13 +216,26 @@ class FetchRequest(msgspec.Struct, frozen=True, array_like=True, tag=10):
     """Consumer -> producer on the p2p side channel: write the payload into my buffers.
 
     ``addrs``/``lengths`` are the consumer's registered destinations, one per
-    non-empty tensor, in handle order.
+    tensor in handle order (0/0 for an empty tensor). ``host``/``pid`` identify
+    the consumer process for the same-host path ("" / 0: use the network).
     """
 
     payload_id: str
     segment: str
     addrs: tuple[int, ...]
     lengths: tuple[int, ...]
+    host: str = ""
+    pid: int = 0
+
+
+class ChunkDone(msgspec.Struct, frozen=True, array_like=True, tag=12):
+    """Producer -> consumer: chunk ``index`` has landed in the consumer's buffers.
+
+    Zero or more precede the final ``FetchReply``; ``path`` is ``net`` or ``shm``.
+    """
+
+    index: int
+    path: str = "net"
 
 
 class FetchReply(msgspec.Struct, frozen=True, array_like=True, tag=11):
@@ -212,10 +255,10 @@ class _Envelope(msgspec.Struct, frozen=True, array_like=True):
 _encoder = msgspec.msgpack.Encoder()
 _envelope_decoder = msgspec.msgpack.Decoder(_Envelope)
 _handle_decoder = msgspec.msgpack.Decoder(PayloadHandle)
-_message_decoder = msgspec.msgpack.Decoder(FetchRequest | FetchReply)
+_message_decoder = msgspec.msgpack.Decoder(FetchRequest | FetchReply | ChunkDone)
 
 
-def encode(obj: PayloadHandle | FetchRequest | FetchReply) -> bytes:
+def encode(obj: PayloadHandle | FetchRequest | FetchReply | ChunkDone) -> bytes:
     """Encode a schema object inside the versioned envelope."""
     return _encoder.encode(_Envelope(MAGIC, SCHEMA_VERSION, msgspec.Raw(_encoder.encode(obj))))
 
@@ -254,7 +297,9 @@ def decode_handle(data: bytes | bytearray | memoryview) -> PayloadHandle:
         raise HandleError(f"invalid handle: {_named(e)}") from None
 
 
-def decode_message(data: bytes | bytearray | memoryview) -> FetchRequest | FetchReply:
+def decode_message(
+    data: bytes | bytearray | memoryview,
+) -> FetchRequest | FetchReply | ChunkDone:
     """Decode a side-channel message; raises ``HandleError`` on anything unexpected."""
     body = _open(data, "message")
     try:

@@ -26,6 +26,7 @@ class MooncakeSettings:
     address (``-metrics_port``, default 9003), used for the fast health probe
     and for listing keys; when ``None`` it is the master's host with port 9003.
     ``local_hostname`` is the address peers use to reach this process.
+    ``MOONCAKE_DIFFUSION_SAME_HOST=0`` turns the same-host path off.
     """
 
     master: str = "127.0.0.1:50051"
@@ -34,6 +35,9 @@ class MooncakeSettings:
     protocol: str = "tcp"
     device: str = ""
     connect_timeout_s: float = 5.0
+    #: p2p between two processes of one host copies memory directly
+    #: (``process_vm_writev``) instead of going through loopback TCP.
+    same_host: bool = True
 
     def __post_init__(self) -> None:
         split_address(self.master, "master")
@@ -59,7 +63,10 @@ class MooncakeSettings:
             "protocol": os.environ.get("MOONCAKE_PROTOCOL"),
             "device": os.environ.get("MOONCAKE_DEVICE"),
         }
-        merged = {k: v for k, v in env.items() if v is not None}
+        merged: dict[str, object] = {k: v for k, v in env.items() if v is not None}
+        same_host = os.environ.get("MOONCAKE_DIFFUSION_SAME_HOST")
+        if same_host is not None:
+            merged["same_host"] = same_host.strip().lower() not in ("0", "false", "no", "off")
         merged.update({k: v for k, v in overrides.items() if v is not None})
         return replace(cls(), **merged)  # type: ignore[arg-type]
 

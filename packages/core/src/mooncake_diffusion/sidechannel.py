@@ -16,7 +16,13 @@ import time
 from collections.abc import Callable
 
 from mooncake_diffusion.errors import DeadlineExceededError, HandleError, PeerGoneError
-from mooncake_diffusion.schema import FetchReply, FetchRequest, decode_message, encode
+from mooncake_diffusion.schema import (
+    ChunkDone,
+    FetchReply,
+    FetchRequest,
+    decode_message,
+    encode,
+)
 from mooncake_diffusion.settings import split_address
 
 __all__ = ["SideChannelClient", "SideChannelServer"]
@@ -51,11 +57,17 @@ class SideChannelServer:
     """Serves ``FetchRequest``s with ``handler``, one thread per consumer connection.
 
     Connections are persistent: a consumer reuses one for many fetches, so a
-    fetch costs one round trip and no connection set-up. ``handler`` runs on
-    the connection's thread and may block (it performs the transfer).
+    fetch costs one round trip and no connection set-up. ``handler(request,
+    progress)`` runs on the connection's thread, may block (it performs the
+    transfer) and calls ``progress(ChunkDone(i))`` as each chunk lands; its
+    ``FetchReply`` ends the exchange.
     """
 
-    def __init__(self, host: str, handler: Callable[[FetchRequest], FetchReply]) -> None:
+    def __init__(
+        self,
+        host: str,
+        handler: Callable[[FetchRequest, Callable[[ChunkDone], None]], FetchReply],
+    ) -> None:
         self._handler = handler
         self._sock = socket.create_server((host, 0))
         self._sock.settimeout(0.25)
@@ -95,11 +107,13 @@ class SideChannelServer:
                 try:
                     msg = decode_message(data)
                     if isinstance(msg, FetchRequest):
-                        reply = self._handler(msg)
+                        reply = self._handler(msg, lambda done: _send(conn, encode(done)))
                     else:
                         reply = FetchReply("failed", "expected a FetchRequest")
                 except HandleError as e:
                     reply = FetchReply("failed", f"bad request: {e}")
+                except OSError:
+                    return  # the consumer went away mid-transfer
                 try:
                     _send(conn, encode(reply))
                 except OSError:
@@ -139,30 +153,56 @@ class SideChannelClient:
         self._idle: dict[str, list[socket.socket]] = {}
         self._lock = threading.Lock()
 
-    def call(self, endpoint: str, request: FetchRequest, deadline: float) -> FetchReply:
-        """Send ``request`` and wait for the reply until ``deadline``
-        (``time.monotonic()``); raises ``PeerGoneError`` or ``DeadlineExceededError``.
+    def call(
+        self,
+        endpoint: str,
+        request: FetchRequest,
+        deadline: float,
+        on_progress: Callable[[ChunkDone], None],
+    ) -> FetchReply:
+        """Send ``request``, pass each ``ChunkDone`` to ``on_progress`` and return the
+        final reply, all before ``deadline`` (``time.monotonic()``); raises
+        ``PeerGoneError`` or ``DeadlineExceededError``.
 
-        A reused connection that turns out closed (the producer restarted or
-        dropped it) is replaced once by a fresh one.
+        A reused connection that turns out closed before any answer (the
+        producer restarted or dropped it) is replaced once by a fresh one.
         """
         with self._lock:
             idle = self._idle.get(endpoint)
             sock = idle.pop() if idle else None
         if sock is not None:
+            progressed = False
+
+            def seen(done: ChunkDone) -> None:
+                nonlocal progressed
+                progressed = True
+                on_progress(done)
+
             try:
-                return self._exchange(endpoint, sock, request, deadline)
+                return self._exchange(endpoint, sock, request, deadline, seen)
             except PeerGoneError:
-                pass  # stale pooled connection: retry once on a new one
-        return self._exchange(endpoint, _connect(endpoint, deadline), request, deadline)
+                if progressed:  # the producer was serving this request: do not repeat it
+                    raise
+        sock = _connect(endpoint, deadline)
+        return self._exchange(endpoint, sock, request, deadline, on_progress)
 
     def _exchange(
-        self, endpoint: str, sock: socket.socket, request: FetchRequest, deadline: float
+        self,
+        endpoint: str,
+        sock: socket.socket,
+        request: FetchRequest,
+        deadline: float,
+        on_progress: Callable[[ChunkDone], None],
     ) -> FetchReply:
         try:
             sock.settimeout(max(deadline - time.monotonic(), 0.001))
             _send(sock, encode(request))
-            reply = decode_message(_recv(sock))
+            while True:
+                reply = decode_message(_recv(sock))
+                if not isinstance(reply, ChunkDone):
+                    break
+                on_progress(reply)
+                sock.settimeout(max(deadline - time.monotonic(), 0.001))
         except TimeoutError:
             sock.close()
             raise DeadlineExceededError(f"producer {endpoint} did not answer in time") from None

@@ -163,3 +163,12 @@ def view_of(buffer: Any, offset: int, spec: TensorSpec) -> Any:
     if spec.dtype not in _NUMPY_NAMES:
         raise PayloadError(f"dtype {spec.dtype} needs torch installed to be received")
     return buffer[offset : offset + n].view(_NUMPY_NAMES[spec.dtype]).reshape(spec.shape)
+
+
+def narrow(t: Any, dim: int, start: int, length: int) -> Any:
+    """The view ``t[..., start:start + length, ...]`` along ``dim``; no copy."""
+    if _is_torch(t):
+        return t.narrow(dim, start, length)
+    index = [slice(None)] * t.ndim
+    index[dim] = slice(start, start + length)
+    return t[tuple(index)]

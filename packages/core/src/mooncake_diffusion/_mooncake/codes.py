@@ -13,6 +13,7 @@ from mooncake_diffusion.errors import (
 
 NO_AVAILABLE_HANDLE = -200
 INVALID_PARAMS = -600
+REPLICA_NOT_READY = -703
 OBJECT_NOT_FOUND = -704
 OBJECT_ALREADY_EXISTS = -705
 OBJECT_HAS_LEASE = -706
@@ -24,6 +25,7 @@ RPC_TIMEOUT = -901
 _NAMES = {
     NO_AVAILABLE_HANDLE: "NO_AVAILABLE_HANDLE",
     INVALID_PARAMS: "INVALID_PARAMS",
+    REPLICA_NOT_READY: "REPLICA_IS_NOT_READY",
     OBJECT_NOT_FOUND: "OBJECT_NOT_FOUND",
     OBJECT_ALREADY_EXISTS: "OBJECT_ALREADY_EXISTS",
     OBJECT_HAS_LEASE: "OBJECT_HAS_LEASE",
@@ -46,6 +48,8 @@ def error_for(code: int, what: str) -> Exception:
         return LeasedError(f"{msg}: a reader holds a lease on the object")
     if code == TRANSFER_FAIL:
         return PeerGoneError(f"{msg}: the process holding the bytes is unreachable")
+    if code == REPLICA_NOT_READY:
+        return LeasedError(f"{msg}: the object is still being written")
     if code in (LEASE_EXPIRED, RPC_FAIL, RPC_TIMEOUT):
         return TransferError(msg)
     return MooncakeError(msg, code)

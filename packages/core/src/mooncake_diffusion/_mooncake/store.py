@@ -10,7 +10,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from mooncake_diffusion._mooncake import import_mooncake
-from mooncake_diffusion._mooncake.codes import OBJECT_NOT_FOUND, check, error_for
+from mooncake_diffusion._mooncake.codes import (
+    OBJECT_NOT_FOUND,
+    REPLICA_NOT_READY,
+    check,
+    error_for,
+)
 from mooncake_diffusion._mooncake.master import probe_master
 from mooncake_diffusion.errors import MasterUnavailableError
 from mooncake_diffusion.registration import Registrations
@@ -61,9 +66,15 @@ class StoreClient:
         return cfg
 
     def put_many(
-        self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int], *, pin: str
+        self,
+        keys: Sequence[str],
+        ptrs: Sequence[Sequence[int]],
+        sizes: Sequence[Sequence[int]],
+        *,
+        pin: str,
     ) -> None:
-        """Store each registered ``ptrs[i]`` under ``keys[i]``; all or nothing.
+        """Store under ``keys[i]`` the bytes of registered buffers ``ptrs[i]`` (sizes
+        ``sizes[i]``), gathered in order into one object; all or nothing.
 
         ``pin`` is ``"hard"`` (never evicted), ``"soft"`` (evicted last) or
         ``"none"``. On any failure the keys that did land are removed and the
@@ -71,7 +82,9 @@ class StoreClient:
         """
         if not keys:
             return
-        codes = self._store.batch_put_from(list(keys), list(ptrs), list(sizes), self._config(pin))
+        codes = self._store.batch_put_from_multi_buffers(
+            list(keys), [list(p) for p in ptrs], [list(n) for n in sizes], self._config(pin)
+        )
         failed = [(k, c) for k, c in zip(keys, codes, strict=True) if c < 0]
         if failed:
             self.remove_many([k for k, c in zip(keys, codes, strict=True) if c >= 0])
@@ -87,10 +100,12 @@ class StoreClient:
         """
         if not keys:
             return []
-        codes = self._store.batch_get_into(list(keys), list(ptrs), list(sizes))
+        codes = self._store.batch_get_into_multi_buffers(
+            list(keys), [list(p) for p in ptrs], [list(n) for n in sizes]
+        )
         found = []
         for key, code in zip(keys, codes, strict=True):
-            if code == OBJECT_NOT_FOUND:
+            if code in (OBJECT_NOT_FOUND, REPLICA_NOT_READY):
                 found.append(False)
             else:
                 check(code, f"store get of {key!r}")

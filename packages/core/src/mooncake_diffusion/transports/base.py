@@ -1,45 +1,54 @@
-"""The transport contract: move the byte ranges of one payload between processes.
+"""The transport contract: move the chunks of one payload between processes.
 
 A transport knows nothing about diffusion. One instance per connector and
-mode; the connector calls, in this order:
+mode; a payload is a list of chunks (``chunks.plan``), each a list of byte
+segments of its tensors; an unchunked payload is one chunk. The connector
+calls, in this order:
 
-    producer side (DiffusionConnector.publish)
-      prepare(payload_id, regions, lease)  caller thread; cheap; returns the Source
-                                           that goes into the handle
-      commit(payload_id, source, regions, lease)
-                                           a publish worker thread; blocks while
-                                           bytes move; after it returns a
-                                           consumer can fetch
-      discard(source, handle)              release/cleanup/error: the bytes are
-                                           removed wherever they are; idempotent
+    producer side (DiffusionConnector.publish, Publication.chunk_ready)
+      prepare(payload_id, regions, lease, plan)
+                    caller thread; cheap; returns the Source for the handle
+      commit(payload_id, source, regions, lease, plan, chunk)
+                    a publish worker thread, once per chunk, in any order,
+                    possibly concurrently; blocks while bytes move; after it
+                    returns a consumer can receive that chunk
+      discard(handle)
+                    release/cleanup/error: every byte of the payload is removed
+                    wherever it is; idempotent; may race a fetch in progress
     consumer side (DiffusionConnector.consume)
-      fetch(handle, regions, deadline)     caller thread; blocks until every
-                                           region holds its bytes or raises
+      fetch(handle, regions, plan, deadline, on_chunk) -> path
+                    one thread; blocks until every chunk landed in ``regions``
+                    or raises; calls ``on_chunk(i)`` on that thread as chunk i
+                    lands (any order; once per chunk); returns how the bytes
+                    came ("p2p/net", "p2p/shm", "store", "memory")
     both
-      pin(region) / unpin(region)          register caller memory once
-      registered() -> (count, bytes, temporary)  for leak checks
-      close()                              idempotent; nothing stays registered
+      pin(region) / unpin(region)   register caller memory once
+      registered() -> (count, bytes, temporary)   for leak checks
+      close()                       idempotent; nothing stays registered
 
-Regions passed to ``prepare``/``commit`` must stay alive and unchanged until
-``commit`` returns (store) or the payload is consumed or discarded (p2p); the
-connector holds them. ``fetch`` regions are written in place. Errors are
-those of ``mooncake_diffusion.errors``; ``PayloadGoneError`` from ``fetch``
-means the payload is not there (consumed, expired or never published).
+Regions passed to ``prepare``/``commit`` must stay alive, and a chunk's bytes
+unchanged, until ``commit`` of that chunk returns (store) or the payload is
+consumed or discarded (p2p); the connector holds them. ``fetch`` regions are
+written in place. Errors are those of ``mooncake_diffusion.errors``;
+``PayloadGoneError`` from ``fetch`` means the payload is not there (consumed,
+expired or never published).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import ClassVar
 
+from mooncake_diffusion.chunks import Segment
 from mooncake_diffusion.schema import LeaseMode, PayloadHandle
 from mooncake_diffusion.settings import MooncakeSettings
 from mooncake_diffusion.tensors import Region
 
-__all__ = ["Transport"]
+__all__ = ["Plan", "Transport"]
 
 Source = object  # one of schema.P2PSource | StoreSource | MemorySource
+Plan = Sequence[Sequence[Segment]]
 
 
 class Transport(ABC):
@@ -51,18 +60,33 @@ class Transport(ABC):
         self.settings = settings
 
     @abstractmethod
-    def prepare(self, payload_id: str, regions: Sequence[Region], lease: LeaseMode) -> Source: ...
+    def prepare(
+        self, payload_id: str, regions: Sequence[Region], lease: LeaseMode, plan: Plan
+    ) -> Source: ...
 
     @abstractmethod
     def commit(
-        self, payload_id: str, source: Source, regions: Sequence[Region], lease: LeaseMode
+        self,
+        payload_id: str,
+        source: Source,
+        regions: Sequence[Region],
+        lease: LeaseMode,
+        plan: Plan,
+        chunk: int,
     ) -> None: ...
 
     @abstractmethod
     def discard(self, handle: PayloadHandle) -> None: ...
 
     @abstractmethod
-    def fetch(self, handle: PayloadHandle, regions: Sequence[Region], deadline: float) -> None: ...
+    def fetch(
+        self,
+        handle: PayloadHandle,
+        regions: Sequence[Region],
+        plan: Plan,
+        deadline: float,
+        on_chunk: Callable[[int], None],
+    ) -> str: ...
 
     @abstractmethod
     def pin(self, region: Region) -> None: ...

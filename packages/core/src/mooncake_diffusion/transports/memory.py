@@ -1,9 +1,9 @@
 """An in-process fake transport that obeys the transport contract exactly.
 
-Bytes are copied into a process-wide "fabric" dict at commit and out at
-fetch, so the layers above (connector, caches, orchestrator) can be unit
-tested in milliseconds. The contract tests run against it and against the
-real p2p and store transports alike. Registration is bookkeeping only.
+Bytes are copied into a process-wide "fabric" at commit (chunk by chunk) and
+out at fetch, so the layers above (connector, caches, orchestrator) can be
+unit tested in milliseconds. The contract tests run against it and against
+the real p2p and store transports alike. Registration is bookkeeping only.
 """
 
 from __future__ import annotations
@@ -11,18 +11,27 @@ from __future__ import annotations
 import ctypes
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 from mooncake_diffusion.errors import AlreadyConsumedError, PayloadGoneError
 from mooncake_diffusion.registration import Registrations
 from mooncake_diffusion.schema import LeaseMode, MemorySource, PayloadHandle
 from mooncake_diffusion.settings import MooncakeSettings
 from mooncake_diffusion.tensors import Region
-from mooncake_diffusion.transports.base import Transport
+from mooncake_diffusion.transports.base import Plan, Transport
 
 __all__ = ["MemoryTransport", "fabric_keys"]
 
-_FABRIC: dict[str, tuple[list[bytes] | None, LeaseMode]] = {}
+
+@dataclass
+class _Entry:
+    blobs: list[bytearray]
+    lease: LeaseMode
+    committed: set[int] = field(default_factory=set)
+
+
+_FABRIC: dict[str, _Entry] = {}
 _CONSUMED: set[str] = set()
 _LOCK = threading.Condition()
 
@@ -33,52 +42,82 @@ def fabric_keys() -> list[str]:
         return sorted(_FABRIC)
 
 
+def _address(blob: bytearray) -> int:
+    return ctypes.addressof((ctypes.c_char * len(blob)).from_buffer(blob)) if blob else 0
+
+
 class MemoryTransport(Transport):
     name = "memory"
 
     def __init__(self, settings: MooncakeSettings) -> None:
         super().__init__(settings)
         self.regs = Registrations(lambda p, n, d: None, lambda p: None)
-        self._mine: set[str] = set()
 
-    def prepare(self, payload_id: str, regions: Sequence[Region], lease: LeaseMode) -> MemorySource:
+    def prepare(
+        self, payload_id: str, regions: Sequence[Region], lease: LeaseMode, plan: Plan
+    ) -> MemorySource:
         with _LOCK:
-            _FABRIC[payload_id] = (None, lease)  # announced, bytes not there yet
-            self._mine.add(payload_id)
+            _FABRIC[payload_id] = _Entry([bytearray(r.nbytes) for r in regions], lease)
         return MemorySource("local")
 
     def commit(
-        self, payload_id: str, source: object, regions: Sequence[Region], lease: LeaseMode
+        self,
+        payload_id: str,
+        source: object,
+        regions: Sequence[Region],
+        lease: LeaseMode,
+        plan: Plan,
+        chunk: int,
     ) -> None:
-        blobs = [ctypes.string_at(r.ptr, r.nbytes) for r in regions]
         with _LOCK:
-            if payload_id in _FABRIC:  # not discarded meanwhile
-                _FABRIC[payload_id] = (blobs, lease)
+            entry = _FABRIC.get(payload_id)
+            if entry is None:  # discarded meanwhile
+                return
+            for s in plan[chunk]:
+                dst = _address(entry.blobs[s.tensor]) + s.offset
+                ctypes.memmove(dst, regions[s.tensor].ptr + s.offset, s.length)
+            entry.committed.add(chunk)
             _LOCK.notify_all()
 
     def discard(self, handle: PayloadHandle) -> None:
         with _LOCK:
             _FABRIC.pop(handle.payload_id, None)
-            self._mine.discard(handle.payload_id)
+            _LOCK.notify_all()
 
-    def fetch(self, handle: PayloadHandle, regions: Sequence[Region], deadline: float) -> None:
+    def fetch(
+        self,
+        handle: PayloadHandle,
+        regions: Sequence[Region],
+        plan: Plan,
+        deadline: float,
+        on_chunk: Callable[[int], None],
+    ) -> str:
+        pid = handle.payload_id
         with _LOCK:
-            while True:
-                entry = _FABRIC.get(handle.payload_id)
-                if entry is None:
-                    if handle.payload_id in _CONSUMED:
-                        raise AlreadyConsumedError(f"payload {handle.payload_id} was consumed")
-                    raise PayloadGoneError(f"payload {handle.payload_id} is not in the fabric")
-                if entry[0] is not None:
-                    break
-                if not _LOCK.wait(max(deadline - time.monotonic(), 0)):
-                    raise PayloadGoneError(f"payload {handle.payload_id} not committed in time")
-            blobs, lease = entry
-            if lease == "delete_on_consume":
-                del _FABRIC[handle.payload_id]
-                _CONSUMED.add(handle.payload_id)
-        for r, blob in zip(regions, blobs, strict=True):
-            ctypes.memmove(r.ptr, blob, len(blob))
+            if pid in _CONSUMED:
+                raise AlreadyConsumedError(f"payload {pid} was consumed")
+            if pid not in _FABRIC:
+                raise PayloadGoneError(f"payload {pid} is not in the fabric")
+            if handle.lease == "delete_on_consume":
+                _CONSUMED.add(pid)  # claimed by this fetch
+        for chunk, segments in enumerate(plan):
+            with _LOCK:
+                while True:
+                    entry = _FABRIC.get(pid)
+                    if entry is None:
+                        raise PayloadGoneError(f"payload {pid} was withdrawn")
+                    if chunk in entry.committed:
+                        break
+                    if not _LOCK.wait(max(deadline - time.monotonic(), 0)):
+                        raise PayloadGoneError(f"payload {pid} chunk {chunk} not there in time")
+                for s in segments:
+                    src = _address(entry.blobs[s.tensor]) + s.offset
+                    ctypes.memmove(regions[s.tensor].ptr + s.offset, src, s.length)
+            on_chunk(chunk)
+        if handle.lease == "delete_on_consume":
+            with _LOCK:
+                _FABRIC.pop(pid, None)
+        return "memory"
 
     def pin(self, region: Region) -> None:
         self.regs.pin(region)

@@ -1,19 +1,27 @@
-"""Peer to peer over the Transfer Engine: the producer pushes into the consumer.
+"""Peer to peer: the producer pushes each chunk straight into the consumer.
 
-Publishing only registers the producer's tensors (once per allocation) and
-records them; no byte moves until a consumer asks. ``fetch`` sends the
-consumer's registered destinations over the side channel; the producer
-claims the payload, writes it with ``batch_transfer_sync_write`` and replies.
+Publishing registers the producer's tensors (once per allocation) and records
+them; committing a chunk only marks it ready. ``fetch`` sends the consumer's
+registered destinations over the side channel; the producer claims the
+payload, then for each chunk in order waits until it is ready, writes it and
+sends ``ChunkDone(i)``, and ends with a ``FetchReply``. The consumer blocks in
+``recv`` between frames, so per-chunk completion costs no polling.
+
+Bytes move with Transfer Engine ``batch_transfer_sync_write``, or, when both
+processes share a kernel and PID namespace, with one ``process_vm_writev``
+copy (``samehost``), which falls back to the network if the kernel refuses.
 A delete-on-consume payload is claimed by exactly one fetch, even across
-processes; a failed write un-claims it so the consumer may retry.
+processes; a failed transfer un-claims it so the consumer may retry.
 """
 
 from __future__ import annotations
 
+import errno
+import os
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 from mooncake_diffusion._mooncake.engine import Engine
 from mooncake_diffusion.errors import (
@@ -23,15 +31,24 @@ from mooncake_diffusion.errors import (
     PayloadGoneError,
     TransferError,
 )
-from mooncake_diffusion.schema import FetchReply, FetchRequest, LeaseMode, P2PSource, PayloadHandle
+from mooncake_diffusion.samehost import host_identity, vm_write
+from mooncake_diffusion.schema import (
+    ChunkDone,
+    FetchReply,
+    FetchRequest,
+    LeaseMode,
+    P2PSource,
+    PayloadHandle,
+)
 from mooncake_diffusion.settings import MooncakeSettings
 from mooncake_diffusion.sidechannel import SideChannelClient, SideChannelServer
 from mooncake_diffusion.tensors import Region
-from mooncake_diffusion.transports.base import Transport
+from mooncake_diffusion.transports.base import Plan, Transport
 
 __all__ = ["P2PTransport"]
 
 _TOMBSTONES = 65536  # consumed payload ids remembered, to tell "consumed" from "gone"
+_READY_POLL_S = 0.25  # how often a server thread waiting on a chunk checks for shutdown
 
 
 @dataclass
@@ -39,6 +56,8 @@ class _Held:
     regions: list[Region]
     leases: list[int]
     lease: LeaseMode
+    plan: Plan
+    ready: list[threading.Event] = field(default_factory=list)
     claimed: bool = False
 
 
@@ -51,11 +70,15 @@ class P2PTransport(Transport):
         self._server: SideChannelServer | None = None
         self._client = SideChannelClient()
         self._held: dict[str, _Held] = {}
-        self._consumed: OrderedDict[str, None] = OrderedDict()  # tombstones, bounded
+        self._consumed: OrderedDict[str, None] = OrderedDict()
         self._lock = threading.Lock()
+        self._closing = threading.Event()
+        self._shm_ok = settings.same_host  # turned off for good once the kernel refuses
 
     # producer side -----------------------------------------------------------
-    def prepare(self, payload_id: str, regions: Sequence[Region], lease: LeaseMode) -> P2PSource:
+    def prepare(
+        self, payload_id: str, regions: Sequence[Region], lease: LeaseMode, plan: Plan
+    ) -> P2PSource:
         with self._lock:
             if self._server is None:
                 self._server = SideChannelServer(self.settings.local_hostname, self._serve)
@@ -67,17 +90,33 @@ class P2PTransport(Transport):
             for lease_id in leases:
                 self._engine.regs.release(lease_id)
             raise
+        ready = [threading.Event() for _ in plan]
         with self._lock:
-            self._held[payload_id] = _Held(list(regions), leases, lease)
+            self._held[payload_id] = _Held(list(regions), leases, lease, plan, ready)
         return P2PSource(self._engine.segment, self._server.endpoint)
 
     def commit(
-        self, payload_id: str, source: object, regions: Sequence[Region], lease: LeaseMode
+        self,
+        payload_id: str,
+        source: object,
+        regions: Sequence[Region],
+        lease: LeaseMode,
+        plan: Plan,
+        chunk: int,
     ) -> None:
-        """Nothing to move: the bytes wait in the producer's registered memory."""
+        """Mark ``chunk`` ready: its bytes wait in the producer's registered memory."""
+        with self._lock:
+            held = self._held.get(payload_id)
+        if held is not None:
+            held.ready[chunk].set()
 
     def discard(self, handle: PayloadHandle) -> None:
         self._drop(handle.payload_id)
+
+    def holds(self, payload_id: str) -> bool:
+        """Whether this producer still holds ``payload_id`` for a consumer."""
+        with self._lock:
+            return payload_id in self._held
 
     def _drop(self, payload_id: str) -> None:
         with self._lock:
@@ -86,7 +125,7 @@ class P2PTransport(Transport):
             for lease_id in held.leases:
                 self._engine.regs.release(lease_id)
 
-    def _serve(self, req: FetchRequest) -> FetchReply:
+    def _claim(self, req: FetchRequest) -> _Held | FetchReply:
         with self._lock:
             held = self._held.get(req.payload_id)
             if held is None:
@@ -95,16 +134,23 @@ class P2PTransport(Transport):
                 return FetchReply("gone", f"payload {req.payload_id} is not held by this producer")
             if held.claimed:
                 return FetchReply("consumed", f"payload {req.payload_id} was already consumed")
-            src = [r for r in held.regions if r.nbytes]
-            if tuple(r.nbytes for r in src) != req.lengths or len(req.addrs) != len(src):
-                return FetchReply(
-                    "mismatch",
-                    f"consumer asked for {req.lengths}, payload has {tuple(r.nbytes for r in src)}",
-                )
+            want = tuple(r.nbytes for r in held.regions)
+            if want != req.lengths or len(req.addrs) != len(want):
+                return FetchReply("mismatch", f"consumer offers {req.lengths}, payload has {want}")
             if held.lease == "delete_on_consume":
                 held.claimed = True
+            return held
+
+    def _serve(self, req: FetchRequest, progress: Callable[[ChunkDone], None]) -> FetchReply:
+        held = self._claim(req)
+        if isinstance(held, FetchReply):
+            return held
         try:
-            self._engine.write(req.segment, [r.ptr for r in src], req.addrs, req.lengths)
+            for i, segments in enumerate(held.plan):
+                if not self._await_ready(req.payload_id, held, i):
+                    return FetchReply("gone", f"payload {req.payload_id} was withdrawn")
+                path = self._move(req, held, segments)
+                progress(ChunkDone(i, path))
         except MooncakeDiffusionError as e:
             with self._lock:
                 held.claimed = False
@@ -117,25 +163,63 @@ class P2PTransport(Transport):
             self._drop(req.payload_id)
         return FetchReply("ok")
 
+    def _await_ready(self, payload_id: str, held: _Held, chunk: int) -> bool:
+        while not held.ready[chunk].wait(_READY_POLL_S):
+            if self._closing.is_set() or not self.holds(payload_id):
+                return False
+        return self.holds(payload_id)
+
+    def _move(self, req: FetchRequest, held: _Held, segments: Sequence) -> str:
+        parts = [
+            (held.regions[s.tensor].ptr + s.offset, req.addrs[s.tensor] + s.offset, s.length)
+            for s in segments
+        ]
+        if self._shm_ok and req.pid and req.host and req.host == host_identity():
+            try:
+                vm_write(req.pid, parts)
+                return "shm"
+            except OSError as e:
+                if e.errno in (errno.EPERM, errno.ENOSYS):  # never going to work here
+                    self._shm_ok = False
+        if parts:
+            src, dst, lengths = zip(*parts, strict=True)
+            self._engine.write(req.segment, src, dst, lengths)
+        return "net"
+
     # consumer side -----------------------------------------------------------
-    def fetch(self, handle: PayloadHandle, regions: Sequence[Region], deadline: float) -> None:
+    def fetch(
+        self,
+        handle: PayloadHandle,
+        regions: Sequence[Region],
+        plan: Plan,
+        deadline: float,
+        on_chunk: Callable[[int], None],
+    ) -> str:
         source = handle.source
         assert isinstance(source, P2PSource)
-        dst = [r for r in regions if r.nbytes]
-        leases = [self._engine.regs.acquire(r) for r in dst]
+        leases = [self._engine.regs.acquire(r) for r in regions]
+        same_host = self.settings.same_host
         try:
             req = FetchRequest(
                 handle.payload_id,
                 self._engine.segment,
-                tuple(r.ptr for r in dst),
-                tuple(r.nbytes for r in dst),
+                tuple(r.ptr if r.nbytes else 0 for r in regions),
+                tuple(r.nbytes for r in regions),
+                host_identity() if same_host else "",
+                os.getpid() if same_host else 0,
             )
-            reply = self._client.call(source.endpoint, req, deadline)
+            paths: set[str] = set()
+
+            def landed(done: ChunkDone) -> None:
+                paths.add(done.path)
+                on_chunk(done.index)
+
+            reply = self._client.call(source.endpoint, req, deadline, landed)
         finally:
             for lease_id in leases:
                 self._engine.regs.release(lease_id)
         if reply.status == "ok":
-            return
+            return "p2p/" + ("+".join(sorted(paths)) or "net")
         if reply.status == "consumed":
             raise AlreadyConsumedError(reply.detail)
         if reply.status == "gone":
@@ -152,14 +236,11 @@ class P2PTransport(Transport):
         self._engine.regs.unpin(region)
 
     def registered(self) -> tuple[int, int, int]:
-        return self._engine.regs.count, self._engine.regs.nbytes, self._engine.regs.temporary
-
-    def holds(self, payload_id: str) -> bool:
-        """Whether this producer still holds ``payload_id`` for a consumer."""
-        with self._lock:
-            return payload_id in self._held
+        regs = self._engine.regs
+        return regs.count, regs.nbytes, regs.temporary
 
     def close(self) -> None:
+        self._closing.set()
         self._client.close()
         if self._server is not None:
             self._server.close()

@@ -1,12 +1,16 @@
 """Relay through Mooncake Store: the producer puts, any consumer gets, later.
 
-Keys are ``f"{prefix}/{i}"`` for each non-empty tensor ``i``, with a prefix
-unique per publication (Store's ``put`` never overwrites, so keys are never
-reused). Delete-on-consume objects are hard-pinned (never evicted before their
-consumer comes) and removed with force right after the read; shared objects
-are soft-pinned and stay until discarded. A consumer that arrives before the
-put finishes polls with bounded backoff (0.5 ms doubling to 20 ms) until its
-deadline.
+Each (tensor, chunk) is one object, ``f"{prefix}/{tensor}.{chunk}"``, gathered
+from (and scattered into) the chunk's byte ranges with the multi-buffer batch
+calls, so an inner-dim chunk needs no staging copy. The prefix is unique per
+publication (Store's ``put`` never overwrites, so keys are never reused).
+Delete-on-consume objects are hard-pinned (never evicted before their consumer
+comes) and removed with force right after the read; shared objects are
+soft-pinned and stay until discarded.
+
+A chunk is ready when all its objects exist (a put is atomic per object). A
+consumer polls the missing ones with bounded backoff (0.5 ms doubling to
+20 ms) until its deadline, and reports each chunk as it completes.
 
 In store mode the producer cannot know when a payload was consumed; two
 consumers racing on one delete-on-consume payload may both read it before
@@ -16,14 +20,15 @@ the first removes it (the orchestrator gives each payload one consumer).
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from mooncake_diffusion._mooncake.store import StoreClient
+from mooncake_diffusion.chunks import Segment, plan_for
 from mooncake_diffusion.errors import DeadlineExceededError, PayloadGoneError
 from mooncake_diffusion.schema import LeaseMode, PayloadHandle, StoreSource
 from mooncake_diffusion.settings import MooncakeSettings
 from mooncake_diffusion.tensors import Region
-from mooncake_diffusion.transports.base import Transport
+from mooncake_diffusion.transports.base import Plan, Transport
 
 __all__ = ["KEY_ROOT", "StoreTransport"]
 
@@ -31,8 +36,21 @@ __all__ = ["KEY_ROOT", "StoreTransport"]
 KEY_ROOT = "mcd/"
 
 
-def _keys(prefix: str, sizes: Sequence[int]) -> list[str]:
-    return [f"{prefix}/{i}" for i, n in enumerate(sizes) if n]
+def _objects(prefix: str, plan: Plan, chunk: int) -> list[tuple[str, list[Segment]]]:
+    """The objects of one chunk: (key, segments of one tensor), tensors in order."""
+    by_tensor: dict[int, list[Segment]] = {}
+    for seg in plan[chunk]:
+        by_tensor.setdefault(seg.tensor, []).append(seg)
+    return [(f"{prefix}/{t}.{chunk}", segs) for t, segs in by_tensor.items()]
+
+
+def _buffers(
+    objects: list[tuple[str, list[Segment]]], regions: Sequence[Region]
+) -> tuple[list[str], list[list[int]], list[list[int]]]:
+    keys = [k for k, _ in objects]
+    ptrs = [[regions[s.tensor].ptr + s.offset for s in segs] for _, segs in objects]
+    sizes = [[s.length for s in segs] for _, segs in objects]
+    return keys, ptrs, sizes
 
 
 class StoreTransport(Transport):
@@ -42,66 +60,95 @@ class StoreTransport(Transport):
         super().__init__(settings)
         self._client = StoreClient(settings)
 
-    def prepare(self, payload_id: str, regions: Sequence[Region], lease: LeaseMode) -> StoreSource:
+    def prepare(
+        self, payload_id: str, regions: Sequence[Region], lease: LeaseMode, plan: Plan
+    ) -> StoreSource:
         return StoreSource(KEY_ROOT + payload_id)
 
     def commit(
-        self, payload_id: str, source: object, regions: Sequence[Region], lease: LeaseMode
+        self,
+        payload_id: str,
+        source: object,
+        regions: Sequence[Region],
+        lease: LeaseMode,
+        plan: Plan,
+        chunk: int,
     ) -> None:
         assert isinstance(source, StoreSource)
-        src = [r for r in regions if r.nbytes]
+        objects = _objects(source.prefix, plan, chunk)
+        used = sorted({s.tensor for _, segs in objects for s in segs})
         leases = []
         try:
-            for r in src:
-                leases.append(self._client.regs.acquire(r))
+            for t in used:
+                leases.append(self._client.regs.acquire(regions[t]))
             self._client.put_many(
-                _keys(source.prefix, [r.nbytes for r in regions]),
-                [r.ptr for r in src],
-                [r.nbytes for r in src],
+                *_buffers(objects, regions),
                 pin="hard" if lease == "delete_on_consume" else "soft",
             )
         finally:
             for lease_id in leases:
                 self._client.regs.release(lease_id)
 
-    def discard(self, handle: PayloadHandle) -> None:
+    def _all_keys(self, handle: PayloadHandle, plan: Plan) -> list[str]:
         assert isinstance(handle.source, StoreSource)
-        self._client.remove_many(_keys(handle.source.prefix, [t.nbytes for t in handle.tensors]))
+        return [k for c in range(len(plan)) for k, _ in _objects(handle.source.prefix, plan, c)]
 
-    def fetch(self, handle: PayloadHandle, regions: Sequence[Region], deadline: float) -> None:
+    def discard(self, handle: PayloadHandle) -> None:
+        self._client.remove_many(self._all_keys(handle, plan_for(handle)))
+
+    def fetch(
+        self,
+        handle: PayloadHandle,
+        regions: Sequence[Region],
+        plan: Plan,
+        deadline: float,
+        on_chunk: Callable[[int], None],
+    ) -> str:
         assert isinstance(handle.source, StoreSource)
-        keys = _keys(handle.source.prefix, [t.nbytes for t in handle.tensors])
-        dst = [r for r in regions if r.nbytes]
-        leases = [self._client.regs.acquire(r) for r in dst]
+        objects = {c: _objects(handle.source.prefix, plan, c) for c in range(len(plan))}
+        missing = {c: {k for k, _ in objs} for c, objs in objects.items()}
+        for c in [c for c, keys in missing.items() if not keys]:  # empty chunks
+            del missing[c]
+            on_chunk(c)
+        wanted = [obj for objs in objects.values() for obj in objs]
+        leases = [self._client.regs.acquire(r) for r in regions if r.nbytes]
         try:
-            pending = list(range(len(keys)))
             delay = 0.0005
-            while pending:
-                found = self._client.get_many(
-                    [keys[i] for i in pending],
-                    [dst[i].ptr for i in pending],
-                    [dst[i].nbytes for i in pending],
-                )
-                pending = [i for i, ok in zip(pending, found, strict=True) if not ok]
-                if not pending:
+            while missing:
+                pending = [o for o in wanted if any(o[0] in keys for keys in missing.values())]
+                found = self._client.get_many(*_buffers(pending, regions))
+                for (key, _), ok in zip(pending, found, strict=True):
+                    if not ok:
+                        continue
+                    chunk = int(key.rsplit(".", 1)[1])
+                    missing[chunk].discard(key)
+                    if not missing[chunk]:
+                        del missing[chunk]
+                        on_chunk(chunk)
+                if not missing:
                     break
                 if time.monotonic() + delay > deadline:
-                    if len(pending) < len(keys):  # some landed: the producer is mid-put
-                        raise DeadlineExceededError(
-                            f"payload {handle.payload_id}: {len(pending)} of {len(keys)} "
-                            "objects still missing at the deadline"
-                        )
-                    raise PayloadGoneError(
-                        f"payload {handle.payload_id} is not in the store: not yet published "
-                        "by the deadline, already consumed, or removed"
-                    )
+                    self._give_up(handle, len(missing), len(plan))
                 time.sleep(delay)
                 delay = min(delay * 2, 0.02)
         finally:
             for lease_id in leases:
                 self._client.regs.release(lease_id)
         if handle.lease == "delete_on_consume":
-            self._client.remove_many(keys)
+            self._client.remove_many([k for k, _ in wanted])
+        return "store"
+
+    @staticmethod
+    def _give_up(handle: PayloadHandle, missing: int, total: int) -> None:
+        if missing < total:  # some chunks landed: the producer is mid-publish
+            raise DeadlineExceededError(
+                f"payload {handle.payload_id}: {missing} of {total} chunks still missing at "
+                "the deadline"
+            )
+        raise PayloadGoneError(
+            f"payload {handle.payload_id} is not in the store: not yet published by the "
+            "deadline, already consumed, or removed"
+        )
 
     def pin(self, region: Region) -> None:
         self._client.regs.pin(region)
@@ -110,7 +157,8 @@ class StoreTransport(Transport):
         self._client.regs.unpin(region)
 
     def registered(self) -> tuple[int, int, int]:
-        return self._client.regs.count, self._client.regs.nbytes, self._client.regs.temporary
+        regs = self._client.regs
+        return regs.count, regs.nbytes, regs.temporary
 
     def remove_request(self, request_id: str) -> int:
         """Remove every object of ``request_id`` in the store, whoever published it."""
