@@ -13,6 +13,9 @@ times these paths after one verified run and warm-up runs each:
     connector_p2p    the peer is a p2p producer (source registered once, payloads published
                      ahead); timed: ``consume(handle, dst=dst)`` here, i.e. the side-channel
                      request plus the producer's ``batch_transfer_sync_write`` (peer -> bench).
+                     The consumer has the same-host path turned off, so this is the network.
+    connector_same_host  the same, with the same-host path on: the producer copies into this
+                     process with ``process_vm_writev``; compared with memcpy.
     raw_store        raw ``MooncakeDistributedStore``: timed ``batch_put_from`` (hard pin) +
                      ``batch_get_into`` + ``batch_remove``; the bytes live in the store host.
     connector_store  store-mode producer and consumer connectors in this process; timed:
@@ -43,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import importlib.metadata
 import json
 import os
@@ -68,11 +72,16 @@ TIMED = {
     "memcpy": "dst.copy_(src) in the bench process",
     "raw_te_write": "batch_transfer_sync_write bench -> peer process (one call)",
     "connector_p2p": "consume(handle, dst) in the bench process; peer produced (peer -> bench)",
+    "connector_same_host": "as connector_p2p, same-host copy (process_vm_writev) allowed",
     "raw_store": "batch_put_from (hard pin) + batch_get_into + batch_remove(force)",
     "connector_store": "publish + wait + consume(handle, dst) (consume removes the object)",
     "roundtrip_4k": "publish + wait + consume(handle, dst) + received.release(), 4 KiB",
 }
-BASE_OF = {"connector_p2p": "raw_te_write", "connector_store": "raw_store"}
+BASE_OF = {
+    "connector_p2p": "raw_te_write",
+    "connector_store": "raw_store",
+    "connector_same_host": "memcpy",
+}
 
 
 def log(msg: str) -> None:
@@ -309,7 +318,7 @@ class ConnectorP2P(Path):
 
     def prepare(self, n: int, count: int) -> None:
         self.batches += 1
-        reply = self.peer.call("p2p_publish", n=n, k=count, tag=f"p2p-{self.batches}")
+        reply = self.peer.call("p2p_publish", n=n, k=count, tag=f"{self.name}-{self.batches}")
         self.handles.extend(bytes.fromhex(h) for h in reply["handles"])
 
     def run(self, n: int) -> float:
@@ -322,7 +331,13 @@ class ConnectorP2P(Path):
     def verify(self, n: int) -> None:
         self.dst[:n].zero_()
         self.run(n)
-        check(torch.equal(self.dst[:n], make_pattern(n)), f"connector_p2p {n}")
+        check(torch.equal(self.dst[:n], make_pattern(n)), f"{self.name} {n}")
+
+
+class ConnectorSameHost(ConnectorP2P):
+    """As ``ConnectorP2P``, through a consumer that lets the producer copy directly."""
+
+    name = "connector_same_host"
 
 
 class RawStore(Path):
@@ -437,7 +452,14 @@ def measure_size(paths: list[Path], n: int, warmup: int, repeats: int) -> dict[s
 
 def rows_for(n: int, medians: dict[str, float]) -> list[Row]:
     gbps = {name: n / s / 1e9 for name, s in medians.items()}
-    order = ["memcpy", "raw_te_write", "connector_p2p", "raw_store", "connector_store"]
+    order = [
+        "memcpy",
+        "connector_same_host",
+        "raw_te_write",
+        "connector_p2p",
+        "raw_store",
+        "connector_store",
+    ]
     rows = []
     for name in order:
         if name not in medians:
@@ -460,9 +482,10 @@ def roundtrip(
     dst: torch.Tensor,
     iterations: int,
     warmup: int,
+    tag: str = "",
 ) -> dict[str, float]:
     """p50/p90 ms of publish + wait + consume + received.release() of one 4 KiB tensor."""
-    tag = f"rt-{prod.transfer_mode}"
+    tag = tag or f"rt-{prod.transfer_mode}"
     dst[:ROUNDTRIP_BYTES].zero_()
     times: list[float] = []
     for i in range(warmup + iterations):
@@ -524,13 +547,20 @@ def summary(rows: list[Row], rt: dict[str, dict[str, float]]) -> dict[str, Any]:
         ratios = [r.ratio for r in rows if r.path == path and r.size_bytes >= 16 * MIB]
         return min(x for x in ratios if x is not None) if ratios else None
 
+    same_host = [
+        r.ratio
+        for r in rows
+        if r.path == "connector_same_host" and r.size_bytes >= 64 * MIB and r.ratio is not None
+    ]
     return {
+        "same_host_vs_memcpy": min(same_host) if same_host else None,
         "p2p_vs_raw_te": min_ratio("connector_p2p"),
         "store_vs_raw_store": min_ratio("connector_store"),
         "roundtrip_4k_ms_p50": rt["p2p"]["p50_ms"],
         "roundtrip_4k_ms_p90": rt["p2p"]["p90_ms"],
         "roundtrip_4k_store_ms_p50": rt["store"]["p50_ms"],
         "roundtrip_4k_store_ms_p90": rt["store"]["p90_ms"],
+        "roundtrip_4k_same_host_ms_p50": rt["same_host"]["p50_ms"],
     }
 
 
@@ -580,7 +610,9 @@ def run_all(cfg: Config, cluster: LocalCluster) -> tuple[list[Row], dict[str, An
         src = make_pattern(max_bytes)
         dst = torch.zeros(max_bytes, dtype=torch.uint8)
         log("starting engines and connectors")
-        p2p_cons = stack.enter_context(connector("decode", "p2p", settings, dst))
+        net = dataclasses.replace(settings, same_host=False)
+        p2p_cons = stack.enter_context(connector("decode", "p2p", net, dst))
+        shm_cons = stack.enter_context(connector("decode", "p2p", settings, dst))
         st_prod = stack.enter_context(connector("denoise", "store", settings, src))
         st_cons = stack.enter_context(connector("decode", "store", settings, dst))
         raw_te = RawTeWrite(settings, src, peer)
@@ -591,6 +623,7 @@ def run_all(cfg: Config, cluster: LocalCluster) -> tuple[list[Row], dict[str, An
         paths: list[Path] = [
             raw_te,
             ConnectorP2P(p2p_cons, dst, peer),
+            ConnectorSameHost(shm_cons, dst, peer),
             raw_store,
             ConnectorStore(st_prod, st_cons, src, dst),
         ]
@@ -604,6 +637,9 @@ def run_all(cfg: Config, cluster: LocalCluster) -> tuple[list[Row], dict[str, An
         p2p_prod = stack.enter_context(connector("denoise", "p2p", settings, src))
         rt = {
             "p2p": roundtrip(p2p_prod, p2p_cons, src, dst, cfg.rt_iterations, cfg.rt_warmup),
+            "same_host": roundtrip(
+                p2p_prod, shm_cons, src, dst, cfg.rt_iterations, cfg.rt_warmup, tag="rt-shm"
+            ),
             "store": roundtrip(st_prod, st_cons, src, dst, cfg.rt_iterations, cfg.rt_warmup),
         }
         split = store_split(raw_store)
