@@ -3,6 +3,7 @@ real Mooncake p2p and store transports (integration), in one process here;
 tests/integration/test_cross_process.py runs producer and consumer apart."""
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
@@ -265,3 +266,17 @@ def test_chunk_ready_is_checked_and_a_stream_released_early_leaves_nothing(pair)
         got.wait()
     got.release()
     assert prod.stats().live_publications == 0
+
+
+def test_a_payload_past_its_ttl_is_gone_consumed_or_not(pair):
+    prod, cons = pair
+    x = make_tensor("float32", (64,), 16)
+    pub = prod.publish(StagePayload("r1", "latent", tensor=x, ttl_s=0.3))
+    assert pub.wait(10).expires_at is not None
+    time.sleep(0.4)
+    with pytest.raises(PayloadGoneError, match="expired"):
+        cons.consume(pub.handle)
+    prod.cleanup("r1")  # what the reaper does for store payloads (tests/faults)
+    assert prod.stats().live_publications == 0
+    with pytest.raises(PayloadError, match="ttl_s"):
+        StagePayload("r2", "latent", tensor=x, ttl_s=0)

@@ -102,3 +102,33 @@ def test_killed_store_host_is_a_peer_error():
         with pytest.raises((PeerGoneError, TransferError)):
             conn.consume(pub, timeout=5)
         conn.close()
+
+
+def test_reaper_removes_payloads_of_a_dead_producer_after_their_ttl():
+    with LocalCluster(pool_bytes=64 << 20, reap_interval_s=0.2) as cluster:
+        p = ProducerProcess(cluster.settings)
+        kept = p.request(
+            op="publish", mode="store", request_id="keep", dtype="float32", shape=[256], seed=1
+        )
+        gone = p.request(
+            op="publish",
+            mode="store",
+            request_id="lost",
+            dtype="float32",
+            shape=[256],
+            seed=2,
+            ttl_s=0.5,
+        )
+        assert kept["ok"] and gone["ok"]
+        p.kill()  # the producer dies; nobody will ever consume "lost"
+        assert len(cluster.keys()) == 2
+        deadline = time.monotonic() + 10
+        while len(cluster.keys()) > 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        (left,) = cluster.keys()
+        assert left.startswith("mcd/keep/")  # no TTL: kept for its consumer
+        conn = DiffusionConnector("decode", "store", cluster.settings)
+        with conn.consume(bytes.fromhex(kept["handle"])) as got:
+            assert same_bytes(got.tensor, make_tensor("float32", (256,), 1))
+        conn.close()
+        assert cluster.keys() == []

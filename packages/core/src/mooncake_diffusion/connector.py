@@ -49,6 +49,7 @@ from mooncake_diffusion.errors import (
     DestinationMismatchError,
     DuplicatePublishError,
     PayloadError,
+    PayloadGoneError,
 )
 from mooncake_diffusion.payload import Publication, ReceivedPayload, StagePayload
 from mooncake_diffusion.pool import FreeList
@@ -173,7 +174,10 @@ class _Publisher:
                     f"({earlier.payload_id}); release it or cleanup() the request first"
                 )
             transport = self.transport_for(consumer)
+            expires_at = time.time() + payload.ttl_s if payload.ttl_s else None
             payload_id = f"{payload.request_id}/{payload.kind}/{uuid.uuid4().hex[:16]}"
+            if expires_at is not None:  # readable from any store key (see leases.py)
+                payload_id += f"@{int(expires_at * 1000)}"
             source = transport.prepare(payload_id, regions, payload.lease, chunk_plan)
             handle = PayloadHandle(
                 payload_id=payload_id,
@@ -186,6 +190,8 @@ class _Publisher:
                 meta_json=payload.meta_json,
                 chunk_dim=chunk_dim,
                 num_chunks=payload.num_chunks,
+                ttl_s=payload.ttl_s,
+                expires_at=expires_at,
             )
             live = _Live(handle, transport, Future(), regions, chunk_plan)
             self._live[key] = live
@@ -210,7 +216,12 @@ class _Publisher:
         self._pool.submit(self._commit, live, index)
 
     def _prune(self) -> None:
-        """Move p2p payloads their consumer has taken to ``_recent`` (lock held)."""
+        """Move p2p payloads their consumer has taken to ``_recent``, and withdraw
+        expired ones (lock held). Runs on every publish and ``stats()``."""
+        now = time.time()
+        for key in [k for k, v in self._live.items() if v.handle.expired(now) and _holds(v)]:
+            live = self._live.pop(key)
+            live.transport.discard(live.handle)  # p2p discard only drops a hold: no I/O
         for key in [k for k, v in self._live.items() if v.future.done() and not _holds(v)]:
             live = self._live.pop(key)
             self._remember(key, live.handle, live.transport)
@@ -332,6 +343,8 @@ class _Receiver:
         with self._lock:
             if h.payload_id in self._consumed:
                 raise AlreadyConsumedError(f"payload {h.payload_id} was already consumed here")
+        if h.expired():
+            raise PayloadGoneError(f"payload {h.payload_id} expired (ttl {h.ttl_s}s)")
         transport = self._transports.get(h.transport)
         tensors, regions, offsets = self._destinations(h, dst)
         if offsets:

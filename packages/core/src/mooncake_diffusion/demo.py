@@ -94,6 +94,7 @@ def _publish(
         meta={"seed": cmd["seed"]},
         chunk_dim=cmd.get("chunk_dim"),
         num_chunks=cmd.get("num_chunks", 1),
+        ttl_s=cmd.get("ttl_s"),
     )
     t0 = time.perf_counter()
     pub = conn.publish(payload)

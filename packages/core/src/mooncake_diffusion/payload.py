@@ -29,7 +29,9 @@ class StagePayload:
     (many readers until released). The tensors must stay unchanged until the
     publication is done (store) or consumed (p2p).
 
-    ``chunk_dim``/``num_chunks`` cut every tensor into ``num_chunks`` slices
+    ``ttl_s`` bounds the payload's life: once it passes, the payload is gone
+    whether consumed or not (the store's reaper removes it; a p2p producer
+    drops it). ``chunk_dim``/``num_chunks`` cut every tensor into ``num_chunks`` slices
     along ``chunk_dim`` (negative counts from the end) that move, and are
     consumed, one by one: e.g. ``chunk_dim=2`` is T of ``[B, C, T, H, W]``.
     """
@@ -42,6 +44,7 @@ class StagePayload:
     lease: LeaseMode = "delete_on_consume"
     chunk_dim: int | None = None
     num_chunks: int = 1
+    ttl_s: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not 0 < len(self.request_id) <= 256:
@@ -61,6 +64,8 @@ class StagePayload:
             raise PayloadError("a payload needs at least one tensor")
         if not isinstance(self.num_chunks, int) or self.num_chunks < 1:
             raise PayloadError(f"num_chunks must be a positive int, got {self.num_chunks!r}")
+        if self.ttl_s is not None and not self.ttl_s > 0:
+            raise PayloadError(f"ttl_s must be positive, got {self.ttl_s!r}")
         if self.num_chunks > 1 and self.chunk_dim is None:
             raise PayloadError("num_chunks > 1 needs a chunk_dim")
         try:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import time
 from typing import Literal
 
 import msgspec
@@ -183,6 +184,7 @@ class PayloadHandle(msgspec.Struct, frozen=True, array_like=True):
     ttl_s: float | None = None
     chunk_dim: int | None = None
     num_chunks: int = 1
+    expires_at: float | None = None  # unix seconds; None: no TTL
 
     def __post_init__(self) -> None:
         _check(0 < len(self.request_id) <= 256, "request_id length must be 1..256")
@@ -206,6 +208,10 @@ class PayloadHandle(msgspec.Struct, frozen=True, array_like=True):
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.tensors)
+
+    def expired(self, now: float | None = None) -> bool:
+        """Whether the payload's TTL has passed (never, without one)."""
+        return self.expires_at is not None and (now or time.time()) >= self.expires_at
 
     def encode(self) -> bytes:
         """The handle as bytes for a queue message (see ``decode_handle``)."""

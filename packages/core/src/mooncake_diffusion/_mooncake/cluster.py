@@ -37,8 +37,10 @@ class LocalCluster:
         host: str = "127.0.0.1",
         lease_ttl_ms: int = 1000,
         log_dir: str | None = None,
+        reap_interval_s: float = 1.0,
     ) -> None:
         self.pool_bytes = pool_bytes
+        self.reap_interval_s = reap_interval_s
         self.host = host
         self.log_dir = log_dir
         self._master = MasterProcess(
@@ -75,6 +77,7 @@ class LocalCluster:
                 f"--admin={settings.admin_address}",
                 f"--host={self.host}",
                 f"--pool-bytes={self.pool_bytes}",
+                f"--reap-interval={self.reap_interval_s}",
                 "--exit-on-stdin-eof",
             ],
             stdin=subprocess.PIPE,

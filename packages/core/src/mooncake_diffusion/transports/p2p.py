@@ -19,6 +19,7 @@ from __future__ import annotations
 import errno
 import os
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -59,6 +60,7 @@ class _Held:
     plan: Plan
     ready: list[threading.Event] = field(default_factory=list)
     claimed: bool = False
+    expires_at: float | None = None
 
 
 class P2PTransport(Transport):
@@ -91,8 +93,12 @@ class P2PTransport(Transport):
                 self._engine.regs.release(lease_id)
             raise
         ready = [threading.Event() for _ in plan]
+        _, _, expiry = payload_id.rpartition("@")
+        expires_at = int(expiry) / 1000 if expiry.isdigit() and "@" in payload_id else None
         with self._lock:
-            self._held[payload_id] = _Held(list(regions), leases, lease, plan, ready)
+            self._held[payload_id] = _Held(
+                list(regions), leases, lease, plan, ready, expires_at=expires_at
+            )
         return P2PSource(self._engine.segment, self._server.endpoint)
 
     def commit(
@@ -134,6 +140,8 @@ class P2PTransport(Transport):
                 return FetchReply("gone", f"payload {req.payload_id} is not held by this producer")
             if held.claimed:
                 return FetchReply("consumed", f"payload {req.payload_id} was already consumed")
+            if held.expires_at is not None and time.time() >= held.expires_at:
+                return FetchReply("gone", f"payload {req.payload_id} expired")
             want = tuple(r.nbytes for r in held.regions)
             if want != req.lengths or len(req.addrs) != len(want):
                 return FetchReply("mismatch", f"consumer offers {req.lengths}, payload has {want}")
