@@ -11,6 +11,7 @@ from helpers import make_tensor, same_bytes
 from mooncake_diffusion import DiffusionConnector, LocalCluster, MooncakeSettings, StagePayload
 from mooncake_diffusion.demo import ProducerProcess
 from mooncake_diffusion.errors import (
+    DeadlineExceededError,
     MasterUnavailableError,
     PeerGoneError,
     StoreFullError,
@@ -132,3 +133,21 @@ def test_reaper_removes_payloads_of_a_dead_producer_after_their_ttl():
             assert same_bytes(got.tensor, make_tensor("float32", (256,), 1))
         conn.close()
         assert cluster.keys() == []
+
+
+def test_abandoned_p2p_fetch_quarantines_receive_memory(mooncake_cluster, connector_factory):
+    prod, cons = connector_factory("p2p", "denoise"), connector_factory("p2p", "decode")
+    buf = make_tensor("float32", (4, 1024), 31)
+    pub = prod.publish(
+        StagePayload("r1", "latent", tensor=buf, chunk_dim=0, num_chunks=4), stream=True
+    )
+    got = cons.consume(pub.handle, timeout=0.5)  # into the connector's pool
+    pub.chunk_ready(0)
+    assert same_bytes(got.chunk(0).tensor, buf[0:1])
+    with pytest.raises(DeadlineExceededError):  # the producer never finishes in time
+        got.wait()
+    got.release()
+    stats = cons.stats()
+    # the producer could still write into that memory: it is not handed out again yet
+    assert stats.pool_bytes_quarantined >= buf.nbytes and stats.pool_bytes_in_use == 0
+    pub.release()

@@ -46,10 +46,12 @@ from mooncake_diffusion.chunks import chunk_bounds, plan, plan_for
 from mooncake_diffusion.errors import (
     AlreadyConsumedError,
     ConfigError,
+    DeadlineExceededError,
     DestinationMismatchError,
     DuplicatePublishError,
     PayloadError,
     PayloadGoneError,
+    PeerGoneError,
 )
 from mooncake_diffusion.payload import Publication, ReceivedPayload, StagePayload
 from mooncake_diffusion.pool import FreeList
@@ -83,6 +85,8 @@ class ConnectorStats:
     #: registered for a transfer that has not released them; 0 when idle
     temporary_registrations: int
     pool_bytes_in_use: int
+    #: receive memory held back after a p2p fetch was abandoned mid-transfer
+    pool_bytes_quarantined: int
     transports: tuple[str, ...]
 
 
@@ -322,9 +326,15 @@ def _holds(live: _Live) -> bool:
 
 
 class _Receiver:
-    """The consumer side: destinations, the receive pool and the consumed ledger."""
+    """The consumer side: destinations, the receive pool and the consumed ledger.
+
+    When a p2p fetch is abandoned (deadline, lost connection) the producer may
+    still be writing into the destination, so its pool memory is quarantined
+    for ``QUARANTINE_S`` instead of being reused at once.
+    """
 
     _LEDGER_MAX = 65536
+    QUARANTINE_S = 10.0
 
     def __init__(self, transports: _Transports, pool_bytes: int, device: str) -> None:
         self._transports = transports
@@ -336,6 +346,7 @@ class _Receiver:
         self._freelist = FreeList(pool_bytes)
         self._pinned_in: set[str] = set()
         self._consumed: OrderedDict[str, None] = OrderedDict()
+        self._quarantine: list[tuple[float, list[int]]] = []
         self._lock = threading.Lock()
 
     def consume(self, handle: Any, dst: Any, timeout: float) -> ReceivedPayload:
@@ -351,13 +362,17 @@ class _Receiver:
             self._pin_pool(transport)
         deadline = time.monotonic() + timeout
         got = ReceivedPayload(
-            h, tensors, lambda: self._free(offsets), lambda i: _chunk_views(h, tensors, i), deadline
+            h,
+            tensors,
+            lambda: self._settle(transport, got._error, offsets),
+            lambda i: _chunk_views(h, tensors, i),
+            deadline,
         )
         if h.num_chunks == 1:  # nothing to overlap: fetch here and raise here
             try:
                 self._fetch(transport, h, regions, deadline, got)
-            except BaseException:
-                self._free(offsets)
+            except BaseException as e:
+                self._settle(transport, e, offsets)
                 raise
             return got
         with self._lock:
@@ -408,6 +423,7 @@ class _Receiver:
         tensors: dict[str, Any] = {}
         regions: list[Region] = []
         offsets: list[int] = []
+        self._reclaim()
         try:
             for spec in h.tensors:
                 if dst is not None:
@@ -450,14 +466,44 @@ class _Receiver:
             self._freelist.free(off)
         offsets.clear()
 
+    def _settle(
+        self, transport: Transport, error: BaseException | None, offsets: list[int]
+    ) -> None:
+        """Return receive memory, or quarantine it if a producer may still write to it."""
+        if offsets and transport.name == "p2p" and isinstance(error, _ABANDONED):
+            with self._lock:
+                self._quarantine.append((time.monotonic() + self.QUARANTINE_S, list(offsets)))
+            offsets.clear()
+        else:
+            self._free(offsets)
+
+    def _reclaim(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            due = [offs for t, offs in self._quarantine if t <= now]
+            self._quarantine = [(t, offs) for t, offs in self._quarantine if t > now]
+        for offs in due:
+            self._free(offs)
+
     @property
     def pool_in_use(self) -> int:
-        return self._freelist.used
+        self._reclaim()
+        return self._freelist.used - self.quarantined
+
+    @property
+    def quarantined(self) -> int:
+        with self._lock:
+            offsets = [off for _, offs in self._quarantine for off in offs]
+        return sum(self._freelist.size_of(off) for off in offsets)
 
     def close(self) -> None:
         """Wait for streamed fetches still running, then stop their threads."""
         if self._fetchers is not None:
             self._fetchers.shutdown(wait=True)
+
+
+#: errors after which a p2p producer may still be writing into the destination
+_ABANDONED = (DeadlineExceededError, PeerGoneError)
 
 
 def _chunk_views(h: PayloadHandle, tensors: dict[str, Any], index: int) -> dict[str, Any]:
@@ -593,6 +639,7 @@ class DiffusionConnector:
             registered_bytes=sum(r[1] for r in regs),
             temporary_registrations=sum(r[2] for r in regs),
             pool_bytes_in_use=self._receiver.pool_in_use,
+            pool_bytes_quarantined=self._receiver.quarantined,
             transports=tuple(t.name for t in self._transports.existing()),
         )
 

@@ -51,6 +51,11 @@ class FreeList:
                     merged.append((off, length))
             self._free = merged
 
+    def size_of(self, offset: int) -> int:
+        """The size reserved for the allocation at ``offset`` (0 if none)."""
+        with self._lock:
+            return self._used.get(offset, 0)
+
     @property
     def used(self) -> int:
         return sum(self._used.values())

@@ -1,0 +1,127 @@
+"""Queue-based multi-stage orchestration: the deterministic core.
+
+Events in, actions out. A driver (a network service, the worker runtime's
+test double, the simulator) owns the I/O and the time; the core owns the
+decisions. Call sequence:
+
+    core = Orchestrator(OrchestratorConfig(), clock=VirtualClock())   # or MonotonicClock()
+    core.handle(RegisterWorker("den-0", "denoise", credits=1, labels={"node": "n0"}))
+    core.handle(RegisterWorker("dec-0", "decode", credits=2, labels={"node": "n0"}))
+    acts = core.handle(Submit("r1", "interactive", params=b"...", cached_embeddings=h))
+    #   -> [Dispatch("den-0", WorkItem(r1, denoise, attempt=1, ...))]; the driver sends it
+    acts = core.handle(ItemDone("den-0", "r1", "denoise", 1, output=latent_handle))
+    #   -> [Dispatch("dec-0", WorkItem(r1, decode, 1, input=latent_handle, ...))]
+    acts = core.handle(ItemDone("dec-0", "r1", "decode", 1, output=video_handle))
+    #   -> [RequestCompleted("r1", video_handle, ...), ReleasePayloads("r1", ...)]
+    core.handle(Heartbeat("den-0"))           # every worker, well within its timeout
+    core.handle(Tick())                       # at core.next_deadline() if nothing else came
+
+Modules, one concern each:
+    model.py     configuration, WorkItem, events, actions, snapshots (msgspec structs)
+    clock.py     Clock protocol, MonotonicClock, VirtualClock
+    queues.py    ClassQueue: priority classes, FIFO within, bounded wait
+    pools.py     live workers, credits, heartbeat deadlines
+    core.py      Orchestrator: the state machine and its rules
+    policy.py    RoutingPolicy / WorkerView: the routing contract
+    registry.py  lazy, strict policy registry (+ entry points)
+    policies.py  round_robin, least_loaded, affinity
+    sim.py       a discrete-event cluster simulator over the real core
+    errors.py    OrchestratorError and its subclasses
+"""
+
+from mooncake_diffusion.orchestrator.clock import Clock, MonotonicClock, VirtualClock
+from mooncake_diffusion.orchestrator.core import Orchestrator
+from mooncake_diffusion.orchestrator.errors import (
+    ClockError,
+    OrchestratorConfigError,
+    OrchestratorError,
+    PolicyContractError,
+)
+from mooncake_diffusion.orchestrator.model import (
+    STAGES,
+    Action,
+    Cancel,
+    CoreSnapshot,
+    Dispatch,
+    Event,
+    Heartbeat,
+    ItemDone,
+    ItemFailed,
+    OrchestratorConfig,
+    RegisterWorker,
+    Rejected,
+    ReleasePayloads,
+    RequestCancelled,
+    RequestCompleted,
+    RequestFailed,
+    Requeued,
+    Revoke,
+    SloClass,
+    Stage,
+    Submit,
+    Tick,
+    WorkerLost,
+    WorkerRemoved,
+    WorkItem,
+)
+from mooncake_diffusion.orchestrator.policies import AffinityLeastLoaded, LeastLoaded, RoundRobin
+from mooncake_diffusion.orchestrator.policy import RoutingPolicy, WorkerView
+from mooncake_diffusion.orchestrator.registry import (
+    ENTRY_POINT_GROUP,
+    PolicyRegistry,
+    create_policy,
+    known_policies,
+    load_policy,
+    register_policy,
+)
+from mooncake_diffusion.orchestrator.sim import SimConfig, SimReport, Simulation
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "STAGES",
+    "Action",
+    "AffinityLeastLoaded",
+    "Cancel",
+    "Clock",
+    "ClockError",
+    "CoreSnapshot",
+    "Dispatch",
+    "Event",
+    "Heartbeat",
+    "ItemDone",
+    "ItemFailed",
+    "LeastLoaded",
+    "MonotonicClock",
+    "Orchestrator",
+    "OrchestratorConfig",
+    "OrchestratorConfigError",
+    "OrchestratorError",
+    "PolicyContractError",
+    "PolicyRegistry",
+    "RegisterWorker",
+    "Rejected",
+    "ReleasePayloads",
+    "RequestCancelled",
+    "RequestCompleted",
+    "RequestFailed",
+    "Requeued",
+    "Revoke",
+    "RoundRobin",
+    "RoutingPolicy",
+    "SimConfig",
+    "SimReport",
+    "Simulation",
+    "SloClass",
+    "Stage",
+    "Submit",
+    "Tick",
+    "VirtualClock",
+    "WorkItem",
+    "WorkerLost",
+    "WorkerRemoved",
+    "WorkerView",
+    "create_policy",
+    "known_policies",
+    "load_policy",
+    "register_policy",
+]

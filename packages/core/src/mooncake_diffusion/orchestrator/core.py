@@ -1,0 +1,549 @@
+"""The orchestrator core: a deterministic state machine, events in, actions out.
+
+    core = Orchestrator(OrchestratorConfig(), clock=VirtualClock())
+    core.handle(RegisterWorker("dec-0", "decode", credits=2, labels={"node": "n0"}))
+    actions = core.handle(Submit("r1", slo_class="interactive", params=b"..."))
+    for a in actions:                       # the driver executes every action, in order:
+        ...                                 #   Dispatch -> send a.item to a.worker_id
+    core.handle(ItemDone("enc-0", "r1", "encode", 1, output=embedding_handle))
+    core.next_deadline()                    # call handle(Tick()) then if nothing else came
+    core.snapshot()                         # metrics, invariant checks
+
+Every ``handle`` call reads the time once (the injected clock, or ``now=``),
+declares dead the workers past their heartbeat deadline (their items go back
+to their queues), applies the event, then dispatches while credits allow,
+downstream stage first. Nothing else: no threads, sockets or clock reads, so a
+service and a simulator run this same code and a run replays from its events.
+Not thread-safe: one driver thread calls it.
+
+Rules:
+- A request runs Encode -> Denoise -> Decode; ``Submit.cached_embeddings``
+  skips Encode. One stage of a request is active at a time.
+- Encode and Decode are work queues: any worker of the pool takes any item.
+  Denoise has an admission queue: a job is dispatched once, to one worker (a
+  group, by its leader), and stays there until it is done; never per step.
+- Queue order is ``queues.ClassQueue``: priority between SLO classes, FIFO
+  within one, and a bounded wait for classes with ``max_wait``.
+- Credits: a dispatch holds one credit of its worker until the item is done,
+  failed, revoked or its worker is gone. A denoise job is admitted only when
+  a decode credit can be reserved for its latent: free decode credits (live
+  workers) must exceed the reservations already made. The reservation lives
+  while the job runs and while its decode item waits, and becomes a held
+  decode credit at dispatch. So a slow decode pool stops denoise admission
+  before latents pile up. (A decode worker lost or shrunk can leave more
+  reservations than free credits; admission then waits until that recovers.)
+- Affinity: each item carries the labels of the worker that produced its input
+  (``WorkItem.hint``); the routing policy may prefer workers that match.
+- Failures: a worker silent for longer than its heartbeat timeout, or reported
+  lost, is removed; its items are re-queued keeping their input handles (at
+  least once). A result counts only from the worker holding the current
+  attempt of that (request, stage); anything else is ``Rejected`` and dropped.
+  After ``max_attempts`` dispatches of a stage, or a non-retryable failure,
+  the request fails with one reason per failed attempt.
+- Every request ends with exactly one of RequestCompleted / RequestFailed /
+  RequestCancelled followed by one ReleasePayloads; its credits and
+  reservation are released at that moment.
+- Bad events are answered with ``Rejected`` and change nothing.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any, cast
+
+from mooncake_diffusion.orchestrator.clock import Clock
+from mooncake_diffusion.orchestrator.errors import ClockError, PolicyContractError
+from mooncake_diffusion.orchestrator.model import (
+    MAX_HANDLE_BYTES,
+    MAX_ID,
+    MAX_LABELS,
+    STAGES,
+    Action,
+    Cancel,
+    CoreSnapshot,
+    Dispatch,
+    Event,
+    Heartbeat,
+    ItemDone,
+    ItemFailed,
+    OrchestratorConfig,
+    RegisterWorker,
+    RejectCode,
+    Rejected,
+    ReleasePayloads,
+    RequestCancelled,
+    RequestCompleted,
+    RequestFailed,
+    RequestSnapshot,
+    Requeued,
+    Revoke,
+    SloClass,
+    Stage,
+    Submit,
+    Tick,
+    WorkerLost,
+    WorkerRemoved,
+    WorkerSnapshot,
+    WorkItem,
+)
+from mooncake_diffusion.orchestrator.policy import RoutingPolicy
+from mooncake_diffusion.orchestrator.pools import Pools, Worker
+from mooncake_diffusion.orchestrator.queues import ClassQueue
+from mooncake_diffusion.orchestrator.registry import create_policy
+
+__all__ = ["Orchestrator"]
+
+_FULL: tuple[Stage, ...] = ("encode", "denoise", "decode")
+_CACHED: tuple[Stage, ...] = ("denoise", "decode")
+_PUMP_ORDER: tuple[Stage, ...] = ("decode", "denoise", "encode")  # downstream first
+MAX_REASON = 1024
+
+
+def _ok_id(x: object) -> bool:
+    return isinstance(x, str) and 0 < len(x) <= MAX_ID
+
+
+class _Request:
+    """A live request. ``attempt`` counts dispatches of the current stage; ``token``
+    is its queue token (0: not queued); ``worker`` is set while it runs."""
+
+    __slots__ = (
+        "attempt",
+        "cls",
+        "deadline",
+        "handles",
+        "hint",
+        "index",
+        "input",
+        "params",
+        "reasons",
+        "reserved",
+        "rid",
+        "since",
+        "stages",
+        "submitted_at",
+        "token",
+        "worker",
+    )
+
+    def __init__(
+        self,
+        rid: str,
+        cls: SloClass,
+        params: bytes,
+        deadline: float,
+        now: float,
+        stages: tuple[Stage, ...],
+        first_input: bytes,
+    ) -> None:
+        self.rid = rid
+        self.cls = cls
+        self.params = params
+        self.deadline = deadline
+        self.submitted_at = now
+        self.stages = stages
+        self.index = 0
+        self.attempt = 0
+        self.worker: Worker | None = None
+        self.input = first_input
+        self.hint: dict[str, str] = {}
+        self.since = now
+        self.token = 0
+        self.reserved = False
+        self.reasons: list[str] = []
+        self.handles: list[bytes] = []
+
+    @property
+    def stage(self) -> Stage:
+        return self.stages[self.index]
+
+
+class Orchestrator:
+    """The deterministic scheduling core (see the module docstring for the rules).
+
+    ``clock``: where ``handle`` reads the time when no ``now=`` is passed; with
+    neither, ``handle`` raises ``ClockError``. ``policy``: any ``RoutingPolicy``;
+    default ``create_policy(config.policy)``.
+    """
+
+    def __init__(
+        self,
+        config: OrchestratorConfig | None = None,
+        *,
+        clock: Clock | None = None,
+        policy: RoutingPolicy | None = None,
+    ) -> None:
+        self.config = config if config is not None else OrchestratorConfig()
+        self.policy: RoutingPolicy = (
+            policy if policy is not None else create_policy(self.config.policy)
+        )
+        self._clock = clock
+        self._now = float("-inf")
+        self._classes = {c.name: c for c in self.config.classes}
+        self._pools = Pools()
+        self._queues: dict[Stage, ClassQueue[_Request]] = {
+            s: ClassQueue(self.config.classes) for s in STAGES
+        }
+        self._requests: dict[str, _Request] = {}
+        self._finished: OrderedDict[str, str] = OrderedDict()
+        self._decode_reserved = 0
+        self._handlers: dict[type, Callable[[Any, float, list[Action]], None]] = {
+            Submit: self._on_submit,
+            Cancel: self._on_cancel,
+            RegisterWorker: self._on_register,
+            Heartbeat: self._on_heartbeat,
+            WorkerLost: self._on_lost,
+            ItemDone: self._on_done,
+            ItemFailed: self._on_failed,
+            Tick: self._on_tick,
+        }
+
+    # ------------------------------------------------------------------ public
+    @property
+    def now(self) -> float:
+        """The time of the last ``handle`` call (``-inf`` before the first)."""
+        return self._now
+
+    def handle(self, event: Event, *, now: float | None = None) -> list[Action]:
+        """Apply one event at ``now`` (default: the clock) and return the actions to execute.
+
+        The driver must execute the actions in order. Never raises on a bad
+        event (that is a ``Rejected`` action). Raises ``ClockError`` if time went
+        backwards or there is no time source, and ``PolicyContractError`` if the
+        routing policy misbehaved (with the actions produced so far attached).
+        """
+        if now is None:
+            if self._clock is None:
+                raise ClockError("no clock: construct with clock=... or pass now=")
+            now = self._clock.now()
+        if now < self._now:
+            raise ClockError(f"time went backwards: {now} after {self._now}")
+        self._now = now
+        out: list[Action] = []
+        try:
+            for w in self._pools.expired(now):
+                self._drop_worker(w, f"no heartbeat for {w.timeout:g} s", now, out)
+            handler = self._handlers.get(type(event))
+            if handler is None:
+                name = type(event).__name__
+                out.append(Rejected("bad_event", f"{name} is not an orchestrator event", name))
+            else:
+                handler(event, now, out)
+            self._pump(now, out)
+        except PolicyContractError as e:
+            e.actions = out
+            raise
+        return out
+
+    def next_deadline(self) -> float | None:
+        """The next time at which the core acts on its own (a heartbeat deadline), or
+        ``None``. A driver with no other event before then calls ``handle(Tick())``."""
+        return self._pools.next_deadline()
+
+    def snapshot(self) -> CoreSnapshot:
+        """A copy of the whole state (O(size)): for metrics and invariant checks."""
+        workers = tuple(
+            WorkerSnapshot(
+                w.worker_id,
+                w.stage,
+                w.seq,
+                dict(w.labels),
+                w.advertised,
+                w.held,
+                w.free,
+                w.expires_at,
+                tuple(w.running),
+            )
+            for w in self._pools.workers.values()
+        )
+        requests = tuple(
+            RequestSnapshot(
+                r.rid,
+                r.cls.name,
+                r.stage,
+                "running" if r.worker is not None else "queued",
+                r.attempt,
+                r.worker.worker_id if r.worker is not None else None,
+                r.reserved,
+                r.since,
+            )
+            for r in self._requests.values()
+        )
+        return CoreSnapshot(
+            now=self._now,
+            workers=workers,
+            requests=requests,
+            queued={s: tuple(r.rid for r in q) for s, q in self._queues.items()},
+            free_credits=dict(self._pools.free_total),
+            decode_reserved=self._decode_reserved,
+            finished=dict(self._finished),
+        )
+
+    # ------------------------------------------------------------------ events
+    def _on_submit(self, ev: Submit, now: float, out: list[Action]) -> None:
+        rid = ev.request_id
+        if not _ok_id(rid):
+            return _reject(out, "bad_value", f"request_id must be 1..{MAX_ID} characters", ev)
+        if rid in self._requests or rid in self._finished:
+            state = "live" if rid in self._requests else self._finished[rid]
+            return _reject(out, "duplicate_request", f"request {rid!r} is already {state}", ev)
+        name = ev.slo_class if ev.slo_class is not None else self.config.default_class
+        cls = self._classes.get(name)
+        if cls is None:
+            known = ", ".join(self._classes)
+            return _reject(out, "unknown_class", f"unknown SLO class {name!r}; known: {known}", ev)
+        if len(ev.params) > MAX_HANDLE_BYTES:
+            return _reject(out, "bad_value", f"params exceed {MAX_HANDLE_BYTES} bytes", ev)
+        cached = ev.cached_embeddings
+        if cached is not None and not 0 < len(cached) <= MAX_HANDLE_BYTES:
+            msg = f"cached_embeddings must be a handle of 1..{MAX_HANDLE_BYTES} bytes, or None"
+            return _reject(out, "bad_value", msg, ev)
+        deadline = ev.deadline if ev.deadline is not None else now + cls.deadline
+        stages = _FULL if cached is None else _CACHED
+        req = _Request(rid, cls, ev.params, deadline, now, stages, cached or b"")
+        self._requests[rid] = req
+        self._enqueue(req, now)
+
+    def _on_cancel(self, ev: Cancel, now: float, out: list[Action]) -> None:
+        req = self._requests.get(ev.request_id)
+        if req is None:
+            outcome = self._finished.get(ev.request_id)
+            if outcome is not None:
+                msg = f"request {ev.request_id!r} already {outcome}"
+                return _reject(out, "already_finished", msg, ev)
+            return _reject(out, "unknown_request", f"no request {ev.request_id!r}", ev)
+        reason = ev.reason[:MAX_REASON]
+        self._finish(req, "cancelled", RequestCancelled(req.rid, reason), out, reason)
+
+    def _on_register(self, ev: RegisterWorker, now: float, out: list[Action]) -> None:
+        wid = ev.worker_id
+        if not _ok_id(wid):
+            return _reject(out, "bad_value", f"worker_id must be 1..{MAX_ID} characters", ev)
+        if ev.stage not in STAGES:
+            msg = f"unknown stage {ev.stage!r}; stages: {', '.join(STAGES)}"
+            return _reject(out, "unknown_stage", msg, ev)
+        if wid in self._pools.workers:
+            return _reject(out, "duplicate_worker", f"worker {wid!r} is already live", ev)
+        if not _ok_credits(ev.credits):
+            return _reject(out, "bad_value", f"credits must be an int >= 0: {ev.credits!r}", ev)
+        labels = ev.labels
+        if not (
+            isinstance(labels, dict)
+            and len(labels) <= MAX_LABELS
+            and all(_ok_id(k) and _ok_id(v) for k, v in labels.items())
+        ):
+            msg = f"labels must be at most {MAX_LABELS} non-empty str -> str pairs"
+            return _reject(out, "bad_value", msg, ev)
+        timeout = ev.heartbeat_timeout
+        if timeout is None:
+            timeout = self.config.heartbeat_timeout
+        elif not timeout > 0:
+            return _reject(out, "bad_value", f"heartbeat_timeout must be > 0: {timeout}", ev)
+        self._pools.add(wid, cast(Stage, ev.stage), ev.credits, dict(labels), timeout, now)
+
+    def _on_heartbeat(self, ev: Heartbeat, now: float, out: list[Action]) -> None:
+        w = self._pools.workers.get(ev.worker_id)
+        if w is None:
+            return _reject(out, "unknown_worker", _unknown_worker(ev.worker_id), ev)
+        if ev.credits is not None and not _ok_credits(ev.credits):
+            return _reject(out, "bad_value", f"credits must be an int >= 0: {ev.credits!r}", ev)
+        self._pools.touch(w, now)
+        if ev.credits is not None:
+            self._pools.advertise(w, ev.credits)
+
+    def _on_lost(self, ev: WorkerLost, now: float, out: list[Action]) -> None:
+        w = self._pools.workers.get(ev.worker_id)
+        if w is None:
+            return _reject(out, "unknown_worker", _unknown_worker(ev.worker_id), ev)
+        self._drop_worker(w, ev.reason[:MAX_REASON], now, out)
+
+    def _on_done(self, ev: ItemDone, now: float, out: list[Action]) -> None:
+        req = self._held(ev, out)
+        if req is None:
+            return
+        if len(ev.output) > MAX_HANDLE_BYTES:
+            return _reject(out, "bad_value", f"output exceeds {MAX_HANDLE_BYTES} bytes", ev)
+        w = self._release_worker(req, now)
+        if req.index + 1 == len(req.stages):
+            done = RequestCompleted(req.rid, ev.output, req.submitted_at, now, req.deadline)
+            self._finish(req, "completed", done, out)
+            return
+        req.handles.append(ev.output)
+        req.index += 1
+        req.attempt = 0
+        req.input = ev.output
+        req.hint = w.labels
+        self._enqueue(req, now)
+
+    def _on_failed(self, ev: ItemFailed, now: float, out: list[Action]) -> None:
+        req = self._held(ev, out)
+        if req is None:
+            return
+        self._release_worker(req, now)
+        reason = f"{req.stage} attempt {req.attempt} on {ev.worker_id}: {ev.reason[:MAX_REASON]}"
+        self._retry_or_fail(req, reason, bool(ev.retryable), out)
+
+    def _on_tick(self, ev: Tick, now: float, out: list[Action]) -> None:
+        pass  # expiry already ran in handle()
+
+    # ------------------------------------------------------------------ lifecycle
+    def _held(self, ev: ItemDone | ItemFailed, out: list[Action]) -> _Request | None:
+        """The request if ``ev`` comes from the worker holding its current attempt; else
+        reject (stale attempts and results for items not held are dropped here)."""
+        rid, stage, attempt, wid = ev.request_id, ev.stage, ev.attempt, ev.worker_id
+        what = f"{stage} attempt {attempt} of {rid!r} from {wid!r}"
+        if stage not in STAGES:
+            msg = f"unknown stage {stage!r}; stages: {', '.join(STAGES)}"
+            return _reject(out, "unknown_stage", msg, ev)
+        req = self._requests.get(rid)
+        if req is None:
+            outcome = self._finished.get(rid)
+            if outcome is not None:
+                return _reject(out, "stale_attempt", f"{what}: request already {outcome}", ev)
+            return _reject(out, "unknown_request", f"{what}: no such request", ev)
+        if stage != req.stage:
+            if stage in req.stages[: req.index]:
+                return _reject(out, "stale_attempt", f"{what}: {stage} already done", ev)
+            return _reject(out, "not_held", f"{what}: the request is at {req.stage}", ev)
+        w = req.worker
+        if attempt == req.attempt and w is not None and w.worker_id == wid:
+            return req
+        if isinstance(attempt, int) and 1 <= attempt < req.attempt:
+            return _reject(out, "stale_attempt", f"{what}: attempt {req.attempt} is current", ev)
+        if attempt == req.attempt and attempt >= 1 and w is None:
+            return _reject(out, "stale_attempt", f"{what}: it was re-queued", ev)
+        holder = f"held by {w.worker_id!r}" if w is not None else "queued"
+        return _reject(out, "not_held", f"{what}: not held (attempt {req.attempt} is {holder})", ev)
+
+    def _release_worker(self, req: _Request, now: float) -> Worker:
+        w = req.worker
+        assert w is not None
+        del w.running[req.rid]
+        self._pools.release(w)
+        self._pools.touch(w, now)
+        req.worker = None
+        return w
+
+    def _enqueue(self, req: _Request, since: float) -> None:
+        stage = req.stage
+        if stage == "decode":
+            self._reserve(req)
+        req.since = since
+        req.token = self._queues[stage].push(req, req.cls.name, since)
+
+    def _retry_or_fail(
+        self, req: _Request, reason: str, retryable: bool, out: list[Action]
+    ) -> bool:
+        """After a failed attempt (not running any more): re-queue, or fail the request.
+        Returns whether it was re-queued."""
+        req.reasons.append(reason)
+        if retryable and req.attempt < self.config.max_attempts:
+            out.append(Requeued(req.rid, req.stage, req.attempt, reason))
+            if req.stage == "denoise":
+                self._unreserve(req)  # admission reserves again
+            self._enqueue(req, req.since)
+            return True
+        self._finish(req, "failed", RequestFailed(req.rid, tuple(req.reasons)), out)
+        return False
+
+    def _drop_worker(self, w: Worker, why: str, now: float, out: list[Action]) -> None:
+        self._pools.remove(w)
+        at = len(out)
+        requeued: list[str] = []
+        failed: list[str] = []
+        reqs = list(w.running.values())
+        w.running.clear()
+        w.held = 0
+        for req in reqs:
+            req.worker = None
+            reason = f"{req.stage} attempt {req.attempt} on {w.worker_id}: {why}"
+            ok = self._retry_or_fail(req, reason, True, out)
+            (requeued if ok else failed).append(req.rid)
+        out.insert(at, WorkerRemoved(w.worker_id, why, tuple(requeued), tuple(failed)))
+
+    def _finish(
+        self, req: _Request, outcome: str, action: Action, out: list[Action], why: str = ""
+    ) -> None:
+        """End ``req``: free its queue slot, credit and reservation; remember the id."""
+        if req.token:
+            self._queues[req.stage].discard(req.token)
+            req.token = 0
+        w = req.worker
+        if w is not None:  # cancelled while running
+            del w.running[req.rid]
+            self._pools.release(w)
+            req.worker = None
+            out.append(Revoke(w.worker_id, req.rid, req.stage, req.attempt, why))
+        self._unreserve(req)
+        del self._requests[req.rid]
+        self._finished[req.rid] = outcome
+        if len(self._finished) > self.config.finished_memory:
+            self._finished.popitem(last=False)
+        out.append(action)
+        out.append(ReleasePayloads(req.rid, tuple(req.handles)))
+
+    def _reserve(self, req: _Request) -> None:
+        if not req.reserved:
+            req.reserved = True
+            self._decode_reserved += 1
+
+    def _unreserve(self, req: _Request) -> None:
+        if req.reserved:
+            req.reserved = False
+            self._decode_reserved -= 1
+
+    # ------------------------------------------------------------------ dispatch
+    def _pump(self, now: float, out: list[Action]) -> None:
+        free = self._pools.free_total
+        for stage in _PUMP_ORDER:
+            q = self._queues[stage]
+            while q and free[stage] > 0:
+                if stage == "denoise" and free["decode"] <= self._decode_reserved:
+                    break  # no decode credit to reserve for the latent
+                req = q.pop(now)
+                assert req is not None
+                self._dispatch(req, stage, q, out)
+
+    def _dispatch(
+        self, req: _Request, stage: Stage, q: ClassQueue[_Request], out: list[Action]
+    ) -> None:
+        req.token = 0
+        attempt = req.attempt + 1
+        item = WorkItem(
+            req.rid, stage, attempt, req.cls.name, req.deadline, req.params, req.input, req.hint
+        )
+        pools = self._pools
+        candidates = pools.candidates(stage)
+        try:
+            w: Any = self.policy.choose(item, candidates)
+        except Exception as e:
+            req.token = q.push(req, req.cls.name, req.since)
+            raise PolicyContractError(f"routing policy raised on {stage} item: {e!r}") from e
+        wid = getattr(w, "worker_id", None)
+        if pools.workers.get(wid) is not w or w.stage != stage or w.free < 1:  # type: ignore[arg-type]
+            req.token = q.push(req, req.cls.name, req.since)
+            raise PolicyContractError(
+                f"routing policy chose {w!r}, not one of the {len(candidates)} candidates"
+            )
+        req.attempt = attempt
+        req.worker = w
+        w.running[req.rid] = req
+        pools.hold(w)
+        if stage == "denoise":
+            self._reserve(req)
+        elif stage == "decode":
+            self._unreserve(req)
+        out.append(Dispatch(w.worker_id, item))
+
+
+def _ok_credits(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _unknown_worker(wid: str) -> str:
+    return f"no live worker {wid!r} (never registered, or declared dead: register again)"
+
+
+def _reject(out: list[Action], code: RejectCode, reason: str, ev: object) -> None:
+    out.append(Rejected(code, reason, type(ev).__name__))

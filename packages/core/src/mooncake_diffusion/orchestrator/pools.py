@@ -1,0 +1,161 @@
+"""Worker pools: who is alive, in which stage, and how many credits each has free.
+
+Used only by the core, which calls, per event:
+
+    pools.expired(now)                  first: workers past their heartbeat deadline
+    pools.add(...) / pools.remove(w)    RegisterWorker / WorkerLost or expiry
+    pools.touch(w, now)                 any event from a live worker
+    pools.advertise(w, credits)         RegisterWorker / Heartbeat(credits=...)
+    pools.hold(w) / pools.release(w)    a dispatch / that item done, failed or revoked
+    pools.candidates(stage)             per dispatch decision: workers with a free credit
+
+Credits: a worker advertises ``advertised`` receive slots; each running item
+holds one. ``free = max(0, advertised - held)``: a lower advertisement never
+revokes held credits, it retires them as their items finish. ``free_total``
+per stage is kept incrementally so "can anything be dispatched?" is O(1).
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import Any
+
+from mooncake_diffusion.orchestrator.model import STAGES, Stage
+
+__all__ = ["Pools", "Worker"]
+
+
+class Worker:
+    """A live worker's record (satisfies ``policy.WorkerView``). Mutated only by ``Pools``."""
+
+    __slots__ = (
+        "advertised",
+        "expires_at",
+        "free",
+        "held",
+        "labels",
+        "running",
+        "seq",
+        "stage",
+        "timeout",
+        "worker_id",
+    )
+
+    def __init__(
+        self, worker_id: str, stage: Stage, seq: int, labels: dict[str, str], timeout: float
+    ) -> None:
+        self.worker_id = worker_id
+        self.stage: Stage = stage
+        self.seq = seq
+        self.labels = labels
+        self.timeout = timeout
+        self.expires_at = 0.0
+        self.advertised = 0
+        self.held = 0
+        self.free = 0
+        #: request id -> the core's request record, in dispatch order
+        self.running: dict[str, Any] = {}
+
+    def __repr__(self) -> str:
+        return (
+            f"Worker({self.worker_id!r}, {self.stage}, held={self.held}/{self.advertised}, "
+            f"running={list(self.running)})"
+        )
+
+
+class Pools:
+    """Live workers by id and by stage, their credits and heartbeat deadlines."""
+
+    def __init__(self) -> None:
+        self.workers: dict[str, Worker] = {}
+        self.by_stage: dict[str, list[Worker]] = {s: [] for s in STAGES}
+        self.free_total: dict[str, int] = dict.fromkeys(STAGES, 0)
+        self._deadlines: list[tuple[float, int, str]] = []
+        self._seq = 0
+
+    # ---- membership
+    def add(
+        self,
+        worker_id: str,
+        stage: Stage,
+        credits: int,
+        labels: dict[str, str],
+        timeout: float,
+        now: float,
+    ) -> Worker:
+        """A new live worker; the id must not be live already (the core checks)."""
+        self._seq += 1
+        w = Worker(worker_id, stage, self._seq, labels, timeout)
+        self.workers[worker_id] = w
+        self.by_stage[stage].append(w)
+        self.advertise(w, credits)
+        self.touch(w, now)
+        heapq.heappush(self._deadlines, (w.expires_at, w.seq, worker_id))
+        return w
+
+    def remove(self, w: Worker) -> None:
+        """Forget ``w`` and its credits. Its ``running`` items are the caller's to re-home."""
+        del self.workers[w.worker_id]
+        self.by_stage[w.stage].remove(w)
+        self.free_total[w.stage] -= w.free
+        w.free = 0
+
+    # ---- liveness
+    def touch(self, w: Worker, now: float) -> None:
+        w.expires_at = now + w.timeout
+
+    def expired(self, now: float) -> list[Worker]:
+        """Live workers whose deadline is at or before ``now``, oldest deadline first.
+
+        They are still registered; the caller removes them.
+        """
+        out: list[Worker] = []
+        dl = self._deadlines
+        while dl and dl[0][0] <= now:
+            _, seq, wid = heapq.heappop(dl)
+            w = self.workers.get(wid)
+            if w is None or w.seq != seq:
+                continue  # removed, or a later registration under the same id
+            if w.expires_at <= now:
+                out.append(w)
+            else:
+                heapq.heappush(dl, (w.expires_at, seq, wid))
+        return out
+
+    def next_deadline(self) -> float | None:
+        """The earliest heartbeat deadline of any live worker, or ``None``."""
+        dl = self._deadlines
+        while dl:
+            t, seq, wid = dl[0]
+            w = self.workers.get(wid)
+            if w is None or w.seq != seq:
+                heapq.heappop(dl)
+            elif w.expires_at != t:
+                heapq.heapreplace(dl, (w.expires_at, seq, wid))
+            else:
+                return t
+        return None
+
+    # ---- credits
+    def _refresh(self, w: Worker) -> None:
+        free = w.advertised - w.held
+        if free < 0:
+            free = 0
+        self.free_total[w.stage] += free - w.free
+        w.free = free
+
+    def advertise(self, w: Worker, credits: int) -> None:
+        w.advertised = credits
+        self._refresh(w)
+
+    def hold(self, w: Worker) -> None:
+        w.held += 1
+        self._refresh(w)
+
+    def release(self, w: Worker) -> None:
+        w.held -= 1
+        self._refresh(w)
+
+    def candidates(self, stage: Stage) -> list[Worker]:
+        """Live workers of ``stage`` with a free credit, in registration order."""
+        return [w for w in self.by_stage[stage] if w.free]

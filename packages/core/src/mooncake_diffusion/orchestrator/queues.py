@@ -1,0 +1,91 @@
+"""One stage's queue: strict priority between SLO classes, FIFO within a class,
+and a bounded wait for every class that sets ``max_wait``.
+
+    q = ClassQueue(config.classes)
+    token = q.push(request, "batch", since=now)   # core: an item becomes ready
+    q.discard(token)                              # core: cancel of a queued item
+    request = q.pop(now)                          # core: one dispatch decision
+
+Order of ``pop`` at time ``now``: among the head (oldest item) of each class,
+
+1. an *overdue* head, one with ``now - since >= max_wait``, wins; among several,
+   the one that became overdue first (``since + max_wait``), then push order;
+2. otherwise the head of the class with the lowest ``priority``; equal
+   priorities go oldest first.
+
+The bound: an item of a class with ``max_wait = W`` that was pushed with
+``since = t`` is, at any pop at or after ``t + W``, behind only items that
+became overdue no later than it did (overdue heads are served in that order,
+and its own class is FIFO). With none of those waiting it is the very next
+item served once the stage has a free credit after ``t + W``: its wait is at
+most ``W`` plus the time until then. Higher-priority traffic cannot extend it.
+
+``since`` is when the item first became ready for this stage; a re-queued item
+keeps it, so retries are not sent to the back. Lazy deletion: ``discard`` is
+O(1), ``push`` and ``pop`` O(log n). Not thread-safe (the core is single-threaded).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterator, Sequence
+from typing import Generic, TypeVar
+
+from mooncake_diffusion.orchestrator.model import SloClass
+
+__all__ = ["ClassQueue"]
+
+T = TypeVar("T")
+
+
+class ClassQueue(Generic[T]):
+    """Priority + aging queue over a fixed set of SLO classes (see the module docstring)."""
+
+    def __init__(self, classes: Sequence[SloClass]) -> None:
+        # stable sort: equal priorities keep the configured order (ties break by age anyway)
+        self._classes = sorted(classes, key=lambda c: c.priority)
+        self._heaps: dict[str, list[tuple[float, int]]] = {c.name: [] for c in classes}
+        self._live: dict[int, T] = {}
+        self._seq = 0
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def __iter__(self) -> Iterator[T]:
+        """Queued items in push order (not service order)."""
+        return iter(self._live.values())
+
+    def push(self, item: T, slo_class: str, since: float) -> int:
+        """Queue ``item``; returns the token that ``discard`` takes. ``slo_class`` must be known."""
+        self._seq += 1
+        heapq.heappush(self._heaps[slo_class], (since, self._seq))
+        self._live[self._seq] = item
+        return self._seq
+
+    def discard(self, token: int) -> None:
+        """Forget a queued item; a token already popped or discarded is ignored."""
+        self._live.pop(token, None)
+
+    def pop(self, now: float) -> T | None:
+        """Remove and return the next item to serve at ``now``, or ``None`` if empty."""
+        if not self._live:
+            return None
+        live = self._live
+        best_heap: list[tuple[float, int]] | None = None
+        best_key: tuple[float, ...] | None = None
+        for c in self._classes:
+            h = self._heaps[c.name]
+            while h and h[0][1] not in live:
+                heapq.heappop(h)
+            if not h:
+                continue
+            since, seq = h[0]
+            if c.max_wait is not None and now - since >= c.max_wait:
+                key: tuple[float, ...] = (0, since + c.max_wait, seq)
+            else:
+                key = (1, c.priority, since, seq)
+            if best_key is None or key < best_key:
+                best_heap, best_key = h, key
+        assert best_heap is not None
+        _, seq = heapq.heappop(best_heap)
+        return live.pop(seq)

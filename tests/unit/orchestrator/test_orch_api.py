@@ -1,0 +1,84 @@
+"""The orchestrator subpackage's public surface and wire shape."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import msgspec
+import pytest
+
+from mooncake_diffusion import orchestrator
+from mooncake_diffusion.errors import MooncakeDiffusionError
+from mooncake_diffusion.orchestrator import (
+    Action,
+    Cancel,
+    Clock,
+    Dispatch,
+    Event,
+    Heartbeat,
+    ItemDone,
+    ItemFailed,
+    MonotonicClock,
+    OrchestratorError,
+    RegisterWorker,
+    Rejected,
+    RequestCompleted,
+    Submit,
+    Tick,
+    VirtualClock,
+    WorkerLost,
+    WorkItem,
+)
+
+pytestmark = pytest.mark.unit
+
+
+def test_every_public_name_resolves_and_errors_join_the_package_tree():
+    assert len(orchestrator.__all__) == len(set(orchestrator.__all__))
+    for name in orchestrator.__all__:
+        assert getattr(orchestrator, name) is not None, name
+    for name in ("ClockError", "OrchestratorConfigError", "PolicyContractError"):
+        err = getattr(orchestrator, name)
+        assert issubclass(err, OrchestratorError) and issubclass(err, MooncakeDiffusionError)
+        assert not err.retryable
+
+
+def test_importing_it_loads_neither_mooncake_nor_torch_nor_threads():
+    code = (
+        "import sys, threading, mooncake_diffusion.orchestrator; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('mooncake', 'torch')), "
+        "threading.active_count())"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[] 1"
+
+
+def test_events_and_actions_cross_a_wire_as_a_tagged_union():
+    events = [
+        Submit("r", "batch", b"p", cached_embeddings=b"e", deadline=3.0),
+        Cancel("r"),
+        RegisterWorker("w", "decode", 2, {"node": "n0"}, heartbeat_timeout=5.0),
+        Heartbeat("w", credits=3),
+        WorkerLost("w"),
+        ItemDone("w", "r", "decode", 1, b"out"),
+        ItemFailed("w", "r", "decode", 1, "oom", retryable=False),
+        Tick(),
+    ]
+    wire = msgspec.msgpack.encode(events)
+    assert msgspec.msgpack.decode(wire, type=list[Event]) == events
+    item = WorkItem("r", "decode", 1, "batch", 9.0, b"p", b"lat", {"node": "n0"})
+    actions = [Dispatch("w", item), Rejected("not_held", "why", "ItemDone")]
+    actions.append(RequestCompleted("r", b"v", 1.0, 2.0, 3.0))
+    back = msgspec.msgpack.decode(msgspec.msgpack.encode(actions), type=list[Action])
+    assert back == actions and back[2].deadline_met
+    with pytest.raises(msgspec.ValidationError):  # a wire event's types are checked
+        msgspec.msgpack.decode(msgspec.msgpack.encode({"type": "Heartbeat", "x": 1}), type=Event)
+
+
+def test_clocks():
+    assert isinstance(VirtualClock(), Clock) and isinstance(MonotonicClock(), Clock)
+    c = VirtualClock(5.0)
+    assert c.advance(1.5) == 6.5 and c.set(7.0) == 7.0 and c.now() == 7.0
+    m = MonotonicClock()
+    assert m.now() <= m.now()
