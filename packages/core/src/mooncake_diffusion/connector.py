@@ -199,9 +199,13 @@ class _Publisher:
             )
             live = _Live(handle, transport, Future(), regions, chunk_plan)
             self._live[key] = live
-        if not stream:
-            for i in range(len(chunk_plan)):
-                self.chunk_ready(live, i)
+        if not stream:  # all chunks exist: commit them in order on one task, so the
+            # consumer gets chunk 0 first instead of several chunks landing together
+            with self._lock:
+                live.marked.update(range(len(chunk_plan)))
+                live.inflight += 1
+                live.settled.clear()
+            self._pool.submit(self._commit, live, *range(len(chunk_plan)))
         return Publication(
             handle, live.future, lambda: self.release(live), lambda i: self.chunk_ready(live, i)
         )
@@ -235,9 +239,10 @@ class _Publisher:
         while len(self._recent) > self._RECENT_MAX:
             self._recent.popitem(last=False)
 
-    def _commit(self, live: _Live, chunk: int) -> None:
+    def _commit(self, live: _Live, *chunks: int) -> None:
         try:
-            self._commit_chunk(live, chunk)
+            for chunk in chunks:
+                self._commit_chunk(live, chunk)
         finally:
             with self._lock:
                 live.inflight -= 1

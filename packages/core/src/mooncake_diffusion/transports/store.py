@@ -8,9 +8,10 @@ Delete-on-consume objects are hard-pinned (never evicted before their consumer
 comes) and removed with force right after the read; shared objects are
 soft-pinned and stay until discarded.
 
-A chunk is ready when all its objects exist (a put is atomic per object). A
-consumer polls the missing ones with bounded backoff (0.5 ms doubling to
-20 ms) until its deadline, and reports each chunk as it completes.
+A chunk is ready when all its objects exist (a put is atomic per object).
+Producers commit a publication's chunks in order, so a consumer polls the
+lowest missing chunk with bounded backoff (0.5 ms doubling to 20 ms, reset
+after each arrival) until its deadline, and reports each chunk as it is read.
 
 In store mode the producer cannot know when a payload was consumed; two
 consumers racing on one delete-on-consume payload may both read it before
@@ -34,6 +35,8 @@ __all__ = ["KEY_ROOT", "StoreTransport"]
 
 #: Every key this package writes starts with this, so an operator can find them.
 KEY_ROOT = "mcd/"
+_POLL_MIN_S = 0.0005  # bounded backoff while a chunk is not there yet
+_POLL_MAX_S = 0.02
 
 
 def _objects(prefix: str, plan: Plan, chunk: int) -> list[tuple[str, list[Segment]]]:
@@ -104,38 +107,31 @@ class StoreTransport(Transport):
         deadline: float,
         on_chunk: Callable[[int], None],
     ) -> str:
+        """Poll the lowest missing chunk (producers commit in order), report each as
+        soon as it is read, and reset the backoff whenever one arrives."""
         assert isinstance(handle.source, StoreSource)
-        objects = {c: _objects(handle.source.prefix, plan, c) for c in range(len(plan))}
-        missing = {c: {k for k, _ in objs} for c, objs in objects.items()}
-        for c in [c for c, keys in missing.items() if not keys]:  # empty chunks
-            del missing[c]
-            on_chunk(c)
-        wanted = [obj for objs in objects.values() for obj in objs]
+        objects = [_objects(handle.source.prefix, plan, c) for c in range(len(plan))]
         leases = [self._client.regs.acquire(r) for r in regions if r.nbytes]
         try:
-            delay = 0.0005
-            while missing:
-                pending = [o for o in wanted if any(o[0] in keys for keys in missing.values())]
-                found = self._client.get_many(*_buffers(pending, regions))
-                for (key, _), ok in zip(pending, found, strict=True):
-                    if not ok:
-                        continue
-                    chunk = int(key.rsplit(".", 1)[1])
-                    missing[chunk].discard(key)
-                    if not missing[chunk]:
-                        del missing[chunk]
-                        on_chunk(chunk)
-                if not missing:
-                    break
-                if time.monotonic() + delay > deadline:
-                    self._give_up(handle, len(missing), len(plan))
-                time.sleep(delay)
-                delay = min(delay * 2, 0.02)
+            delay = _POLL_MIN_S
+            for chunk, objs in enumerate(objects):
+                pending = list(objs)
+                while pending:
+                    found = self._client.get_many(*_buffers(pending, regions))
+                    pending = [o for o, ok in zip(pending, found, strict=True) if not ok]
+                    if not pending:
+                        break
+                    if time.monotonic() + delay > deadline:
+                        self._give_up(handle, len(plan) - chunk, len(plan))
+                    time.sleep(delay)
+                    delay = min(delay * 2, _POLL_MAX_S)
+                delay = _POLL_MIN_S  # progress: the next chunk is probably close behind
+                on_chunk(chunk)
         finally:
             for lease_id in leases:
                 self._client.regs.release(lease_id)
         if handle.lease == "delete_on_consume":
-            self._client.remove_many([k for k, _ in wanted])
+            self._client.remove_many([k for objs in objects for k, _ in objs])
         return "store"
 
     @staticmethod
