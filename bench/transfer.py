@@ -14,8 +14,9 @@ times these paths after one verified run and warm-up runs each:
                      ahead); timed: ``consume(handle, dst=dst)`` here, i.e. the side-channel
                      request plus the producer's ``batch_transfer_sync_write`` (peer -> bench).
                      The consumer has the same-host path turned off, so this is the network.
-    connector_same_host  the same, with the same-host path on: the producer copies into this
-                     process with ``process_vm_writev``; compared with memcpy.
+    connector_same_host  the same, with the same-host path on, consumed into the connector's
+                     shared receive pool: the producer memcpys into its mapping of that
+                     memfd (first use maps it; warm-up covers that); compared with memcpy.
     raw_store        raw ``MooncakeDistributedStore``: timed ``batch_put_from`` (hard pin) +
                      ``batch_get_into`` + ``batch_remove``; the bytes live in the store host.
     connector_store  store-mode producer and consumer connectors in this process; timed:
@@ -72,7 +73,7 @@ TIMED = {
     "memcpy": "dst.copy_(src) in the bench process",
     "raw_te_write": "batch_transfer_sync_write bench -> peer process (one call)",
     "connector_p2p": "consume(handle, dst) in the bench process; peer produced (peer -> bench)",
-    "connector_same_host": "as connector_p2p, same-host copy (process_vm_writev) allowed",
+    "connector_same_host": "as connector_p2p, same-host memcpy into the shared receive pool",
     "raw_store": "batch_put_from (hard pin) + batch_get_into + batch_remove(force)",
     "connector_store": "publish + wait + consume(handle, dst) (consume removes the object)",
     "roundtrip_4k": "publish + wait + consume(handle, dst) + received.release(), 4 KiB",
@@ -335,9 +336,24 @@ class ConnectorP2P(Path):
 
 
 class ConnectorSameHost(ConnectorP2P):
-    """As ``ConnectorP2P``, through a consumer that lets the producer copy directly."""
+    """As ``ConnectorP2P``, through a consumer that lets the producer copy directly,
+    into the consumer's shared receive pool (no ``dst``): the memcpy path."""
 
     name = "connector_same_host"
+
+    def run(self, n: int) -> float:
+        handle = self.handles.popleft()
+        t = time.perf_counter()
+        got = self.cons.consume(handle)
+        self.last = got.tensor
+        got.release()
+        return time.perf_counter() - t
+
+    def verify(self, n: int) -> None:
+        handle = self.handles.popleft()
+        with self.cons.consume(handle) as got:
+            check(got.path == "p2p/shm", f"{self.name} went via {got.path}")
+            check(torch.equal(got.tensor, make_pattern(n)), f"{self.name} {n}")
 
 
 class RawStore(Path):
@@ -588,9 +604,9 @@ class Config:
 
 @contextlib.contextmanager
 def connector(
-    role: str, mode: str, settings: MooncakeSettings, *regs: torch.Tensor
+    role: str, mode: str, settings: MooncakeSettings, *regs: torch.Tensor, **kw: Any
 ) -> Iterator[DiffusionConnector]:
-    conn = DiffusionConnector(role, mode, settings)  # type: ignore[arg-type]
+    conn = DiffusionConnector(role, mode, settings, **kw)  # type: ignore[arg-type]
     try:
         for t in regs:
             conn.register(t)
@@ -612,7 +628,9 @@ def run_all(cfg: Config, cluster: LocalCluster) -> tuple[list[Row], dict[str, An
         log("starting engines and connectors")
         net = dataclasses.replace(settings, same_host=False)
         p2p_cons = stack.enter_context(connector("decode", "p2p", net, dst))
-        shm_cons = stack.enter_context(connector("decode", "p2p", settings, dst))
+        shm_cons = stack.enter_context(
+            connector("decode", "p2p", settings, receive_pool_bytes=max_bytes + (1 << 20))
+        )
         st_prod = stack.enter_context(connector("denoise", "store", settings, src))
         st_cons = stack.enter_context(connector("decode", "store", settings, dst))
         raw_te = RawTeWrite(settings, src, peer)

@@ -122,10 +122,16 @@ def test_same_host_p2p_copies_memory_directly_unless_turned_off(
     handle = publish(producer, "p2p", "r1", "bfloat16", (1, 16, 21, 90, 160), seed=21)
     settings = dataclasses.replace(mooncake_cluster.settings, same_host=same_host)
     consumer = DiffusionConnector("decode", "p2p", settings)
+    expected = make_tensor("bfloat16", (1, 16, 21, 90, 160), 21)
     try:
-        with consumer.consume(handle) as got:
+        with consumer.consume(handle) as got:  # into the connector's (shared) receive pool
             assert got.path == path
-            assert same_bytes(got.tensor, make_tensor("bfloat16", (1, 16, 21, 90, 160), 21))
+            assert same_bytes(got.tensor, expected)
+        # into the caller's own tensor: process_vm_writev on the same host
+        handle = publish(producer, "p2p", "r2", "bfloat16", (1, 16, 21, 90, 160), seed=21)
+        dst = torch.empty_like(expected)
+        with consumer.consume(handle, dst=dst) as got:
+            assert got.path == path and same_bytes(dst, expected)
     finally:
         consumer.close()
 

@@ -55,6 +55,7 @@ from mooncake_diffusion.errors import (
 )
 from mooncake_diffusion.payload import Publication, ReceivedPayload, StagePayload
 from mooncake_diffusion.pool import FreeList
+from mooncake_diffusion.samehost import SharedPool
 from mooncake_diffusion.schema import PayloadHandle, check_chunking, decode_handle
 from mooncake_diffusion.settings import MooncakeSettings
 from mooncake_diffusion.tensors import (
@@ -341,8 +342,12 @@ class _Receiver:
     _LEDGER_MAX = 65536
     QUARANTINE_S = 10.0
 
-    def __init__(self, transports: _Transports, pool_bytes: int, device: str) -> None:
+    def __init__(
+        self, transports: _Transports, pool_bytes: int, device: str, same_host: bool
+    ) -> None:
         self._transports = transports
+        self._same_host = same_host and device == "cpu"
+        self._shared: SharedPool | None = None
         self._fetchers: ThreadPoolExecutor | None = None  # for chunked (streamed) fetches
         self._pool_bytes = pool_bytes
         self._device = device
@@ -452,7 +457,11 @@ class _Receiver:
     def _pool(self) -> Any:
         with self._lock:
             if self._pool_buf is None:
-                buf = empty_buffer(self._pool_bytes, self._device)
+                if self._same_host:  # producers on this host copy straight into it
+                    self._shared = SharedPool(self._pool_bytes)
+                    buf = self._shared.tensor
+                else:
+                    buf = empty_buffer(self._pool_bytes, self._device)
                 buf[:] = 0  # fault the pages in once, not on every first read
                 self._pool_buf = buf
                 self._pool_region = describe("pool", buf)[1]
@@ -465,6 +474,9 @@ class _Receiver:
                 assert self._pool_region is not None
                 transport.pin(self._pool_region)
                 self._pinned_in.add(transport.name)
+                attach = getattr(transport, "attach_pool", None)
+                if attach is not None and self._shared is not None:
+                    attach(self._shared)
 
     def _free(self, offsets: list[int]) -> None:
         for off in offsets:
@@ -501,10 +513,15 @@ class _Receiver:
             offsets = [off for _, offs in self._quarantine for off in offs]
         return sum(self._freelist.size_of(off) for off in offsets)
 
-    def close(self) -> None:
+    def stop(self) -> None:
         """Wait for streamed fetches still running, then stop their threads."""
         if self._fetchers is not None:
             self._fetchers.shutdown(wait=True)
+
+    def close(self) -> None:
+        """Close the shared pool's fd (call once no transport can write into it)."""
+        if self._shared is not None:
+            self._shared.close()
 
 
 #: errors after which a p2p producer may still be writing into the destination
@@ -566,7 +583,9 @@ class DiffusionConnector:
         self.timeout_s = timeout_s
         self._transports = _Transports(self.settings)
         self._publisher = _Publisher(self._transports, transfer_mode, publish_workers)
-        self._receiver = _Receiver(self._transports, receive_pool_bytes, receive_device)
+        self._receiver = _Receiver(
+            self._transports, receive_pool_bytes, receive_device, self.settings.same_host
+        )
         self._closed = False
 
     def publish(
@@ -663,8 +682,9 @@ class DiffusionConnector:
             return
         self._closed = True
         self._publisher.close()
-        self._receiver.close()
+        self._receiver.stop()
         self._transports.close()
+        self._receiver.close()  # after the transports: nothing writes into its pool now
 
     def __enter__(self) -> DiffusionConnector:
         return self

@@ -223,7 +223,8 @@ class FetchRequest(msgspec.Struct, frozen=True, array_like=True, tag=10):
 
     ``addrs``/``lengths`` are the consumer's registered destinations, one per
     tensor in handle order (0/0 for an empty tensor). ``host``/``pid`` identify
-    the consumer process for the same-host path ("" / 0: use the network).
+    the consumer process for the same-host path ("" / 0: use the network);
+    ``pool_*`` describe its shared receive pool (fd -1: none).
     """
 
     payload_id: str
@@ -232,6 +233,10 @@ class FetchRequest(msgspec.Struct, frozen=True, array_like=True, tag=10):
     lengths: tuple[int, ...]
     host: str = ""
     pid: int = 0
+    pool_fd: int = -1
+    pool_token: str = ""
+    pool_base: int = 0
+    pool_size: int = 0
 
 
 class ChunkDone(msgspec.Struct, frozen=True, array_like=True, tag=12):

@@ -8,14 +8,17 @@ sends ``ChunkDone(i)``, and ends with a ``FetchReply``. The consumer blocks in
 ``recv`` between frames, so per-chunk completion costs no polling.
 
 Bytes move with Transfer Engine ``batch_transfer_sync_write``, or, when both
-processes share a kernel and PID namespace, with one ``process_vm_writev``
-copy (``samehost``), which falls back to the network if the kernel refuses.
+processes share a kernel and PID namespace, with one local copy (``samehost``):
+a memcpy into the consumer's shared receive pool, mapped once, or
+``process_vm_writev`` into other destinations; the network is the fallback
+whenever the kernel refuses.
 A delete-on-consume payload is claimed by exactly one fetch, even across
 processes; a failed transfer un-claims it so the consumer may retry.
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import threading
@@ -32,7 +35,7 @@ from mooncake_diffusion.errors import (
     PayloadGoneError,
     TransferError,
 )
-from mooncake_diffusion.samehost import host_identity, vm_write
+from mooncake_diffusion.samehost import PeerPools, SharedPool, host_identity, vm_write
 from mooncake_diffusion.schema import (
     ChunkDone,
     FetchReply,
@@ -76,6 +79,8 @@ class P2PTransport(Transport):
         self._lock = threading.Lock()
         self._closing = threading.Event()
         self._shm_ok = settings.same_host  # turned off for good once the kernel refuses
+        self._peer_pools = PeerPools()  # consumers' shared receive pools, mapped here
+        self._own_pool: SharedPool | None = None  # this consumer's, announced in fetches
 
     # producer side -----------------------------------------------------------
     def prepare(
@@ -184,17 +189,34 @@ class P2PTransport(Transport):
         ]
         if self._shm_ok and req.pid and req.host and req.host == host_identity():
             try:
-                vm_write(req.pid, parts)
+                self._copy_local(req, parts)
                 return "shm"
             except OSError as e:
-                if e.errno in (errno.EPERM, errno.ENOSYS):  # never going to work here
+                if e.errno in (errno.EPERM, errno.EACCES, errno.ENOSYS):  # never here
                     self._shm_ok = False
         if parts:
             src, dst, lengths = zip(*parts, strict=True)
             self._engine.write(req.segment, src, dst, lengths)
         return "net"
 
+    def _copy_local(self, req: FetchRequest, parts: list[tuple[int, int, int]]) -> None:
+        """Same host: memcpy into the consumer's mapped shared pool where the
+        destination lies in it, ``process_vm_writev`` elsewhere."""
+        end = req.pool_base + req.pool_size
+        pooled = [p for p in parts if req.pool_fd >= 0 and req.pool_base <= p[1] <= end - p[2]]
+        rest = [p for p in parts if p not in pooled]
+        if pooled:
+            base = self._peer_pools.map(req.pid, req.pool_fd, req.pool_token, req.pool_size)
+            for src, dst, n in pooled:
+                ctypes.memmove(base + dst - req.pool_base, src, n)
+        if rest:
+            vm_write(req.pid, rest)
+
     # consumer side -----------------------------------------------------------
+    def attach_pool(self, pool: SharedPool) -> None:
+        """Announce this consumer's shared receive pool to producers on this host."""
+        self._own_pool = pool
+
     def fetch(
         self,
         handle: PayloadHandle,
@@ -208,6 +230,7 @@ class P2PTransport(Transport):
         leases = [self._engine.regs.acquire(r) for r in regions]
         same_host = self.settings.same_host
         try:
+            pool = self._own_pool if same_host else None
             req = FetchRequest(
                 handle.payload_id,
                 self._engine.segment,
@@ -215,6 +238,10 @@ class P2PTransport(Transport):
                 tuple(r.nbytes for r in regions),
                 host_identity() if same_host else "",
                 os.getpid() if same_host else 0,
+                pool.fd if pool else -1,
+                pool.token if pool else "",
+                pool.base if pool else 0,
+                pool.nbytes if pool else 0,
             )
             paths: set[str] = set()
 
@@ -256,4 +283,5 @@ class P2PTransport(Transport):
             ids = list(self._held)
         for payload_id in ids:
             self._drop(payload_id)
+        self._peer_pools.close()  # after the server: no copy into them is running
         self._engine.close()
