@@ -1,0 +1,159 @@
+"""An encode worker in a child process, driven by JSON lines: the second process of
+the cache tests, and a runnable example of ``EmbeddingCache`` across processes.
+
+``python -m mooncake_diffusion.caches.worker`` reads settings from the
+``MOONCAKE_*`` environment and speaks one JSON object per line:
+
+    -> {"op": "get_or_compute", "encoder": "t5", "version": "1", "prompt": "p",
+        "params": {}, "shape": [4, 8], "dtype": "float32"}
+    <- {"ok": true, "hit": false, "computed": 1, "key": "mcd-cache/emb/v1/...",
+        "sha256": "<hex of the tensor's bytes>"}
+    -> {"op": "stats"}  <- {"ok": true, "stats": {"hits": 0, ...},
+                            "registrations": 1, "temporary": 0}
+    -> {"op": "exit"}   (closes its caches, exits 0)
+
+``computed`` counts the calls of the fake encoder (``fake_encode``, deterministic
+in every process) for that request: 0 on a hit. Errors come back as
+``{"ok": false, "error": "<class>", "message": "..."}``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from typing import Any, TextIO
+
+from mooncake_diffusion.caches.embedding import EmbeddingCache
+from mooncake_diffusion.caches.keys import canonical_json
+from mooncake_diffusion.demo import make_tensor
+from mooncake_diffusion.errors import MooncakeDiffusionError
+from mooncake_diffusion.settings import MooncakeSettings
+
+__all__ = ["EncoderProcess", "fake_encode", "tensor_digest"]
+
+
+def fake_encode(prompt: str, params: dict, shape: list[int], dtype: str) -> Any:
+    """A stand-in encoder: bytes determined by (prompt, params), equal in every process."""
+    seed = int(hashlib.sha256(canonical_json([prompt, params]).encode()).hexdigest()[:8], 16)
+    return make_tensor(dtype, shape, seed)
+
+
+def tensor_digest(t: Any) -> str:
+    """sha256 of a CPU tensor's bytes (dtype and shape aside)."""
+    import torch
+
+    return hashlib.sha256(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def _serve(settings: MooncakeSettings, stdin: TextIO, stdout: TextIO) -> int:
+    caches: dict[tuple[str, str], EmbeddingCache] = {}
+    try:
+        for line in stdin:
+            cmd = json.loads(line)
+            op = cmd.get("op")
+            if op == "exit":
+                break
+            try:
+                if op == "get_or_compute":
+                    reply = _get_or_compute(caches, settings, cmd)
+                elif op == "stats":
+                    total = [dataclasses.asdict(c.stats()) for c in caches.values()]
+                    stats = {k: sum(s[k] for s in total) for k in ("hits", "misses", "puts")}
+                    regs = [c.client.regs for c in caches.values()]
+                    reply = {
+                        "ok": True,
+                        "stats": stats,
+                        "registrations": sum(r.count for r in regs),
+                        "temporary": sum(r.temporary for r in regs),
+                    }
+                else:
+                    reply = {"ok": False, "error": "ValueError", "message": f"bad op {op!r}"}
+            except MooncakeDiffusionError as e:
+                reply = {"ok": False, "error": type(e).__name__, "message": str(e)}
+            stdout.write(json.dumps(reply) + "\n")
+            stdout.flush()
+    finally:
+        for c in caches.values():
+            c.close()
+    return 0
+
+
+def _get_or_compute(
+    caches: dict[tuple[str, str], EmbeddingCache], settings: MooncakeSettings, cmd: dict
+) -> dict:
+    ident = (cmd["encoder"], cmd["version"])
+    cache = caches.get(ident)
+    if cache is None:
+        cache = caches[ident] = EmbeddingCache(
+            settings, encoder_id=ident[0], encoder_version=ident[1]
+        )
+    calls = []
+
+    def compute() -> Any:
+        calls.append(1)
+        return fake_encode(cmd["prompt"], cmd.get("params", {}), cmd["shape"], cmd["dtype"])
+
+    params = cmd.get("params", {})
+    tensors, hit = cache.get_or_compute(cmd["prompt"], params, compute)
+    return {
+        "ok": True,
+        "hit": hit,
+        "computed": len(calls),
+        "key": cache.key(cmd["prompt"], params),
+        "sha256": tensor_digest(tensors["tensor"]),
+    }
+
+
+class EncoderProcess:
+    """The worker in a child process (see the module docstring)."""
+
+    def __init__(self, settings: MooncakeSettings) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "mooncake_diffusion.caches.worker"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=dict(os.environ, **settings.as_env()),
+        )
+
+    def request(self, **cmd: Any) -> dict:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise MooncakeDiffusionError(f"encoder worker exited with code {self.proc.wait()}")
+        return json.loads(line)
+
+    def close(self) -> None:
+        """Ask the worker to exit (killing it after 30 s) and reap it. Idempotent."""
+        if self.proc.poll() is None:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.write('{"op": "exit"}\n')
+                self.proc.stdin.close()
+                self.proc.wait(30)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+        self.proc.wait()
+        for stream in (self.proc.stdin, self.proc.stdout):
+            if stream is not None and not stream.closed:
+                stream.close()
+
+    def __enter__(self) -> EncoderProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def main() -> int:
+    return _serve(MooncakeSettings.from_env(), sys.stdin, sys.stdout)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
