@@ -19,13 +19,12 @@ import argparse
 import dataclasses
 import json
 import math
-import os
-import subprocess
 import sys
 import time
 from typing import Any, TextIO
 
 from mooncake_diffusion._mooncake.cluster import LocalCluster
+from mooncake_diffusion.childproc import JsonLinesChild
 from mooncake_diffusion.connector import DiffusionConnector
 from mooncake_diffusion.errors import MooncakeDiffusionError
 from mooncake_diffusion.payload import StagePayload
@@ -104,51 +103,12 @@ def _publish(
     return {"ok": True, "handle": pub.encode().hex(), "publish_s": t1 - t0, "wait_s": t2 - t1}
 
 
-class ProducerProcess:
+class ProducerProcess(JsonLinesChild):
     """A producer in a child process, driven over JSON lines (see module docstring)."""
 
     def __init__(self, settings: MooncakeSettings) -> None:
-        env = dict(os.environ, **settings.as_env())
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "mooncake_diffusion.demo", "producer"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-
-    def request(self, **cmd: Any) -> dict:
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
-        if not line:
-            raise MooncakeDiffusionError(f"producer exited with code {self.proc.wait()}")
-        return json.loads(line)
-
-    def kill(self) -> None:
-        self.proc.kill()
-        self.close()
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                assert self.proc.stdin is not None
-                self.proc.stdin.write('{"op": "exit"}\n')
-                self.proc.stdin.close()
-                self.proc.wait(30)
-            except (OSError, subprocess.TimeoutExpired):
-                self.proc.kill()
-        self.proc.wait()
-        for stream in (self.proc.stdin, self.proc.stdout):
-            if stream is not None and not stream.closed:
-                stream.close()
-
-    def __enter__(self) -> ProducerProcess:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        argv = [sys.executable, "-m", "mooncake_diffusion.demo", "producer"]
+        super().__init__(argv, settings, "producer")
 
 
 # --------------------------------------------------------------------------- the demo

@@ -22,13 +22,12 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
-import subprocess
 import sys
 from typing import Any, TextIO
 
 from mooncake_diffusion.caches.embedding import EmbeddingCache
 from mooncake_diffusion.caches.keys import canonical_json
+from mooncake_diffusion.childproc import JsonLinesChild
 from mooncake_diffusion.demo import make_tensor
 from mooncake_diffusion.errors import MooncakeDiffusionError
 from mooncake_diffusion.settings import MooncakeSettings
@@ -108,47 +107,12 @@ def _get_or_compute(
     }
 
 
-class EncoderProcess:
+class EncoderProcess(JsonLinesChild):
     """The worker in a child process (see the module docstring)."""
 
     def __init__(self, settings: MooncakeSettings) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "mooncake_diffusion.caches.worker"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            env=dict(os.environ, **settings.as_env()),
-        )
-
-    def request(self, **cmd: Any) -> dict:
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
-        if not line:
-            raise MooncakeDiffusionError(f"encoder worker exited with code {self.proc.wait()}")
-        return json.loads(line)
-
-    def close(self) -> None:
-        """Ask the worker to exit (killing it after 30 s) and reap it. Idempotent."""
-        if self.proc.poll() is None:
-            try:
-                assert self.proc.stdin is not None
-                self.proc.stdin.write('{"op": "exit"}\n')
-                self.proc.stdin.close()
-                self.proc.wait(30)
-            except (OSError, subprocess.TimeoutExpired):
-                self.proc.kill()
-        self.proc.wait()
-        for stream in (self.proc.stdin, self.proc.stdout):
-            if stream is not None and not stream.closed:
-                stream.close()
-
-    def __enter__(self) -> EncoderProcess:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        argv = [sys.executable, "-m", "mooncake_diffusion.caches.worker"]
+        super().__init__(argv, settings, "encoder worker")
 
 
 def main() -> int:

@@ -1,0 +1,71 @@
+"""A child process driven by JSON lines: the demo's producer, the caches' test
+workers. No pickle: one JSON request line in, one JSON reply line out.
+
+    with JsonLinesChild([sys.executable, "-m", "pkg.worker"], settings, "worker") as w:
+        reply = w.request(op="publish", ...)   # blocks for the reply line
+    # leaving the block sends {"op": "exit"}, waits (kills after 30 s) and reaps
+
+The child gets ``settings`` through the environment (``MooncakeSettings.as_env``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from typing import Any
+
+from mooncake_diffusion.errors import MooncakeDiffusionError
+from mooncake_diffusion.settings import MooncakeSettings
+
+__all__ = ["JsonLinesChild"]
+
+
+class JsonLinesChild:
+    """The parent's side; ``request`` is not thread-safe (one exchange at a time)."""
+
+    def __init__(self, argv: list[str], settings: MooncakeSettings, what: str) -> None:
+        self.what = what
+        self.proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=dict(os.environ, **settings.as_env()),
+        )
+
+    def request(self, **cmd: Any) -> dict:
+        """Send one command and return the child's reply; raises if the child died."""
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise MooncakeDiffusionError(f"{self.what} exited with code {self.proc.wait()}")
+        return json.loads(line)
+
+    def kill(self) -> None:
+        """SIGKILL the child (fault tests), then reap it."""
+        self.proc.kill()
+        self.close()
+
+    def close(self) -> None:
+        """Ask the child to exit (killing it after 30 s) and reap it. Idempotent."""
+        if self.proc.poll() is None:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.write('{"op": "exit"}\n')
+                self.proc.stdin.close()
+                self.proc.wait(30)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+        self.proc.wait()
+        for stream in (self.proc.stdin, self.proc.stdout):
+            if stream is not None and not stream.closed:
+                stream.close()
+
+    def __enter__(self) -> JsonLinesChild:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
