@@ -18,7 +18,12 @@ boundary, so no caller above them ever sees a raw code such as ``-706``.
     ├── StoreFullError              the store pool has no room (-200)           [retryable]
     ├── LeasedError                 leased by a reader (-706) or mid-put (-703) [retryable]
     ├── DeadlineExceededError (TimeoutError)  a wait ran past its deadline      [retryable]
-    └── MooncakeError               any other Mooncake failure, with its code
+    ├── MooncakeError               any other Mooncake failure, with its code
+    │   (defined beside their subsystems, same base:)
+    ├── caches.CacheKeyError (PayloadError)       a value that cannot be part of a key
+    ├── caches.CacheMismatchError (PayloadError)  a key or entry of another encoder/model
+    ├── caches.CacheEntryError (HandleError)      corrupt or foreign cache metadata
+    └── orchestrator.OrchestratorError            bad orchestrator config, policy or clock
 
 ``retryable`` is a class attribute: ``True`` means the same call may succeed
 later without changing its input. ``PayloadGoneError`` means "treat as a cache
