@@ -24,6 +24,7 @@ boundary, so no caller above them ever sees a raw code such as ``-706``.
     ├── caches.CacheMismatchError (PayloadError)  a key or entry of another encoder/model
     ├── caches.CacheEntryError (HandleError)      corrupt or foreign cache metadata
     └── orchestrator.OrchestratorError            bad orchestrator config, policy or clock
+        └── orchestrator.JournalError             an unreadable, foreign or failing journal
 
 ``retryable`` is a class attribute: ``True`` means the same call may succeed
 later without changing its input. ``PayloadGoneError`` means "treat as a cache

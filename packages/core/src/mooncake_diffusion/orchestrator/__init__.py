@@ -26,6 +26,7 @@ Modules, one concern each:
     registry.py  lazy, strict policy registry (+ entry points)
     policies.py  round_robin, least_loaded, affinity
     sim.py       a discrete-event cluster simulator over the real core
+    journal.py   SQLite (WAL) event log; JournaledOrchestrator replays it on restart
     errors.py    OrchestratorError and its subclasses
 """
 
@@ -36,6 +37,12 @@ from mooncake_diffusion.orchestrator.errors import (
     OrchestratorConfigError,
     OrchestratorError,
     PolicyContractError,
+)
+from mooncake_diffusion.orchestrator.journal import (
+    JOURNAL_SCHEMA_VERSION,
+    Journal,
+    JournaledOrchestrator,
+    JournalError,
 )
 from mooncake_diffusion.orchestrator.model import (
     STAGES,
@@ -78,6 +85,7 @@ from mooncake_diffusion.orchestrator.sim import SimConfig, SimReport, Simulation
 
 __all__ = [
     "ENTRY_POINT_GROUP",
+    "JOURNAL_SCHEMA_VERSION",
     "STAGES",
     "Action",
     "AffinityLeastLoaded",
@@ -90,6 +98,9 @@ __all__ = [
     "Heartbeat",
     "ItemDone",
     "ItemFailed",
+    "Journal",
+    "JournalError",
+    "JournaledOrchestrator",
     "LeastLoaded",
     "MonotonicClock",
     "Orchestrator",

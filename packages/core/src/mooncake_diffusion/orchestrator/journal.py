@@ -1,0 +1,360 @@
+"""The orchestrator's journal: accepted events in SQLite, replayed after a restart.
+
+The core is deterministic (the same ``(event, now)`` sequence gives the same
+actions and state), so the journal is an event log, not a state dump:
+
+    jo = JournaledOrchestrator.open("orch.db", config, clock=MonotonicClock())
+    for d in jo.recovered_dispatches:       # after a restart: what the journal says is
+        send(d.worker_id, d.item)           #   running; workers ignore what they hold
+    actions = jo.handle(Submit("r1"))       # runs the core, commits, then returns
+    jo.next_deadline(); jo.now()            # same time base: handle(Tick()) at the deadline
+    jo.close()                              # or crash: committed events are on disk
+
+``handle`` reads the clock once, runs the core at that time, commits the event
+(one transaction) and only then returns the actions, so the driver never acts on
+an event the journal could lose. Which events are written:
+- an event the core accepted: as given (after a msgpack round trip, see below);
+- an event the core rejected: nothing, unless expiring workers at that time
+  changed the state; then a ``Tick`` at the same time, which replays the same
+  changes (a rejected event changes nothing itself);
+- an event that does not survive encoding as the ``Event`` union (wrong field
+  types): answered with ``Rejected`` without reaching the core. The core is
+  always fed the decoded copy, so replay sees exactly what it saw.
+
+Recovery (``open`` on an existing journal) replays every event into a fresh
+core and discards the actions: the previous process already executed them. The
+driver then learns what the state expects:
+- ``recovered_dispatches``: the items the journal says are running. The driver
+  re-sends them (a crash may have come between commit and send); a worker that
+  already runs that ``(request, stage, attempt)`` ignores the copy.
+- Workers must make contact again: a live worker heartbeats (its
+  ``RegisterWorker`` would be rejected as ``duplicate_worker``); a worker that
+  lost its items sends ``WorkerLost`` for itself, then registers. Items on
+  workers that never come back are re-queued by the core's heartbeat deadline
+  rule (at least once); late results of old attempts are rejected as
+  ``stale_attempt``, so duplicates are dropped.
+- Time never goes back: the core resumes at ``clock.now() + offset``, where the
+  offset (0 unless the clock restarted, e.g. a reboot resets the monotonic
+  clock) makes the first time at least the last journaled one. Downtime during
+  which the clock restarted is then invisible to deadlines.
+
+Durability: WAL mode with ``synchronous=NORMAL``. A committed transaction
+survives a process crash; a power loss or OS crash may lose the last commits
+(never corrupt the file). Obligations: one process writes a journal at a time
+(nothing here locks it against a second orchestrator); the journal is bound to
+the ``OrchestratorConfig`` it was written under, and the routing policy must be
+a fresh instance of the same deterministic policy. Compaction (snapshots, log
+truncation) is out of scope: the log grows and recovery replays it all.
+Not thread-safe: one driver thread, like the core.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Iterator
+from os import PathLike
+from types import TracebackType
+from typing import get_args
+
+import msgspec
+
+from mooncake_diffusion.orchestrator.clock import Clock
+from mooncake_diffusion.orchestrator.core import Orchestrator
+from mooncake_diffusion.orchestrator.errors import (
+    ClockError,
+    OrchestratorError,
+    PolicyContractError,
+)
+from mooncake_diffusion.orchestrator.model import (
+    Action,
+    CoreSnapshot,
+    Dispatch,
+    Event,
+    OrchestratorConfig,
+    Rejected,
+    ReleasePayloads,
+    Tick,
+)
+from mooncake_diffusion.orchestrator.policy import RoutingPolicy
+
+__all__ = ["JOURNAL_SCHEMA_VERSION", "Journal", "JournalError", "JournaledOrchestrator"]
+
+#: Version of the tables below. 1: meta(key, value); events(seq, now, event msgpack).
+JOURNAL_SCHEMA_VERSION = 1
+
+_EVENT_TYPES: tuple[type, ...] = get_args(Event)
+_TICK = msgspec.msgpack.encode(Tick())
+_SCHEMA = (
+    "CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
+    "CREATE TABLE events (seq INTEGER PRIMARY KEY, now REAL NOT NULL, event BLOB NOT NULL)",
+)
+
+
+class JournalError(OrchestratorError):
+    """The journal cannot be opened, read or written: not a journal, an unknown schema
+    version, another config, a corrupt event (the message names its seq), or a failed
+    write. Not retryable on the same object: reopen (recover) to go on."""
+
+
+class Journal:
+    """An append-only log of ``(seq, now, event)`` in an SQLite file.
+
+    Opens or creates ``path``; raises ``JournalError`` for a file that is not a
+    journal or has an unknown schema version. ``append`` commits one event per
+    call (blocks for the write; no fsync per commit, see the module docstring).
+    Call ``close`` (or use it as a context manager) when done.
+    """
+
+    def __init__(self, path: str | PathLike[str]) -> None:
+        self.path = str(path)
+        self._enc = msgspec.msgpack.Encoder()
+        self._dec = msgspec.msgpack.Decoder(Event)
+        try:
+            self._db = sqlite3.connect(self.path, isolation_level=None)
+        except sqlite3.Error as e:
+            raise JournalError(f"journal {self.path}: cannot open: {e}") from e
+        try:
+            self._setup()
+        except BaseException:
+            self._db.close()
+            raise
+
+    def _setup(self) -> None:
+        db = self._db
+        try:
+            mode = db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+            if mode.lower() != "wal":
+                raise JournalError(f"journal {self.path}: cannot use WAL mode (got {mode!r})")
+            db.execute("PRAGMA synchronous=NORMAL")
+            tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+            if not tables:
+                db.execute("BEGIN IMMEDIATE")
+                for stmt in _SCHEMA:
+                    db.execute(stmt)
+                db.execute(
+                    "INSERT INTO meta VALUES ('schema_version', ?)", (str(JOURNAL_SCHEMA_VERSION),)
+                )
+                db.execute("COMMIT")
+                return
+            row = None
+            if "meta" in tables:
+                q = "SELECT value FROM meta WHERE key = 'schema_version'"
+                row = db.execute(q).fetchone()
+        except sqlite3.Error as e:
+            raise JournalError(f"journal {self.path}: not a readable SQLite journal: {e}") from e
+        if row is None:
+            raise JournalError(f"journal {self.path}: not an orchestrator journal (no version)")
+        if row[0] != str(JOURNAL_SCHEMA_VERSION):
+            raise JournalError(
+                f"journal {self.path}: schema version {row[0]!r} is not supported "
+                f"(this code reads version {JOURNAL_SCHEMA_VERSION})"
+            )
+
+    # ------------------------------------------------------------------ meta
+    def bind_config(self, config: OrchestratorConfig) -> None:
+        """Record ``config`` in an empty journal; raise ``JournalError`` if the journal
+        was written under another one (replaying under it would build another state)."""
+        text = msgspec.json.encode(config).decode()
+        row = self._db.execute("SELECT value FROM meta WHERE key = 'config'").fetchone()
+        if row is None:
+            self._db.execute("INSERT INTO meta VALUES ('config', ?)", (text,))
+        elif row[0] != text:
+            raise JournalError(
+                f"journal {self.path} was written under another OrchestratorConfig: "
+                f"{row[0]} (given {text})"
+            )
+
+    # ------------------------------------------------------------------ events
+    def encode(self, event: Event) -> tuple[Event, bytes]:
+        """The event as replay will see it, and its bytes. Raises ``TypeError`` if it
+        cannot be encoded, ``msgspec.ValidationError`` if a field has the wrong type."""
+        blob = self._enc.encode(event)
+        return self._dec.decode(blob), blob
+
+    def append(self, now: float, blob: bytes) -> int:
+        """Commit one encoded event at ``now`` (one transaction); returns its seq."""
+        try:
+            cur = self._db.execute("INSERT INTO events (now, event) VALUES (?, ?)", (now, blob))
+        except sqlite3.Error as e:
+            raise JournalError(f"journal {self.path}: write failed: {e}") from e
+        assert cur.lastrowid is not None
+        return cur.lastrowid
+
+    def __len__(self) -> int:
+        """The number of events journaled."""
+        return int(self._db.execute("SELECT count(*) FROM events").fetchone()[0])
+
+    def replay(self) -> Iterator[tuple[int, float, Event]]:
+        """Every ``(seq, now, event)`` in seq order; ``JournalError`` names a corrupt seq."""
+        for seq, now, blob in self._db.execute("SELECT seq, now, event FROM events ORDER BY seq"):
+            if not isinstance(now, float | int) or not isinstance(blob, bytes):
+                raise JournalError(f"journal {self.path}: event seq {seq} is corrupt: bad row")
+            try:
+                event = self._dec.decode(blob)
+            except msgspec.DecodeError as e:  # ValidationError is a DecodeError
+                raise JournalError(f"journal {self.path}: event seq {seq} is corrupt: {e}") from e
+            yield seq, float(now), event
+
+    def close(self) -> None:
+        """Close the file (idempotent). Committed events are already on disk."""
+        self._db.close()
+
+    def __enter__(self) -> Journal:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class JournaledOrchestrator:
+    """An ``Orchestrator`` whose accepted events are journaled before their actions
+    are returned. Build it with ``open``; the call sequence is in the module docstring.
+    """
+
+    def __init__(self, journal: Journal, core: Orchestrator, clock: Clock, offset: float) -> None:
+        """Use ``open``. ``offset`` is added to every ``clock.now()``."""
+        self.journal = journal
+        self.core = core
+        self._clock = clock
+        self._offset = offset
+        self._broken: JournalError | None = None
+        #: The items running when the journal was recovered (empty for a new journal).
+        self.recovered_dispatches: tuple[Dispatch, ...] = ()
+
+    @classmethod
+    def open(
+        cls,
+        path: str | PathLike[str],
+        config: OrchestratorConfig | None = None,
+        *,
+        clock: Clock,
+        policy: RoutingPolicy | None = None,
+    ) -> JournaledOrchestrator:
+        """Open or create the journal at ``path`` and recover its state.
+
+        ``policy``: a fresh routing policy (default: ``config.policy`` from the
+        registry). Raises ``JournalError`` if the journal is unusable, was written
+        under another config, or does not replay (a corrupt event; time going back).
+        """
+        config = config if config is not None else OrchestratorConfig()
+        journal = Journal(path)
+        try:
+            journal.bind_config(config)
+            core = Orchestrator(config, policy=policy)
+            last = _Recovery()
+            for seq, now, event in journal.replay():
+                try:
+                    last.track(core.handle(event, now=now))
+                except ClockError as e:
+                    msg = f"journal {journal.path}: event seq {seq} does not replay: {e}"
+                    raise JournalError(msg) from e
+                except PolicyContractError as e:  # raised live too; the state is consistent
+                    last.track(e.actions)
+            offset = max(0.0, core.now - clock.now())  # core.now is -inf if nothing replayed
+            jo = cls(journal, core, clock, offset)
+            jo.recovered_dispatches = last.running(core.snapshot())
+            return jo
+        except BaseException:
+            journal.close()
+            raise
+
+    @property
+    def config(self) -> OrchestratorConfig:
+        return self.core.config
+
+    def now(self) -> float:
+        """The time ``handle`` would use now, in the core's time base."""
+        return self._clock.now() + self._offset
+
+    def handle(self, event: Event) -> list[Action]:
+        """Apply ``event`` at ``now()``, journal it (see the module docstring), then
+        return the actions to execute in order.
+
+        Raises ``JournalError`` if the commit failed: the actions are lost and this
+        object refuses every later call; reopen the journal to recover. Raises the
+        core's ``ClockError`` (nothing journaled) and ``PolicyContractError`` (the
+        event is journaled, its actions are on the exception) unchanged.
+        """
+        if self._broken is not None:
+            raise JournalError(f"journal {self.journal.path}: unusable after {self._broken}")
+        if not isinstance(event, _EVENT_TYPES):
+            name = type(event).__name__
+            return [Rejected("bad_event", f"{name} is not an orchestrator event", name)]
+        name = type(event).__name__
+        try:
+            event, blob = self.journal.encode(event)
+        except (TypeError, msgspec.ValidationError) as e:
+            return [Rejected("bad_value", f"{name} cannot be journaled: {e}", name)]
+        now = self.now()
+        try:
+            actions = self.core.handle(event, now=now)
+        except PolicyContractError:
+            self._commit(now, blob)
+            raise
+        if any(isinstance(a, Rejected) for a in actions):
+            if len(actions) > 1:  # workers expired at ``now``: replay that much
+                self._commit(now, _TICK)
+        else:
+            self._commit(now, blob)
+        return actions
+
+    def _commit(self, now: float, blob: bytes) -> None:
+        try:
+            self.journal.append(now, blob)
+        except JournalError as e:
+            self._broken = e
+            raise
+
+    def next_deadline(self) -> float | None:
+        """As ``Orchestrator.next_deadline``, in the time base of ``now()``."""
+        return self.core.next_deadline()
+
+    def snapshot(self) -> CoreSnapshot:
+        return self.core.snapshot()
+
+    def close(self) -> None:
+        """Close the journal (idempotent). Every returned action's event is committed."""
+        self.journal.close()
+
+    def __enter__(self) -> JournaledOrchestrator:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class _Recovery:
+    """During replay: the last dispatch of each live request."""
+
+    def __init__(self) -> None:
+        self.dispatches: dict[str, Dispatch] = {}
+
+    def track(self, actions: list[Action]) -> None:
+        for a in actions:
+            if isinstance(a, Dispatch):
+                self.dispatches[a.item.request_id] = a
+            elif isinstance(a, ReleasePayloads):
+                self.dispatches.pop(a.request_id, None)
+
+    def running(self, snap: CoreSnapshot) -> tuple[Dispatch, ...]:
+        out = []
+        for r in snap.requests:
+            if r.state == "running":
+                d = self.dispatches[r.request_id]
+                assert (d.worker_id, d.item.stage, d.item.attempt) == (
+                    r.worker_id,
+                    r.stage,
+                    r.attempt,
+                ), (d, r)
+                out.append(d)
+        return tuple(out)
