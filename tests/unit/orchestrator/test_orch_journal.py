@@ -119,7 +119,10 @@ def test_recovery_rebuilds_the_exact_state_and_loses_no_accepted_request(tmp_pat
     elif crash == "dropped":  # no close: the connection is finalized without a commit
         del h.core, jo
         gc.collect()
-    # "unclosed": the first connection stays open while another process would recover
+    # "unclosed": the first connection stays open while another process would recover;
+    # the dead writer's lock is gone, as the OS drops it with the process
+    if crash == "unclosed":
+        jo.journal._release_lock()
 
     rec = recover(path, VirtualClock())  # a reboot: the clock restarts at 0
     try:
@@ -322,3 +325,14 @@ def test_an_event_that_hit_a_policy_error_is_journaled_and_replays(tmp_path):
     with JournaledOrchestrator.open(path, CONFIG, clock=clock, policy=FailsOnce()) as rec:
         assert rec.snapshot() == before
         assert [d.item.request_id for d in rec.recovered_dispatches] == ["r1"]
+
+
+def test_a_second_writer_is_refused_while_the_first_holds_the_journal(tmp_path):
+    path = tmp_path / "orch.db"
+    first = Journal(path)
+    with pytest.raises(JournalError, match="in use by another orchestrator"):
+        Journal(path)
+    first.close()
+    second = Journal(path)  # free again once the writer is gone
+    assert len(second) == 0
+    second.close()

@@ -33,6 +33,9 @@ driver then learns what the state expects:
   workers that never come back are re-queued by the core's heartbeat deadline
   rule (at least once); late results of old attempts are rejected as
   ``stale_attempt``, so duplicates are dropped.
+- One writer: a journal is held with ``flock`` on ``<path>.lock`` while open;
+  a second orchestrator on the same file gets ``JournalError``. The lock dies
+  with its process, so a crashed orchestrator never blocks its recovery.
 - Time never goes back: the core resumes at ``clock.now() + offset``, where the
   offset (0 unless the clock restarted, e.g. a reboot resets the monotonic
   clock) makes the first time at least the last journaled one. Downtime during
@@ -50,7 +53,10 @@ Not thread-safe: one driver thread, like the core.
 
 from __future__ import annotations
 
+import fcntl
+import os
 import sqlite3
+import weakref
 from collections.abc import Iterator
 from os import PathLike
 from types import TracebackType
@@ -96,6 +102,27 @@ class JournalError(OrchestratorError):
     write. Not retryable on the same object: reopen (recover) to go on."""
 
 
+def _lock(path: str) -> int:
+    """Hold ``path + ".lock"`` exclusively; a second writer gets ``JournalError``.
+
+    ``flock`` locks die with their process, so a crashed orchestrator never
+    blocks its own recovery.
+    """
+    lock_path = path + ".lock"
+    try:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise JournalError(f"journal {path}: cannot open lock file {lock_path}: {e}") from e
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise JournalError(
+            f"journal {path} is in use by another orchestrator (lock {lock_path})"
+        ) from None
+    return fd
+
+
 class Journal:
     """An append-only log of ``(seq, now, event)`` in an SQLite file.
 
@@ -109,15 +136,23 @@ class Journal:
         self.path = str(path)
         self._enc = msgspec.msgpack.Encoder()
         self._dec = msgspec.msgpack.Decoder(Event)
+        # one writer per journal, for the object's lifetime (released on close or GC)
+        self._unlock = weakref.finalize(self, os.close, _lock(self.path))
         try:
             self._db = sqlite3.connect(self.path, isolation_level=None)
         except sqlite3.Error as e:
+            self._release_lock()
             raise JournalError(f"journal {self.path}: cannot open: {e}") from e
         try:
             self._setup()
         except BaseException:
             self._db.close()
+            self._release_lock()
             raise
+
+    def _release_lock(self) -> None:
+        """Drop the writer lock (what the OS does when the writer's process dies)."""
+        self._unlock()  # idempotent
 
     def _setup(self) -> None:
         db = self._db
@@ -196,8 +231,10 @@ class Journal:
             yield seq, float(now), event
 
     def close(self) -> None:
-        """Close the file (idempotent). Committed events are already on disk."""
+        """Close the file and release the writer lock (idempotent). Committed events
+        are already on disk."""
         self._db.close()
+        self._release_lock()
 
     def __enter__(self) -> Journal:
         return self
