@@ -151,3 +151,19 @@ def test_abandoned_p2p_fetch_quarantines_receive_memory(mooncake_cluster, connec
     # the producer could still write into that memory: it is not handed out again yet
     assert stats.pool_bytes_quarantined >= buf.nbytes and stats.pool_bytes_in_use == 0
     pub.release()
+
+
+def test_closing_mid_stream_leaves_no_orphaned_chunks(mooncake_cluster, connector_factory):
+    before = set(mooncake_cluster.keys())
+    prod = connector_factory("store", "denoise")
+    buf = make_tensor("float32", (4, 1024), 41)
+    pub = prod.publish(
+        StagePayload("r1", "latent", tensor=buf, chunk_dim=0, num_chunks=4), stream=True
+    )
+    pub.chunk_ready(0)  # one chunk reaches the store, then the producer shuts down
+    deadline = time.monotonic() + 10
+    while set(mooncake_cluster.keys()) == before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(set(mooncake_cluster.keys()) - before) == 1
+    prod.close()
+    assert set(mooncake_cluster.keys()) == before

@@ -37,7 +37,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -46,12 +46,10 @@ from mooncake_diffusion.chunks import chunk_bounds, plan, plan_for
 from mooncake_diffusion.errors import (
     AlreadyConsumedError,
     ConfigError,
-    DeadlineExceededError,
     DestinationMismatchError,
     DuplicatePublishError,
     PayloadError,
     PayloadGoneError,
-    PeerGoneError,
 )
 from mooncake_diffusion.payload import Publication, ReceivedPayload, StagePayload
 from mooncake_diffusion.pool import FreeList
@@ -202,27 +200,28 @@ class _Publisher:
             self._live[key] = live
         if not stream:  # all chunks exist: commit them in order on one task, so the
             # consumer gets chunk 0 first instead of several chunks landing together
-            with self._lock:
-                live.marked.update(range(len(chunk_plan)))
-                live.inflight += 1
-                live.settled.clear()
-            self._pool.submit(self._commit, live, *range(len(chunk_plan)))
+            self._submit(live, range(len(chunk_plan)))
         return Publication(
             handle, live.future, lambda: self.release(live), lambda i: self.chunk_ready(live, i)
         )
 
     def chunk_ready(self, live: _Live, index: int) -> None:
+        if not 0 <= index < len(live.plan):
+            raise PayloadError(f"chunk {index} out of range 0..{len(live.plan) - 1}")
+        self._submit(live, [index])
+
+    def _submit(self, live: _Live, chunks: Sequence[int]) -> None:
+        """Hand ``chunks`` to one commit task, in order; each chunk at most once."""
         with self._lock:
-            if not 0 <= index < len(live.plan):
-                raise PayloadError(f"chunk {index} out of range 0..{len(live.plan) - 1}")
-            if index in live.marked:
-                raise PayloadError(f"chunk {index} of {live.handle.payload_id} already marked")
+            again = live.marked.intersection(chunks)
+            if again:
+                raise PayloadError(f"chunk {min(again)} of {live.handle.payload_id} already marked")
             if live.future.done():
                 return  # failed or released: nothing more moves
-            live.marked.add(index)
+            live.marked.update(chunks)
             live.inflight += 1
             live.settled.clear()
-        self._pool.submit(self._commit, live, index)
+        self._pool.submit(self._commit, live, *chunks)
 
     def _prune(self) -> None:
         """Move p2p payloads their consumer has taken to ``_recent``, and withdraw
@@ -320,9 +319,11 @@ class _Publisher:
         with self._lock:
             lives, self._live = list(self._live.values()), {}
             self._recent.clear()
+        # What is still live owns producer resources: p2p holds (which die with the
+        # producer) or streams cut short (whose committed chunks nobody can use).
+        # Completed store payloads left _live when they committed: they outlive us.
         for live in lives:
-            if live.transport.name != "store":  # store payloads outlive their producer
-                self._withdraw(live)
+            self._withdraw(live)
 
 
 def _holds(live: _Live) -> bool:
@@ -487,7 +488,7 @@ class _Receiver:
         self, transport: Transport, error: BaseException | None, offsets: list[int]
     ) -> None:
         """Return receive memory, or quarantine it if a producer may still write to it."""
-        if offsets and transport.name == "p2p" and isinstance(error, _ABANDONED):
+        if offsets and error is not None and isinstance(error, transport.late_write_errors):
             with self._lock:
                 self._quarantine.append((time.monotonic() + self.QUARANTINE_S, list(offsets)))
             offsets.clear()
@@ -522,10 +523,6 @@ class _Receiver:
         """Close the shared pool's fd (call once no transport can write into it)."""
         if self._shared is not None:
             self._shared.close()
-
-
-#: errors after which a p2p producer may still be writing into the destination
-_ABANDONED = (DeadlineExceededError, PeerGoneError)
 
 
 def _chunk_views(h: PayloadHandle, tensors: dict[str, Any], index: int) -> dict[str, Any]:

@@ -7,6 +7,7 @@ release the GIL inside Mooncake; the client is safe to share between threads.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 from mooncake_diffusion._mooncake import import_mooncake
@@ -92,9 +93,13 @@ class StoreClient:
             raise error_for(code, f"store put of {key!r}")
 
     def get_many(
-        self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]
+        self,
+        keys: Sequence[str],
+        ptrs: Sequence[Sequence[int]],
+        sizes: Sequence[Sequence[int]],
     ) -> list[bool]:
-        """Read each key into registered ``ptrs[i]``; ``False`` where the key is absent.
+        """Read each key, scattered in order into registered buffers ``ptrs[i]``
+        (sizes ``sizes[i]``); ``False`` where the key is absent or still being put.
 
         Any other failure raises (``PeerGoneError`` when the store host died).
         """
@@ -123,8 +128,6 @@ class StoreClient:
 
     def remove_prefix(self, prefix: str) -> int:
         """Remove every key starting with ``prefix`` (with force); returns how many."""
-        import re
-
         return max(self._store.remove_by_regex("^" + re.escape(prefix), True), 0)
 
     def close(self) -> None:

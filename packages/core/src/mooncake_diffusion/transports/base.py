@@ -26,6 +26,10 @@ calls, in this order:
       registered() -> (count, bytes, temporary)   for leak checks
       close()                       idempotent; nothing stays registered
 
+A transport whose producer writes into the consumer lists, in
+``late_write_errors``, the fetch errors after which such a write may still be
+under way (p2p: the consumer gave up or lost the connection mid-transfer).
+
 Regions passed to ``prepare``/``commit`` must stay alive, and a chunk's bytes
 unchanged, until ``commit`` of that chunk returns (store) or the payload is
 consumed or discarded (p2p); the connector holds them. ``fetch`` regions are
@@ -55,6 +59,9 @@ class Transport(ABC):
     """Base class of p2p, store and memory transports (see the module docstring)."""
 
     name: ClassVar[str]
+    #: errors from ``fetch`` after which the peer may still be writing into the
+    #: fetch's regions (the consumer must not reuse that memory at once)
+    late_write_errors: ClassVar[tuple[type[BaseException], ...]] = ()
 
     def __init__(self, settings: MooncakeSettings) -> None:
         self.settings = settings

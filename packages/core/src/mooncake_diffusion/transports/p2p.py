@@ -22,7 +22,6 @@ import ctypes
 import errno
 import os
 import threading
-import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -30,9 +29,11 @@ from dataclasses import dataclass, field
 from mooncake_diffusion._mooncake.engine import Engine
 from mooncake_diffusion.errors import (
     AlreadyConsumedError,
+    DeadlineExceededError,
     DestinationMismatchError,
     MooncakeDiffusionError,
     PayloadGoneError,
+    PeerGoneError,
     TransferError,
 )
 from mooncake_diffusion.samehost import PeerPools, SharedPool, host_identity, vm_write
@@ -63,11 +64,11 @@ class _Held:
     plan: Plan
     ready: list[threading.Event] = field(default_factory=list)
     claimed: bool = False
-    expires_at: float | None = None
 
 
 class P2PTransport(Transport):
     name = "p2p"
+    late_write_errors = (DeadlineExceededError, PeerGoneError)
 
     def __init__(self, settings: MooncakeSettings) -> None:
         super().__init__(settings)
@@ -98,12 +99,8 @@ class P2PTransport(Transport):
                 self._engine.regs.release(lease_id)
             raise
         ready = [threading.Event() for _ in plan]
-        _, _, expiry = payload_id.rpartition("@")
-        expires_at = int(expiry) / 1000 if expiry.isdigit() and "@" in payload_id else None
         with self._lock:
-            self._held[payload_id] = _Held(
-                list(regions), leases, lease, plan, ready, expires_at=expires_at
-            )
+            self._held[payload_id] = _Held(list(regions), leases, lease, plan, ready)
         return P2PSource(self._engine.segment, self._server.endpoint)
 
     def commit(
@@ -145,8 +142,6 @@ class P2PTransport(Transport):
                 return FetchReply("gone", f"payload {req.payload_id} is not held by this producer")
             if held.claimed:
                 return FetchReply("consumed", f"payload {req.payload_id} was already consumed")
-            if held.expires_at is not None and time.time() >= held.expires_at:
-                return FetchReply("gone", f"payload {req.payload_id} expired")
             want = tuple(r.nbytes for r in held.regions)
             if want != req.lengths or len(req.addrs) != len(want):
                 return FetchReply("mismatch", f"consumer offers {req.lengths}, payload has {want}")
