@@ -93,15 +93,13 @@ import math
 import os
 import platform
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
-from typing import IO, Any
+from typing import Any
 
 import torch
+from _common import PeerClient, connector, serve_peer
 
 from mooncake_diffusion import DiffusionConnector, LocalCluster, MooncakeSettings, StagePayload
 from mooncake_diffusion.demo import make_tensor
@@ -186,92 +184,16 @@ class Peer:
 
 
 def peer_main(publish_workers: int) -> int:
-    # Keep the protocol on a private copy of stdout; native libraries' prints go to stderr.
-    proto = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)
     peer = Peer(MooncakeSettings.from_env(same_host=True), publish_workers)
-    ops: dict[str, Callable[..., dict[str, Any]]] = {
-        "setup": peer.setup,
-        "publish": peer.publish,
-        "release": peer.release,
-        "close": peer.close,
-    }
-    proto.write(json.dumps({"ready": True}) + "\n")
-    closed = False
-    try:
-        for line in sys.stdin:
-            req = json.loads(line)
-            op = req.pop("op")
-            try:
-                reply = {"ok": True, **ops[op](**req)}
-            except Exception as e:
-                reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
-            proto.write(json.dumps(reply) + "\n")
-            if op == "close":
-                closed = True
-                break
-    finally:
-        if not closed:  # the bench went away without asking
-            peer.close()
-    return 0
+    return serve_peer(
+        {"setup": peer.setup, "publish": peer.publish, "release": peer.release, "close": peer.close}
+    )
 
 
-class PeerClient:
-    """The bench side of the peer: one JSON request line, one JSON reply line."""
-
-    def __init__(self, settings: MooncakeSettings, publish_workers: int = 4) -> None:
-        self._err: IO[bytes] = tempfile.TemporaryFile()  # noqa: SIM115 (closed in close())
-        env = dict(os.environ, **settings.as_env())
-        self._proc = subprocess.Popen(
-            [
-                sys.executable,
-                os.path.abspath(__file__),
-                "--peer",
-                f"--publish-workers={publish_workers}",
-            ],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._err,
-            text=True,
-            env=env,
-        )
-        self._ready = False
-
-    def _read(self) -> dict[str, Any]:
-        assert self._proc.stdout is not None
-        line = self._proc.stdout.readline()
-        if not line:
-            self._err.seek(0)
-            tail = self._err.read()[-2000:].decode(errors="replace")
-            raise RuntimeError(f"peer exited ({self._proc.poll()}); stderr tail:\n{tail}")
-        return json.loads(line)
-
-    def call(self, op: str, **kw: Any) -> dict[str, Any]:
-        if not self._ready:
-            self._ready = bool(self._read().get("ready"))
-        assert self._proc.stdin is not None
-        self._proc.stdin.write(json.dumps({"op": op, **kw}) + "\n")
-        self._proc.stdin.flush()
-        reply = self._read()
-        if not reply.pop("ok"):
-            raise RuntimeError(f"peer {op}: {reply['error']}")
-        return reply
-
-    def close(self) -> None:
-        if self._proc.poll() is None:
-            with contextlib.suppress(Exception):
-                self.call("close")
-            with contextlib.suppress(Exception):
-                assert self._proc.stdin is not None
-                self._proc.stdin.close()
-            try:
-                self._proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self._proc.terminate()
-                self._proc.wait(5)
-        if self._proc.stdout is not None:
-            self._proc.stdout.close()
-        self._err.close()
+def start_peer(settings: MooncakeSettings, publish_workers: int) -> PeerClient:
+    argv = [sys.executable, os.path.abspath(__file__), "--peer"]
+    argv.append(f"--publish-workers={publish_workers}")
+    return PeerClient(argv, env=dict(os.environ, **settings.as_env()))
 
 
 # --------------------------------------------------------------------------- decoders
@@ -593,25 +515,12 @@ class Config:
     json_path: str | None
 
 
-@contextlib.contextmanager
-def connector(
-    mode: str, settings: MooncakeSettings, *regs: torch.Tensor
-) -> Iterator[DiffusionConnector]:
-    conn = DiffusionConnector("decode", mode, settings)  # type: ignore[arg-type]
-    try:
-        for t in regs:
-            conn.register(t)
-        yield conn
-    finally:
-        conn.close()
-
-
 def run_all(cfg: Config, cluster: LocalCluster) -> tuple[list[Row], Decoder, dict[str, float]]:
     settings = cluster.settings
     assert settings is not None
     rows: list[Row] = []
     with contextlib.ExitStack() as stack:
-        peer = PeerClient(settings, cfg.publish_workers)
+        peer = start_peer(settings, cfg.publish_workers)
         stack.callback(peer.close)
         names = sorted(set(cfg.latents) | {"wan720p"}, key=list(LATENTS).index)
         dsts = {n: torch.empty(LATENTS[n], dtype=torch.bfloat16) for n in names}
@@ -624,9 +533,9 @@ def run_all(cfg: Config, cluster: LocalCluster) -> tuple[list[Row], Decoder, dic
         net = dataclasses.replace(settings, same_host=False)
         shm = dataclasses.replace(settings, same_host=True)
         cons = {
-            "p2p": stack.enter_context(connector("p2p", net, *regs)),
-            "same_host": stack.enter_context(connector("p2p", shm, *regs)),
-            "store": stack.enter_context(connector("store", settings, *regs)),
+            "p2p": stack.enter_context(connector("decode", "p2p", net, *regs)),
+            "same_host": stack.enter_context(connector("decode", "p2p", shm, *regs)),
+            "store": stack.enter_context(connector("decode", "store", settings, *regs)),
         }
         bench = Bench(peer, cons, dsts, expected)
         decoder, whole_ms = calibrate(bench, cfg, runs=max(7, cfg.repeats))

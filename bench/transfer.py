@@ -53,16 +53,14 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
-from typing import IO, Any
+from typing import Any
 
 import torch
+from _common import PeerClient, connector, serve_peer
 
 from mooncake_diffusion import DiffusionConnector, LocalCluster, MooncakeSettings, StagePayload
 
@@ -160,85 +158,22 @@ class Peer:
 
 
 def peer_main(settings: MooncakeSettings, max_bytes: int) -> int:
-    # Keep the protocol on a private copy of stdout; native libraries' prints go to stderr.
-    proto = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)
     peer = Peer(settings, max_bytes)
-    ops: dict[str, Callable[..., dict[str, Any]]] = {
-        "te_setup": peer.te_setup,
-        "te_check": peer.te_check,
-        "p2p_setup": peer.p2p_setup,
-        "p2p_publish": peer.p2p_publish,
-        "close": peer.close,
-    }
-    proto.write(json.dumps({"ready": True}) + "\n")
-    closed = False
-    try:
-        for line in sys.stdin:
-            req = json.loads(line)
-            op = req.pop("op")
-            try:
-                reply = {"ok": True, **ops[op](**req)}
-            except Exception as e:
-                reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
-            proto.write(json.dumps(reply) + "\n")
-            if op == "close":
-                closed = True
-                break
-    finally:
-        if not closed:  # the bench went away without asking
-            peer.close()
-    return 0
+    return serve_peer(
+        {
+            "te_setup": peer.te_setup,
+            "te_check": peer.te_check,
+            "p2p_setup": peer.p2p_setup,
+            "p2p_publish": peer.p2p_publish,
+            "close": peer.close,
+        }
+    )
 
 
-class PeerClient:
-    """The bench side of the peer: one JSON request line, one JSON reply line."""
-
-    def __init__(self, settings: MooncakeSettings, max_bytes: int) -> None:
-        self._err: IO[bytes] = tempfile.TemporaryFile()  # noqa: SIM115 (closed in close())
-        argv = [sys.executable, os.path.abspath(__file__), "--peer"]
-        argv += [f"--master={settings.master}", f"--admin={settings.admin_address}"]
-        argv += [f"--max-bytes={max_bytes}"]
-        self._proc = subprocess.Popen(
-            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err, text=True
-        )
-        self._ready = False
-
-    def _read(self) -> dict[str, Any]:
-        assert self._proc.stdout is not None
-        line = self._proc.stdout.readline()
-        if not line:
-            self._err.seek(0)
-            tail = self._err.read()[-2000:].decode(errors="replace")
-            raise RuntimeError(f"peer exited ({self._proc.poll()}); stderr tail:\n{tail}")
-        return json.loads(line)
-
-    def call(self, op: str, **kw: Any) -> dict[str, Any]:
-        if not self._ready:
-            self._ready = bool(self._read().get("ready"))
-        assert self._proc.stdin is not None
-        self._proc.stdin.write(json.dumps({"op": op, **kw}) + "\n")
-        self._proc.stdin.flush()
-        reply = self._read()
-        if not reply.pop("ok"):
-            raise RuntimeError(f"peer {op}: {reply['error']}")
-        return reply
-
-    def close(self) -> None:
-        if self._proc.poll() is None:
-            with contextlib.suppress(Exception):
-                self.call("close")
-            with contextlib.suppress(Exception):
-                assert self._proc.stdin is not None
-                self._proc.stdin.close()
-            try:
-                self._proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self._proc.terminate()
-                self._proc.wait(5)
-        if self._proc.stdout is not None:
-            self._proc.stdout.close()
-        self._err.close()
+def start_peer(settings: MooncakeSettings, max_bytes: int) -> PeerClient:
+    argv = [sys.executable, os.path.abspath(__file__), "--peer"]
+    argv += [f"--master={settings.master}", f"--admin={settings.admin_address}"]
+    return PeerClient([*argv, f"--max-bytes={max_bytes}"])
 
 
 # --------------------------------------------------------------------------- paths
@@ -602,26 +537,13 @@ class Config:
     json_path: str | None
 
 
-@contextlib.contextmanager
-def connector(
-    role: str, mode: str, settings: MooncakeSettings, *regs: torch.Tensor, **kw: Any
-) -> Iterator[DiffusionConnector]:
-    conn = DiffusionConnector(role, mode, settings, **kw)  # type: ignore[arg-type]
-    try:
-        for t in regs:
-            conn.register(t)
-        yield conn
-    finally:
-        conn.close()
-
-
 def run_all(cfg: Config, cluster: LocalCluster) -> tuple[list[Row], dict[str, Any], dict]:
     settings = cluster.settings
     assert settings is not None
     max_bytes = max(cfg.sizes)
     rows: list[Row] = []
     with contextlib.ExitStack() as stack:
-        peer = PeerClient(settings, max_bytes)
+        peer = start_peer(settings, max_bytes)
         stack.callback(peer.close)
         src = make_pattern(max_bytes)
         dst = torch.zeros(max_bytes, dtype=torch.uint8)

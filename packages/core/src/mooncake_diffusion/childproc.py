@@ -1,9 +1,13 @@
 """A child process driven by JSON lines: the demo's producer, the caches' test
 workers. No pickle: one JSON request line in, one JSON reply line out.
 
+    # parent
     with JsonLinesChild([sys.executable, "-m", "pkg.worker"], settings, "worker") as w:
         reply = w.request(op="publish", ...)   # blocks for the reply line
     # leaving the block sends {"op": "exit"}, waits (kills after 30 s) and reaps
+
+    # child (pkg/worker.py)
+    serve_json_lines({"publish": publish, "stats": stats}, sys.stdin, sys.stdout)
 
 The child gets ``settings`` through the environment (``MooncakeSettings.as_env``).
 """
@@ -13,12 +17,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TextIO
 
 from mooncake_diffusion.errors import MooncakeDiffusionError
 from mooncake_diffusion.settings import MooncakeSettings
 
-__all__ = ["JsonLinesChild"]
+__all__ = ["JsonLinesChild", "serve_json_lines"]
 
 
 class JsonLinesChild:
@@ -69,3 +74,30 @@ class JsonLinesChild:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def serve_json_lines(
+    ops: Mapping[str, Callable[[dict], dict]], stdin: TextIO, stdout: TextIO
+) -> None:
+    """The child's side: answer each request line with one reply line until
+    ``{"op": "exit"}`` or end of input.
+
+    ``ops[op](command)`` returns the reply (with ``"ok": True``). A
+    ``MooncakeDiffusionError`` becomes ``{"ok": false, "error": <class name>,
+    "message": ...}``, and so does an unknown op; anything else propagates.
+    """
+    for line in stdin:
+        cmd = json.loads(line)
+        op = cmd.get("op")
+        if op == "exit":
+            return
+        handler = ops.get(op)
+        try:
+            if handler is None:
+                reply = {"ok": False, "error": "ValueError", "message": f"bad op {op!r}"}
+            else:
+                reply = handler(cmd)
+        except MooncakeDiffusionError as e:
+            reply = {"ok": False, "error": type(e).__name__, "message": str(e)}
+        stdout.write(json.dumps(reply) + "\n")
+        stdout.flush()

@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import sys
 import time
 from typing import Any, TextIO
 
 from mooncake_diffusion._mooncake.cluster import LocalCluster
-from mooncake_diffusion.childproc import JsonLinesChild
+from mooncake_diffusion.childproc import JsonLinesChild, serve_json_lines
 from mooncake_diffusion.connector import DiffusionConnector
 from mooncake_diffusion.errors import MooncakeDiffusionError
 from mooncake_diffusion.payload import StagePayload
@@ -51,24 +50,16 @@ def make_tensor(dtype: str, shape: tuple[int, ...] | list[int], seed: int) -> An
 def _producer(settings: MooncakeSettings, stdin: TextIO, stdout: TextIO) -> int:
     conns: dict[str, DiffusionConnector] = {}
     keep: list[Any] = []  # p2p sources must outlive their publication
+
+    def stats(cmd: dict) -> dict:
+        return {"ok": True, "stats": {m: dataclasses.asdict(c.stats()) for m, c in conns.items()}}
+
     try:
-        for line in stdin:
-            cmd = json.loads(line)
-            op = cmd.get("op")
-            if op == "exit":
-                break
-            try:
-                if op == "publish":
-                    reply = _publish(conns, keep, settings, cmd)
-                elif op == "stats":
-                    stats = {m: dataclasses.asdict(c.stats()) for m, c in conns.items()}
-                    reply = {"ok": True, "stats": stats}
-                else:
-                    reply = {"ok": False, "error": "ValueError", "message": f"bad op {op!r}"}
-            except MooncakeDiffusionError as e:
-                reply = {"ok": False, "error": type(e).__name__, "message": str(e)}
-            stdout.write(json.dumps(reply) + "\n")
-            stdout.flush()
+        serve_json_lines(
+            {"publish": lambda cmd: _publish(conns, keep, settings, cmd), "stats": stats},
+            stdin,
+            stdout,
+        )
     finally:
         for c in conns.values():
             c.close()

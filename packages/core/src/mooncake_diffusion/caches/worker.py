@@ -21,15 +21,13 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import sys
 from typing import Any, TextIO
 
 from mooncake_diffusion.caches.embedding import EmbeddingCache
 from mooncake_diffusion.caches.keys import canonical_json
-from mooncake_diffusion.childproc import JsonLinesChild
+from mooncake_diffusion.childproc import JsonLinesChild, serve_json_lines
 from mooncake_diffusion.demo import make_tensor
-from mooncake_diffusion.errors import MooncakeDiffusionError
 from mooncake_diffusion.settings import MooncakeSettings
 
 __all__ = ["EncoderProcess", "fake_encode", "tensor_digest"]
@@ -50,31 +48,23 @@ def tensor_digest(t: Any) -> str:
 
 def _serve(settings: MooncakeSettings, stdin: TextIO, stdout: TextIO) -> int:
     caches: dict[tuple[str, str], EmbeddingCache] = {}
+
+    def stats(cmd: dict) -> dict:
+        total = [dataclasses.asdict(c.stats()) for c in caches.values()]
+        regs = [c.client.regs for c in caches.values()]
+        return {
+            "ok": True,
+            "stats": {k: sum(s[k] for s in total) for k in ("hits", "misses", "puts")},
+            "registrations": sum(r.count for r in regs),
+            "temporary": sum(r.temporary for r in regs),
+        }
+
     try:
-        for line in stdin:
-            cmd = json.loads(line)
-            op = cmd.get("op")
-            if op == "exit":
-                break
-            try:
-                if op == "get_or_compute":
-                    reply = _get_or_compute(caches, settings, cmd)
-                elif op == "stats":
-                    total = [dataclasses.asdict(c.stats()) for c in caches.values()]
-                    stats = {k: sum(s[k] for s in total) for k in ("hits", "misses", "puts")}
-                    regs = [c.client.regs for c in caches.values()]
-                    reply = {
-                        "ok": True,
-                        "stats": stats,
-                        "registrations": sum(r.count for r in regs),
-                        "temporary": sum(r.temporary for r in regs),
-                    }
-                else:
-                    reply = {"ok": False, "error": "ValueError", "message": f"bad op {op!r}"}
-            except MooncakeDiffusionError as e:
-                reply = {"ok": False, "error": type(e).__name__, "message": str(e)}
-            stdout.write(json.dumps(reply) + "\n")
-            stdout.flush()
+        serve_json_lines(
+            {"get_or_compute": lambda cmd: _get_or_compute(caches, settings, cmd), "stats": stats},
+            stdin,
+            stdout,
+        )
     finally:
         for c in caches.values():
             c.close()

@@ -1,0 +1,117 @@
+"""What the bench scripts share: a peer process driven by JSON lines, and a
+connector context manager. Imported by the scripts in this folder (which run
+as ``python bench/NAME.py``, so this folder is on ``sys.path``)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from typing import IO, Any
+
+import torch
+
+from mooncake_diffusion import DiffusionConnector, MooncakeSettings
+
+
+def serve_peer(ops: dict[str, Callable[..., dict[str, Any]]]) -> int:
+    """The peer's side: a ``ready`` line, then one JSON reply line per request line.
+
+    ``ops["close"]`` must exist; it ends the loop, and runs anyway if the bench
+    goes away without asking. The protocol uses a private copy of stdout, so
+    prints from native libraries (which go to fd 1) cannot corrupt it.
+    """
+    proto = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    proto.write(json.dumps({"ready": True}) + "\n")
+    closed = False
+    try:
+        for line in sys.stdin:
+            req = json.loads(line)
+            op = req.pop("op")
+            try:
+                reply = {"ok": True, **ops[op](**req)}
+            except Exception as e:
+                reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+            proto.write(json.dumps(reply) + "\n")
+            if op == "close":
+                closed = True
+                break
+    finally:
+        if not closed:
+            ops["close"]()
+    return 0
+
+
+class PeerClient:
+    """The bench side of the peer: one JSON request line, one JSON reply line.
+
+    ``argv`` starts the peer (a script calling ``serve_peer``); its stderr is
+    kept in a temporary file and its tail is shown if it dies.
+    """
+
+    def __init__(self, argv: list[str], env: dict[str, str] | None = None) -> None:
+        self._err: IO[bytes] = tempfile.TemporaryFile()  # noqa: SIM115 (closed in close())
+        self._proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._err,
+            text=True,
+            env=env,
+        )
+        self._ready = False
+
+    def _read(self) -> dict[str, Any]:
+        assert self._proc.stdout is not None
+        line = self._proc.stdout.readline()
+        if not line:
+            self._err.seek(0)
+            tail = self._err.read()[-2000:].decode(errors="replace")
+            raise RuntimeError(f"peer exited ({self._proc.poll()}); stderr tail:\n{tail}")
+        return json.loads(line)
+
+    def call(self, op: str, **kw: Any) -> dict[str, Any]:
+        if not self._ready:
+            self._ready = bool(self._read().get("ready"))
+        assert self._proc.stdin is not None
+        self._proc.stdin.write(json.dumps({"op": op, **kw}) + "\n")
+        self._proc.stdin.flush()
+        reply = self._read()
+        if not reply.pop("ok"):
+            raise RuntimeError(f"peer {op}: {reply['error']}")
+        return reply
+
+    def close(self) -> None:
+        if self._proc.poll() is None:
+            with contextlib.suppress(Exception):
+                self.call("close")
+            with contextlib.suppress(Exception):
+                assert self._proc.stdin is not None
+                self._proc.stdin.close()
+            try:
+                self._proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self._proc.terminate()
+                self._proc.wait(5)
+        if self._proc.stdout is not None:
+            self._proc.stdout.close()
+        self._err.close()
+
+
+@contextlib.contextmanager
+def connector(
+    role: str, mode: str, settings: MooncakeSettings, *regs: torch.Tensor, **kw: Any
+) -> Iterator[DiffusionConnector]:
+    """A connector with ``regs`` registered, closed on exit."""
+    conn = DiffusionConnector(role, mode, settings, **kw)  # type: ignore[arg-type]
+    try:
+        for t in regs:
+            conn.register(t)
+        yield conn
+    finally:
+        conn.close()
