@@ -31,6 +31,7 @@ __all__ = [
     "MAGIC",
     "SCHEMA_VERSION",
     "ChunkDone",
+    "Envelope",
     "FetchReply",
     "FetchRequest",
     "Kind",
@@ -257,21 +258,23 @@ class FetchReply(msgspec.Struct, frozen=True, array_like=True, tag=11):
     detail: str = ""
 
 
-class _Envelope(msgspec.Struct, frozen=True, array_like=True):
+class Envelope(msgspec.Struct, frozen=True, array_like=True):
+    """``[magic, version, body]``: every versioned object on a wire or in the store."""
+
     magic: str
     version: int
     body: msgspec.Raw
 
 
 _encoder = msgspec.msgpack.Encoder()
-_envelope_decoder = msgspec.msgpack.Decoder(_Envelope)
+_envelope_decoder = msgspec.msgpack.Decoder(Envelope)
 _handle_decoder = msgspec.msgpack.Decoder(PayloadHandle)
 _message_decoder = msgspec.msgpack.Decoder(FetchRequest | FetchReply | ChunkDone)
 
 
 def encode(obj: PayloadHandle | FetchRequest | FetchReply | ChunkDone) -> bytes:
     """Encode a schema object inside the versioned envelope."""
-    return _encoder.encode(_Envelope(MAGIC, SCHEMA_VERSION, msgspec.Raw(_encoder.encode(obj))))
+    return _encoder.encode(Envelope(MAGIC, SCHEMA_VERSION, msgspec.Raw(_encoder.encode(obj))))
 
 
 def _open(data: bytes | bytearray | memoryview, what: str) -> msgspec.Raw:

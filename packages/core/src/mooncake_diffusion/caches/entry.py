@@ -46,7 +46,7 @@ from mooncake_diffusion._mooncake.codes import OBJECT_ALREADY_EXISTS
 from mooncake_diffusion._mooncake.store import StoreClient
 from mooncake_diffusion.caches.errors import CacheEntryError, CacheMismatchError
 from mooncake_diffusion.errors import MooncakeDiffusionError, MooncakeError, PayloadError
-from mooncake_diffusion.schema import MAX_TENSORS, TensorSpec
+from mooncake_diffusion.schema import MAX_TENSORS, Envelope, TensorSpec
 from mooncake_diffusion.tensors import Region, check_destination, describe, empty_buffer, view_of
 
 __all__ = [
@@ -110,20 +110,14 @@ class Owner:
         return f"model {self.owner!r}"
 
 
-class _Envelope(msgspec.Struct, frozen=True, array_like=True):
-    magic: str
-    version: int
-    body: msgspec.Raw
-
-
 _encoder = msgspec.msgpack.Encoder()
-_envelope_decoder = msgspec.msgpack.Decoder(_Envelope)
+_envelope_decoder = msgspec.msgpack.Decoder(Envelope)
 _meta_decoder = msgspec.msgpack.Decoder(EntryMeta)
 
 
 def encode_meta(meta: EntryMeta) -> bytes:
     """The META_BYTES-long metadata object; ``PayloadError`` when it does not fit."""
-    env = _encoder.encode(_Envelope(META_MAGIC, META_VERSION, msgspec.Raw(_encoder.encode(meta))))
+    env = _encoder.encode(Envelope(META_MAGIC, META_VERSION, msgspec.Raw(_encoder.encode(meta))))
     if _LEN.size + len(env) > META_BYTES:
         raise PayloadError(
             f"entry metadata takes {len(env)} bytes, over the {META_BYTES - _LEN.size} a "
