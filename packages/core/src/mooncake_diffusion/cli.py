@@ -11,6 +11,7 @@ import sys
 import threading
 
 from mooncake_diffusion.errors import MooncakeDiffusionError
+from mooncake_diffusion.orchestrator.commands import add_commands
 
 _UNITS = {
     "": 1,
@@ -138,6 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="master's read-lease TTL in ms (default 1000)",
     )
     up.set_defaults(func=_cluster_up)
+    add_commands(sub)
     return p
 
 

@@ -17,7 +17,7 @@ from mooncake_diffusion.schema import MAX_META_BYTES, Kind, LeaseMode, PayloadHa
 __all__ = ["ChunkView", "Publication", "ReceivedPayload", "StagePayload"]
 
 _KINDS = ("embedding", "latent", "feature", "checkpoint")
-_LEASES = ("delete_on_consume", "shared")
+_LEASES = ("delete_on_consume", "shared", "retained")
 
 
 @dataclass(frozen=True)
@@ -25,9 +25,13 @@ class StagePayload:
     """One stage output: named tensors of one request, plus small JSON-able ``meta``.
 
     ``tensor=`` is shorthand for ``tensors={"tensor": t}``. ``lease`` is
-    ``delete_on_consume`` (one consumer; removed once read) or ``shared``
-    (many readers until released). The tensors must stay unchanged until the
-    publication is done (store) or consumed (p2p).
+    ``delete_on_consume`` (one consumer; removed once read), ``shared``
+    (many readers until released; evictable in the store, like a cache entry) or
+    ``retained`` (never evicted, not removed by a read: held until released or
+    ``cleanup(request_id)``, so a stage re-run after a worker death can read its
+    input again; what ``StageWorker`` pipelines use between stages). The
+    tensors must stay unchanged until the publication is done (store) or
+    consumed (p2p).
 
     ``ttl_s`` bounds the payload's life: once it passes, the payload is gone
     whether consumed or not (the store's reaper removes it; a p2p producer

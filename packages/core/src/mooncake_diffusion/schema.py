@@ -12,6 +12,9 @@ Version history:
     1  first version: TensorSpec, PayloadHandle (with chunk_dim/num_chunks) and
        P2PSource | StoreSource | MemorySource; FetchRequest, ChunkDone and
        FetchReply on the p2p side channel.
+    2  lease ``retained``: hard-pinned like ``delete_on_consume``, but reading it
+       does not remove it (a re-queued stage can read its input again); the
+       producer releases it when the request ends.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ __all__ = [
 ]
 
 MAGIC = "mcd"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 #: Element size in bytes of every dtype a handle may carry.
 DTYPE_SIZES: dict[str, int] = {
@@ -67,7 +70,7 @@ DTYPE_SIZES: dict[str, int] = {
 }
 
 Kind = Literal["embedding", "latent", "feature", "checkpoint"]
-LeaseMode = Literal["delete_on_consume", "shared"]
+LeaseMode = Literal["delete_on_consume", "shared", "retained"]
 
 MAX_TENSORS = 64
 MAX_RANK = 8

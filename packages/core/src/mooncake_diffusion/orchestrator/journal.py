@@ -57,7 +57,7 @@ import fcntl
 import os
 import sqlite3
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from os import PathLike
 from types import TracebackType
 from typing import get_args
@@ -271,12 +271,16 @@ class JournaledOrchestrator:
         *,
         clock: Clock,
         policy: RoutingPolicy | None = None,
+        observer: Callable[[Event, list[Action]], None] | None = None,
     ) -> JournaledOrchestrator:
         """Open or create the journal at ``path`` and recover its state.
 
         ``policy``: a fresh routing policy (default: ``config.policy`` from the
-        registry). Raises ``JournalError`` if the journal is unusable, was written
-        under another config, or does not replay (a corrupt event; time going back).
+        registry). ``observer(event, actions)`` sees every replayed event with the
+        actions it produced (not to execute: to rebuild a driver's own views, such
+        as client-visible request statuses). Raises ``JournalError`` if the journal
+        is unusable, was written under another config, or does not replay (a
+        corrupt event; time going back).
         """
         config = config if config is not None else OrchestratorConfig()
         journal = Journal(path)
@@ -286,12 +290,15 @@ class JournaledOrchestrator:
             last = _Recovery()
             for seq, now, event in journal.replay():
                 try:
-                    last.track(core.handle(event, now=now))
+                    actions = core.handle(event, now=now)
                 except ClockError as e:
                     msg = f"journal {journal.path}: event seq {seq} does not replay: {e}"
                     raise JournalError(msg) from e
                 except PolicyContractError as e:  # raised live too; the state is consistent
-                    last.track(e.actions)
+                    actions = e.actions
+                last.track(actions)
+                if observer is not None:
+                    observer(event, actions)
             offset = max(0.0, core.now - clock.now())  # core.now is -inf if nothing replayed
             jo = cls(journal, core, clock, offset)
             jo.recovered_dispatches = last.running(core.snapshot())

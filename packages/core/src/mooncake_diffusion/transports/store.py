@@ -5,7 +5,8 @@ from (and scattered into) the chunk's byte ranges with the multi-buffer batch
 calls, so an inner-dim chunk needs no staging copy. The prefix is unique per
 publication (Store's ``put`` never overwrites, so keys are never reused).
 Delete-on-consume objects are hard-pinned (never evicted before their consumer
-comes) and removed with force right after the read; shared objects are
+comes) and removed with force right after the read; retained objects are
+hard-pinned too but stay after reads until released; shared objects are
 soft-pinned and stay until discarded.
 
 A chunk is ready when all its objects exist (a put is atomic per object).
@@ -86,7 +87,7 @@ class StoreTransport(Transport):
                 leases.append(self._client.regs.acquire(regions[t]))
             self._client.put_many(
                 *_buffers(objects, regions),
-                pin="hard" if lease == "delete_on_consume" else "soft",
+                pin="soft" if lease == "shared" else "hard",
             )
         finally:
             for lease_id in leases:

@@ -1,0 +1,174 @@
+"""The ``mooncake-diffusion orchestrator`` and ``mooncake-diffusion worker`` commands.
+
+``add_commands(subparsers)`` adds both to the CLI; each runs until SIGTERM or
+Ctrl-C. The orchestrator prints one ``ready`` line with its addresses once it
+serves (scripts and tests wait for it); a worker prints one once welcomed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import signal
+import threading
+from typing import Any
+
+__all__ = ["add_commands"]
+
+TOKEN_ENV = "MCD_ORCHESTRATOR_TOKEN"
+
+
+def _label(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"labels are KEY=VALUE, got {text!r}")
+    return key, value
+
+
+def _load_fn(spec: str) -> Any:
+    mod, sep, name = spec.partition(":")
+    if not sep:
+        raise SystemExit(f"mooncake-diffusion: error: --fn must be module:function, got {spec!r}")
+    try:
+        return getattr(importlib.import_module(mod), name)
+    except (ImportError, AttributeError) as e:
+        raise SystemExit(f"mooncake-diffusion: error: cannot load --fn {spec}: {e}") from None
+
+
+def _run_orchestrator(args: argparse.Namespace) -> int:
+    from mooncake_diffusion.orchestrator.api import ApiServer
+    from mooncake_diffusion.orchestrator.model import OrchestratorConfig
+    from mooncake_diffusion.orchestrator.service import OrchestratorService, ServiceConfig
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(message)s")
+    token = args.token or os.environ.get(TOKEN_ENV) or None
+    worker_bind = args.worker_bind or f"tcp://{args.host}:{args.worker_port}"
+    cfg = OrchestratorConfig(
+        policy=args.policy,
+        heartbeat_timeout=args.heartbeat_timeout,
+        max_attempts=args.max_attempts,
+    )
+    service = OrchestratorService(
+        ServiceConfig(orchestrator=cfg, worker_bind=worker_bind, journal=args.journal, token=token)
+    )
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    service.start()
+    try:
+        api = ApiServer(service, args.host, args.port, token=token)
+    except BaseException:
+        service.close()
+        raise
+    try:
+        journal = args.journal or "off (accepted requests are lost on restart; --journal PATH)"
+        print(
+            f"orchestrator ready: api {api.url} workers {service.worker_address} "
+            f"journal {journal} auth {'token' if token else 'none (loopback)'}",
+            flush=True,
+        )
+        stop.wait()
+        print("orchestrator stopping", flush=True)
+    finally:
+        service.close()
+        api.close()
+    return 0
+
+
+def _run_worker(args: argparse.Namespace) -> int:
+    from mooncake_diffusion.orchestrator.worker import StageWorker
+    from mooncake_diffusion.settings import MooncakeSettings
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(message)s")
+    fn = _load_fn(args.fn)
+    settings = MooncakeSettings.from_env(master=args.master)
+    worker = StageWorker(
+        args.stage,
+        fn,
+        args.orchestrator,
+        worker_id=args.worker_id,
+        credits=args.credits,
+        labels=dict(args.label),
+        transfer_mode=args.transfer_mode,
+        settings=settings,
+        token=args.token or os.environ.get(TOKEN_ENV),
+        heartbeat_timeout=args.heartbeat_timeout,
+        connect_timeout_s=args.connect_timeout,
+    )
+    announce = threading.Thread(target=_announce, args=(worker,), daemon=True)
+    announce.start()
+    worker.run()
+    print(f"worker {worker.worker_id} stopped: {worker.items_done} done", flush=True)
+    return 0
+
+
+def _announce(worker: Any) -> None:
+    if worker._welcomed.wait(worker.connect_timeout_s + 1):
+        print(
+            f"worker ready: {worker.worker_id} stage {worker.stage} credits {worker.credits} "
+            f"orchestrator {worker.orchestrator}",
+            flush=True,
+        )
+
+
+def add_commands(sub: Any) -> None:
+    o = sub.add_parser(
+        "orchestrator",
+        help="run the orchestrator service (HTTP API for clients, ZeroMQ for workers)",
+        description="Run the queue-based orchestrator: clients submit over HTTP JSON "
+        "(/v1/requests, /v1/requests/ID[/cancel|/events], /v1/cluster, /metrics, /healthz); "
+        "stage workers connect over ZeroMQ. Binds loopback by default; any other address "
+        f"needs a token (--token or ${TOKEN_ENV}).",
+    )
+    o.add_argument("--host", default="127.0.0.1", help="API bind address (default 127.0.0.1)")
+    o.add_argument("--port", type=int, default=7421, help="API port (default 7421; 0 = any)")
+    o.add_argument(
+        "--worker-port", type=int, default=7422, help="worker port on --host (default 7422)"
+    )
+    o.add_argument("--worker-bind", help="worker endpoint, overrides --worker-port")
+    o.add_argument("--journal", help="SQLite journal path: survive restarts (default: none)")
+    o.add_argument("--token", help=f"shared secret for API and workers (or ${TOKEN_ENV})")
+    o.add_argument("--policy", default="affinity", help="routing policy (default affinity)")
+    o.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=10.0,
+        help="seconds of worker silence before its items are re-queued (default 10)",
+    )
+    o.add_argument("--max-attempts", type=int, default=3, help="tries per stage (default 3)")
+    o.add_argument("--log-level", default="warning", help="default warning")
+    o.set_defaults(func=_run_orchestrator)
+
+    w = sub.add_parser(
+        "worker",
+        help="serve a stage function to the orchestrator",
+        description="Register with the orchestrator, take items of one stage, run the "
+        "stage function (module:function, called as fn(item, ctx)), publish its output "
+        "through the connector and acknowledge it. SIGTERM drains: running items "
+        "finish, nothing new is taken.",
+    )
+    w.add_argument("--stage", required=True, choices=["encode", "denoise", "decode"])
+    w.add_argument("--fn", required=True, help="the stage function, module:function")
+    w.add_argument(
+        "--orchestrator",
+        default="tcp://127.0.0.1:7422",
+        help="the orchestrator's worker endpoint (default tcp://127.0.0.1:7422)",
+    )
+    w.add_argument("--worker-id", help="stable id (default: STAGE-HOST-PID)")
+    w.add_argument("--credits", type=int, default=1, help="items held at once (default 1)")
+    w.add_argument(
+        "--label", type=_label, action="append", default=[], help="topology KEY=VALUE, repeatable"
+    )
+    w.add_argument(
+        "--transfer-mode", default="store", choices=["store", "p2p", "auto"], help="default store"
+    )
+    w.add_argument("--master", help="Mooncake master host:port (default $MOONCAKE_MASTER)")
+    w.add_argument("--token", help=f"the orchestrator's token (or ${TOKEN_ENV})")
+    w.add_argument("--heartbeat-timeout", type=float, help="ask for this heartbeat timeout (s)")
+    w.add_argument(
+        "--connect-timeout", type=float, default=30.0, help="wait for the orchestrator (s)"
+    )
+    w.add_argument("--log-level", default="warning", help="default warning")
+    w.set_defaults(func=_run_worker)

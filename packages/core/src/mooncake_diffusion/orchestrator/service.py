@@ -1,0 +1,692 @@
+"""The orchestrator as a running service: the core, a ZeroMQ worker channel and a client API.
+
+Library mode (in-process, what engines embed) and the standalone command
+(``mooncake-diffusion orchestrator``, which adds ``api.py``'s HTTP API) are the
+same object:
+
+    svc = OrchestratorService(ServiceConfig(journal="orch.db")).start()
+    svc.worker_address                         # tcp://127.0.0.1:PORT for StageWorkers
+    rid = svc.submit({"prompt": "a cat"}, slo_class="interactive")
+    for ev in svc.events(rid): ...             # submitted, dispatched, progress, done, ...
+    svc.wait(rid, timeout=60).output           # the last stage's output handle
+    svc.cancel(rid); svc.status(rid); svc.cluster(); svc.metrics_text()
+    svc.close()                                # stops the driver; the journal keeps the rest
+
+Threads: one driver thread owns the core, the ROUTER socket and the request
+table; it runs every event to completion before the next. API calls (from any
+thread) are posted to it and wait for its answer (``call_timeout_s``), so the
+API never sees a half-applied event. With a journal, every accepted event is
+committed before its actions run (``JournaledOrchestrator``), and a restarted
+service replays it: statuses are rebuilt, running items are re-sent.
+
+Delivery: a ``Work`` frame can be lost (the worker was not connected yet, or
+the service restarted between commit and send). Workers list what they hold in
+every ``Beat``; an item dispatched more than ``resend_after_s`` ago that the
+worker does not list is sent again. Workers ignore copies of what they run and
+answer a copy of what they finished with their ``Done`` again, so resending is
+safe. A ``Done`` lost the other way is recovered the same way.
+
+Errors raised to API callers: ``RequestRejected`` (``code`` as the core's
+``Rejected``: ``duplicate_request``, ``unknown_class``, ``bad_value``,
+``unknown_request``, ``already_finished``) and ``ServiceUnavailable`` (closed or
+not answering). Bad worker frames are logged and answered with ``Refused``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import logging
+import os
+import queue
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import zmq
+
+from mooncake_diffusion.orchestrator.clock import Clock, MonotonicClock
+from mooncake_diffusion.orchestrator.core import Orchestrator
+from mooncake_diffusion.orchestrator.errors import OrchestratorError
+from mooncake_diffusion.orchestrator.journal import JournaledOrchestrator
+from mooncake_diffusion.orchestrator.model import (
+    STAGES,
+    Action,
+    Cancel,
+    Dispatch,
+    Event,
+    Heartbeat,
+    ItemDone,
+    ItemFailed,
+    OrchestratorConfig,
+    RegisterWorker,
+    Rejected,
+    ReleasePayloads,
+    RequestCancelled,
+    RequestCompleted,
+    RequestFailed,
+    Requeued,
+    Revoke,
+    Submit,
+    Tick,
+    WorkerLost,
+    WorkerRemoved,
+)
+from mooncake_diffusion.orchestrator.policy import RoutingPolicy
+from mooncake_diffusion.orchestrator.status import (
+    TERMINAL,
+    RequestEvent,
+    RequestStatus,
+    RequestTable,
+)
+from mooncake_diffusion.orchestrator.wire import (
+    Beat,
+    Bye,
+    Done,
+    Drop,
+    Failed,
+    Hello,
+    ItemRef,
+    Progress,
+    Refused,
+    Release,
+    Welcome,
+    WireError,
+    Work,
+    decode_from_worker,
+    encode,
+)
+
+__all__ = [
+    "MAX_PARAMS_BYTES",
+    "OrchestratorService",
+    "RequestRejected",
+    "ServiceConfig",
+    "ServiceUnavailable",
+]
+
+log = logging.getLogger("mooncake_diffusion.orchestrator")
+
+MAX_PARAMS_BYTES = 64 * 1024
+_LATENCY_BUCKETS = (0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600)
+
+
+class RequestRejected(OrchestratorError):
+    """The request was not accepted (or does not exist); nothing changed. ``code``
+    is the core's reject code."""
+
+    def __init__(self, code: str, reason: str) -> None:
+        super().__init__(reason)
+        self.code = code
+        self.reason = reason
+
+
+class ServiceUnavailable(OrchestratorError):
+    """The service is closed, or its driver did not answer in time. Retryable."""
+
+    retryable = True
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    """``worker_bind``: the ZeroMQ endpoint workers connect to (port 0 picks a free
+    one). ``journal``: a SQLite path, or None for no durability. ``token``: when
+    set, workers must present it in ``Hello`` (the HTTP API checks it too); it is
+    required when ``worker_bind`` is not loopback. ``resend_after_s``: see the
+    module docstring. ``max_finished``: finished statuses kept for the API."""
+
+    orchestrator: OrchestratorConfig = field(default_factory=OrchestratorConfig)
+    worker_bind: str = "tcp://127.0.0.1:7422"
+    journal: str | None = None
+    token: str | None = None
+    resend_after_s: float = 1.0
+    max_finished: int = 10_000
+    call_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        host = self.worker_bind.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+        loopback = host in ("127.0.0.1", "localhost", "::1") or host.startswith("127.")
+        if self.worker_bind.startswith("tcp://") and not loopback and not self.token:
+            raise OrchestratorError(
+                f"worker_bind {self.worker_bind} is not loopback: set a token "
+                "(--token or MCD_ORCHESTRATOR_TOKEN) so only your workers can join"
+            )
+
+
+class _Outstanding(msgspec.Struct):
+    worker_id: str
+    frame: bytes
+    sent_at: float
+
+
+class OrchestratorService:
+    """See the module docstring. ``clock``: default ``MonotonicClock``; ``policy``: a
+    routing policy instance (default: ``config.orchestrator.policy``)."""
+
+    def __init__(
+        self,
+        config: ServiceConfig | None = None,
+        *,
+        clock: Clock | None = None,
+        policy: RoutingPolicy | None = None,
+    ) -> None:
+        self.config = config or ServiceConfig()
+        self._clock = clock or MonotonicClock()
+        self._policy = policy
+        self.table = RequestTable(self.config.max_finished)
+        self._mail: queue.SimpleQueue[tuple[Callable[[], Any], Future]] = queue.SimpleQueue()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self._ctx: zmq.Context | None = None
+        self._router: zmq.Socket | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._closed = False
+        self._core: Orchestrator | JournaledOrchestrator | None = None
+        self._outstanding: dict[ItemRef, _Outstanding] = {}
+        self._producers: dict[str, set[str]] = {}
+        self._authed: set[bytes] = set()
+        self._counters: Counter[str] = Counter()
+        self._latency: list[int] = [0] * (len(_LATENCY_BUCKETS) + 1)
+        self._latency_sum = 0.0
+        self.worker_address = ""
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> OrchestratorService:
+        """Bind the worker socket, recover the journal, start the driver thread."""
+        self._ctx = zmq.Context()
+        router = self._ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        router.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted worker takes its id back
+        router.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
+        try:
+            router.bind(self.config.worker_bind)
+        except zmq.ZMQError as e:
+            router.close()
+            self._ctx.term()
+            raise OrchestratorError(f"cannot bind {self.config.worker_bind}: {e}") from e
+        self._router = router
+        self.worker_address = router.getsockopt_string(zmq.LAST_ENDPOINT)
+        cfg = self.config.orchestrator
+        if self.config.journal:
+            self._core = JournaledOrchestrator.open(
+                self.config.journal,
+                cfg,
+                clock=self._clock,
+                policy=self._policy,
+                observer=self._replayed,
+            )
+            for d in self._core.recovered_dispatches:
+                self._send_work(d)
+        else:
+            self._core = Orchestrator(cfg, clock=self._clock, policy=self._policy)
+        self._thread = threading.Thread(target=self._run, name="mcd-orchestrator", daemon=True)
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        """Stop the driver and close sockets and the journal. Idempotent. Event streams end."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._thread is not None:
+            self._stopping = True
+            os.write(self._wake_w, b"x")
+            self._thread.join(timeout=10)
+        if self._router is not None:
+            self._router.close()
+        if self._ctx is not None:
+            self._ctx.term()
+        if isinstance(self._core, JournaledOrchestrator):
+            self._core.close()
+        self.table.close_streams()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    def __enter__(self) -> OrchestratorService:
+        return self.start() if self._thread is None else self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ client API
+    def submit(
+        self,
+        params: dict[str, Any] | bytes = b"",
+        *,
+        request_id: str | None = None,
+        slo_class: str | None = None,
+        cached_embeddings: bytes | None = None,
+        deadline_s: float | None = None,
+    ) -> str:
+        """Accept a request; returns its id (generated when not given). ``params``: a
+        JSON-able dict (encoded as JSON) or bytes, at most ``MAX_PARAMS_BYTES``;
+        every stage's worker receives it. ``deadline_s``: seconds from now (default:
+        the class deadline). Raises ``RequestRejected``."""
+        blob = params if isinstance(params, bytes) else msgspec.json.encode(params)
+        if len(blob) > MAX_PARAMS_BYTES:
+            raise RequestRejected(
+                "bad_value", f"params are {len(blob)} bytes; the limit is {MAX_PARAMS_BYTES}"
+            )
+        rid = request_id if request_id is not None else uuid.uuid4().hex
+        if deadline_s is not None and not deadline_s > 0:
+            raise RequestRejected("bad_value", f"deadline_s must be > 0, got {deadline_s}")
+
+        def run() -> str:
+            deadline = None if deadline_s is None else self._now() + deadline_s
+            ev = Submit(rid, slo_class, blob, cached_embeddings, deadline)
+            self._feed(ev, None)
+            return rid
+
+        return self._call(run)
+
+    def cancel(self, request_id: str, reason: str = "cancelled by client") -> RequestStatus:
+        """Cancel a queued or running request. Raises ``RequestRejected``
+        (``unknown_request``, ``already_finished``)."""
+
+        def run() -> RequestStatus:
+            self._feed(Cancel(request_id, reason), None)
+            st = self.table.status(request_id)
+            assert st is not None
+            return msgspec.structs.replace(st, events=list(st.events))
+
+        return self._call(run)
+
+    def status(self, request_id: str) -> RequestStatus:
+        """A copy of the request's status. Raises ``RequestRejected("unknown_request")``."""
+
+        def run() -> RequestStatus:
+            st = self.table.status(request_id)
+            if st is None:
+                raise RequestRejected("unknown_request", f"no request {request_id!r}")
+            return msgspec.structs.replace(st, events=list(st.events), reasons=list(st.reasons))
+
+        return self._call(run)
+
+    def events(self, request_id: str, timeout: float | None = None) -> Iterator[RequestEvent]:
+        """The request's events so far, then each new one until it finishes (or the
+        service closes, or ``timeout`` seconds pass with nothing new)."""
+        q: queue.SimpleQueue[RequestEvent | None] = queue.SimpleQueue()
+        if not self._call(lambda: self.table.subscribe(request_id, q)):
+            raise RequestRejected("unknown_request", f"no request {request_id!r}")
+        while True:
+            try:
+                ev = q.get(timeout=timeout)
+            except queue.Empty:
+                return
+            if ev is None:
+                return
+            yield ev
+
+    def wait(self, request_id: str, timeout: float | None = None) -> RequestStatus:
+        """Block until the request finishes (or ``timeout``); returns its status."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for ev in self.events(request_id, timeout=timeout):
+            if ev.kind in TERMINAL or (deadline is not None and time.monotonic() > deadline):
+                break
+        return self.status(request_id)
+
+    def cluster(self) -> dict[str, Any]:
+        """Pools, queues and running requests, for dashboards and the demo's live view."""
+        return self._call(self._cluster_view)
+
+    def metrics_text(self) -> str:
+        """Prometheus text exposition (format 0.0.4)."""
+        return self._call(self._metrics)
+
+    # ------------------------------------------------------------------ driver plumbing
+    def _call(self, fn: Callable[[], Any]) -> Any:
+        if self._closed or self._thread is None:
+            raise ServiceUnavailable("the orchestrator service is not running")
+        fut: Future = Future()
+        self._mail.put((fn, fut))
+        os.write(self._wake_w, b"x")
+        try:
+            return fut.result(timeout=self.config.call_timeout_s)
+        except FutureTimeout:
+            raise ServiceUnavailable(
+                f"the orchestrator did not answer within {self.config.call_timeout_s} s"
+            ) from None
+
+    def _now(self) -> float:
+        assert self._core is not None
+        if isinstance(self._core, JournaledOrchestrator):
+            return self._core.now()
+        return self._clock.now()
+
+    def _run(self) -> None:
+        router = self._router
+        assert router is not None and self._core is not None
+        poller = zmq.Poller()
+        poller.register(router, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        while not self._stopping:
+            deadline = self._core.next_deadline()
+            timeout = None if deadline is None else max(0.0, deadline - self._now()) * 1000 + 1
+            try:
+                ready = dict(poller.poll(timeout))
+            except zmq.ZMQError:
+                break
+            if router in ready:
+                for _ in range(512):
+                    try:
+                        ident, frame = router.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    except ValueError:  # not two frames: a foreign peer
+                        self._counters["wire_errors"] += 1
+                        continue
+                    self._guard(self._on_frame, ident, frame)
+            if self._wake_r in ready:
+                with contextlib.suppress(BlockingIOError):
+                    os.read(self._wake_r, 4096)
+            while True:
+                try:
+                    fn, fut = self._mail.get_nowait()
+                except queue.Empty:
+                    break
+                if fut.set_running_or_notify_cancel():
+                    try:
+                        fut.set_result(fn())
+                    except BaseException as e:
+                        fut.set_exception(e)
+            if deadline is not None and self._now() >= deadline:
+                self._guard(self._feed, Tick(), None)
+
+    def _guard(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Worker traffic must never stop the driver: log and count what fails."""
+        try:
+            fn(*args)
+        except Exception:
+            self._counters["driver_errors"] += 1
+            log.exception("orchestrator: error while handling %s", fn.__name__)
+
+    # ------------------------------------------------------------------ events
+    def _feed(self, event: Event, ident: bytes | None) -> list[Action]:
+        """Run one event through the core and execute its actions. An API event that
+        is rejected raises ``RequestRejected``; a worker's gets ``Refused``."""
+        assert self._core is not None
+        actions = self._core.handle(event)
+        name = type(event).__name__
+        rejected = next((a for a in actions if isinstance(a, Rejected) and a.event == name), None)
+        if rejected is None and isinstance(event, Submit):
+            self._counters["submitted"] += 1
+            self._table_submitted(event)
+        for a in actions:
+            self._execute(a, ident)
+        if rejected is not None and ident is None:
+            raise RequestRejected(rejected.code, rejected.reason)
+        return actions
+
+    def _table_submitted(self, ev: Submit) -> None:
+        self.table.submitted(ev.request_id, ev.slo_class or self.config.orchestrator.default_class)
+
+    def _replayed(self, event: Event, actions: list[Action]) -> None:
+        """Journal recovery: rebuild statuses and who produced what (nothing is sent)."""
+        if isinstance(event, Submit) and not any(isinstance(a, Rejected) for a in actions):
+            self._table_submitted(event)
+        if isinstance(event, ItemDone) and event.output:
+            self._producers.setdefault(event.request_id, set()).add(event.worker_id)
+        for a in actions:
+            self.table.apply(a)
+            if isinstance(a, ReleasePayloads):
+                self._producers.pop(a.request_id, None)
+
+    def _execute(self, a: Action, ident: bytes | None) -> None:
+        self.table.apply(a)
+        if isinstance(a, Dispatch):
+            self._counters[f"dispatched:{a.item.stage}"] += 1
+            self._send_work(a)
+        elif isinstance(a, Revoke):
+            ref = ItemRef(a.request_id, a.stage, a.attempt)
+            self._outstanding.pop(ref, None)
+            self._send(a.worker_id.encode(), Drop(ref, a.reason))
+        elif isinstance(a, Requeued):
+            self._counters[f"requeued:{a.stage}"] += 1
+            self._outstanding.pop(ItemRef(a.request_id, a.stage, a.attempt), None)
+        elif isinstance(a, ReleasePayloads):
+            self._release(a.request_id)
+        elif isinstance(a, RequestCompleted):
+            self._counters["completed"] += 1
+            self._observe_latency(a.finished_at - a.submitted_at)
+        elif isinstance(a, RequestFailed):
+            self._counters["failed"] += 1
+        elif isinstance(a, RequestCancelled):
+            self._counters["cancelled"] += 1
+        elif isinstance(a, WorkerRemoved):
+            self._counters["workers_removed"] += 1
+            log.warning("orchestrator: worker %s removed: %s", a.worker_id, a.reason)
+        elif isinstance(a, Rejected):
+            self._counters[f"rejected:{a.code}"] += 1
+            log.info("orchestrator: rejected %s: %s", a.event, a.reason)
+            if ident is not None:
+                self._send(ident, Refused(a.code, a.reason, a.event))
+
+    def _release(self, rid: str) -> None:
+        """Ask the producers of ``rid``'s outputs to drop them. If none is alive, any
+        live worker will do: in store mode its ``cleanup`` removes the request's
+        objects whoever stored them (p2p payloads died with their producer)."""
+        producers = self._producers.pop(rid, set())
+        if not producers:
+            return
+        assert self._core is not None
+        live = {w.worker_id for w in self._core.snapshot().workers}
+        targets = (producers & live) or set(sorted(live)[:1])
+        for wid in targets:
+            self._send(wid.encode(), Release(rid))
+
+    def _send_work(self, d: Dispatch) -> None:
+        it = d.item
+        frame = encode(Work(it))
+        ref = ItemRef(it.request_id, it.stage, it.attempt)
+        self._outstanding[ref] = _Outstanding(d.worker_id, frame, time.monotonic())
+        self._send_frame(d.worker_id.encode(), frame)
+
+    def _send(self, ident: bytes, msg: Any) -> None:
+        self._send_frame(ident, encode(msg))
+
+    def _send_frame(self, ident: bytes, frame: bytes) -> None:
+        assert self._router is not None
+        try:
+            self._router.send_multipart([ident, frame], zmq.NOBLOCK)
+        except zmq.ZMQError:  # not connected (yet), or its queue is full: Beat recovers
+            self._counters["send_failures"] += 1
+
+    # ------------------------------------------------------------------ worker frames
+    def _on_frame(self, ident: bytes, frame: bytes) -> None:
+        try:
+            msg = decode_from_worker(frame)
+        except WireError as e:
+            self._counters["wire_errors"] += 1
+            log.warning("orchestrator: bad frame from %r: %s", ident[:64], e)
+            self._send(ident, Refused("bad_message", str(e), "frame"))
+            return
+        if msg.worker_id.encode() != ident:
+            self._send(ident, Refused("bad_value", "worker_id must be the routing id", "frame"))
+            return
+        if isinstance(msg, Hello):
+            self._on_hello(ident, msg)
+            return
+        if self.config.token and ident not in self._authed:
+            self._send(ident, Refused("unauthorized", "say Hello with the token first", "frame"))
+            return
+        wid = msg.worker_id
+        if isinstance(msg, Beat):
+            self._feed(Heartbeat(wid, msg.credits), ident)
+            self._resend_missing(wid, set(msg.running))
+        elif isinstance(msg, Done):
+            r = msg.item
+            out = self._outstanding.get(r)
+            if out is not None and out.worker_id == wid:  # first copy: tell the client
+                self.table.done(r, wid, msg.info)
+            acts = self._feed(ItemDone(wid, r.request_id, r.stage, r.attempt, msg.output), ident)
+            if not _rejected(acts, "ItemDone"):
+                self._outstanding.pop(r, None)
+                st = self.table.status(r.request_id)
+                if msg.output and st is not None and st.state not in TERMINAL:
+                    # an intermediate output: its producer drops it when the request ends
+                    self._producers.setdefault(r.request_id, set()).add(wid)
+        elif isinstance(msg, Failed):
+            r = msg.item
+            ev = ItemFailed(wid, r.request_id, r.stage, r.attempt, msg.reason, msg.retryable)
+            if not _rejected(self._feed(ev, ident), "ItemFailed"):
+                self._outstanding.pop(r, None)
+        elif isinstance(msg, Progress):
+            self.table.progress(msg.item, wid, msg.step, msg.total)
+        elif isinstance(msg, Bye):
+            self._authed.discard(ident)
+            self._feed(WorkerLost(wid, msg.reason), ident)
+
+    def _on_hello(self, ident: bytes, msg: Hello) -> None:
+        token = self.config.token
+        if token and not hmac.compare_digest(msg.token.encode(), token.encode()):
+            self._counters["unauthorized"] += 1
+            self._send(ident, Refused("unauthorized", "wrong or missing token", "Hello"))
+            return
+        self._authed.add(ident)
+        assert self._core is not None
+        known = any(w.worker_id == msg.worker_id for w in self._core.snapshot().workers)
+        if known and msg.fresh:  # a new process under an old id: its items go back
+            self._feed(WorkerLost(msg.worker_id, "worker restarted"), ident)
+            known = False
+        if known:  # re-authenticating after a service restart
+            acts = self._feed(Heartbeat(msg.worker_id, msg.credits), ident)
+        else:
+            reg = RegisterWorker(
+                msg.worker_id, msg.stage, msg.credits, dict(msg.labels), msg.heartbeat_timeout
+            )
+            acts = self._feed(reg, ident)
+        if _rejected(acts, "RegisterWorker") or _rejected(acts, "Heartbeat"):
+            return
+        timeout = msg.heartbeat_timeout or self.config.orchestrator.heartbeat_timeout
+        self._send(ident, Welcome(msg.worker_id, timeout / 4))
+
+    def _resend_missing(self, wid: str, running: set[ItemRef]) -> None:
+        now = time.monotonic()
+        for ref, out in self._outstanding.items():
+            stale = now - out.sent_at >= self.config.resend_after_s
+            if out.worker_id == wid and ref not in running and stale:
+                out.sent_at = now
+                self._counters["resent"] += 1
+                self._send_frame(wid.encode(), out.frame)
+
+    # ------------------------------------------------------------------ views
+    def _observe_latency(self, seconds: float) -> None:
+        self._latency_sum += seconds
+        for i, b in enumerate(_LATENCY_BUCKETS):
+            if seconds <= b:
+                self._latency[i] += 1
+                return
+        self._latency[-1] += 1
+
+    def _cluster_view(self) -> dict[str, Any]:
+        assert self._core is not None
+        snap = self._core.snapshot()
+        running = []
+        for st in self.table.live():
+            if st.state == "running":
+                running.append(
+                    {
+                        "request_id": st.request_id,
+                        "stage": st.stage,
+                        "worker_id": st.worker_id,
+                        "step": st.step,
+                        "total": st.total,
+                    }
+                )
+        return {
+            "workers": [
+                {
+                    "worker_id": w.worker_id,
+                    "stage": w.stage,
+                    "labels": w.labels,
+                    "held": w.held,
+                    "free": w.free,
+                    "running": list(w.running),
+                }
+                for w in snap.workers
+            ],
+            "queued": {s: list(q) for s, q in snap.queued.items()},
+            "running": running,
+            "free_credits": snap.free_credits,
+            "decode_reserved": snap.decode_reserved,
+            "counters": dict(self._counters),
+        }
+
+    def _metrics(self) -> str:
+        assert self._core is not None
+        snap = self._core.snapshot()
+        c = self._counters
+        lines: list[str] = []
+
+        def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
+            lines.append(f"# HELP mcd_orchestrator_{name} {help_}")
+            lines.append(f"# TYPE mcd_orchestrator_{name} {kind}")
+            for labels, value in samples:
+                lines.append(f"mcd_orchestrator_{name}{labels} {value:g}")
+
+        metric("requests_submitted_total", "counter", "Accepted requests.", [("", c["submitted"])])
+        metric(
+            "requests_finished_total",
+            "counter",
+            "Finished requests by outcome.",
+            [(f'{{outcome="{o}"}}', c[o]) for o in ("completed", "failed", "cancelled")],
+        )
+        per_stage = [(f'{{stage="{s}"}}', c[f"dispatched:{s}"]) for s in STAGES]
+        metric("dispatches_total", "counter", "Items sent to workers.", per_stage)
+        requeued = [(f'{{stage="{s}"}}', c[f"requeued:{s}"]) for s in STAGES]
+        metric("requeues_total", "counter", "Items sent back to their queue.", requeued)
+        rejected = sorted(
+            (k.split(":", 1)[1], v) for k, v in c.items() if k.startswith("rejected:")
+        )
+        metric(
+            "rejected_total",
+            "counter",
+            "Events the core rejected, by code.",
+            [(f'{{code="{k}"}}', v) for k, v in rejected],
+        )
+        for name in ("workers_removed", "wire_errors", "resent", "driver_errors"):
+            metric(
+                f"{name}_total",
+                "counter",
+                f"{name.replace('_', ' ').capitalize()}.",
+                [("", c[name])],
+            )
+        queued = [(f'{{stage="{s}"}}', len(snap.queued.get(s, ()))) for s in STAGES]
+        metric("queue_depth", "gauge", "Items waiting per stage.", queued)
+        workers = Counter(w.stage for w in snap.workers)
+        metric(
+            "workers",
+            "gauge",
+            "Live workers per stage.",
+            [(f'{{stage="{s}"}}', workers[s]) for s in STAGES],
+        )
+        free = [(f'{{stage="{s}"}}', snap.free_credits.get(s, 0)) for s in STAGES]
+        metric("free_credits", "gauge", "Free receive slots per stage.", free)
+        metric(
+            "decode_reserved",
+            "gauge",
+            "Decode credits reserved by denoise jobs.",
+            [("", snap.decode_reserved)],
+        )
+        lines.append("# HELP mcd_orchestrator_request_seconds Submit to completion.")
+        lines.append("# TYPE mcd_orchestrator_request_seconds histogram")
+        acc = 0
+        for b, n in zip((*_LATENCY_BUCKETS, float("inf")), self._latency, strict=True):
+            acc += n
+            le = "+Inf" if b == float("inf") else f"{b:g}"
+            lines.append(f'mcd_orchestrator_request_seconds_bucket{{le="{le}"}} {acc}')
+        lines.append(f"mcd_orchestrator_request_seconds_sum {self._latency_sum:g}")
+        lines.append(f"mcd_orchestrator_request_seconds_count {acc}")
+        return "\n".join(lines) + "\n"
+
+
+def _rejected(actions: list[Action], event: str) -> bool:
+    return any(isinstance(a, Rejected) and a.event == event for a in actions)

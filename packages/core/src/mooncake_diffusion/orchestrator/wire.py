@@ -1,0 +1,184 @@
+"""The worker channel's wire schema: what a ``StageWorker`` and the service say over ZeroMQ.
+
+Every message is one ZeroMQ frame: ``schema.Envelope`` ``[magic, version, body]``
+with ``MAGIC`` and ``WIRE_VERSION``, the body a tagged msgspec struct. No pickle.
+A decoder rejects another magic, another version and malformed bodies with
+``WireError`` naming what was wrong; the service logs it and answers ``Refused``.
+
+Call sequence (worker W, service S; W's ZeroMQ routing id is its worker id):
+
+    W -> S  Hello      join a stage pool (``fresh``: a new process; what an older
+                       process of the same id held goes back to its queue)
+    S -> W  Welcome    accepted; heartbeat every ``heartbeat_interval`` seconds
+    S -> W  Work       an item to run (may repeat: a worker ignores a copy of an item
+                       it runs, and answers a copy of one it finished with its Done again)
+    W -> S  Progress   optional, e.g. per denoise step (for status and event streams)
+    W -> S  Done       output published; the item is acknowledged
+    W -> S  Failed     the item is given up (``retryable=False`` fails the request)
+    W -> S  Beat       alive; ``running`` lists what it holds, so the service re-sends
+                       an item it dispatched that never arrived
+    S -> W  Drop       stop an item (its request was cancelled)
+    S -> W  Release    the request finished: drop the payloads it published for it
+    S -> W  Refused    a message was not accepted, and why (``code`` as the core's)
+    W -> S  Bye        leaving (drained); nothing it holds is lost
+
+Version history: 1 (initial).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from mooncake_diffusion.orchestrator.model import WorkItem
+from mooncake_diffusion.schema import Envelope
+
+__all__ = [
+    "MAGIC",
+    "WIRE_VERSION",
+    "Beat",
+    "Bye",
+    "Done",
+    "Drop",
+    "Failed",
+    "Hello",
+    "ItemRef",
+    "Progress",
+    "Refused",
+    "Release",
+    "Welcome",
+    "WireError",
+    "Work",
+    "decode_from_service",
+    "decode_from_worker",
+    "encode",
+]
+
+MAGIC = "mcd-orch"
+WIRE_VERSION = 1
+#: Largest frame either side accepts (handles are <= 64 KiB; this leaves room).
+MAX_FRAME = 1 << 20
+
+Info = dict[str, str | int | float | bool]
+
+
+class WireError(ValueError):
+    """A frame that is not a valid message of this wire version; the text says why."""
+
+
+class ItemRef(msgspec.Struct, frozen=True, array_like=True):
+    request_id: str
+    stage: str
+    attempt: int
+
+
+# ------------------------------------------------------------------ worker -> service
+class Hello(msgspec.Struct, frozen=True, tag=True):
+    worker_id: str
+    stage: str
+    credits: int = 1
+    labels: dict[str, str] = msgspec.field(default_factory=dict)
+    heartbeat_timeout: float | None = None
+    token: str = ""
+    fresh: bool = True
+
+
+class Beat(msgspec.Struct, frozen=True, tag=True):
+    worker_id: str
+    running: tuple[ItemRef, ...] = ()
+    credits: int | None = None
+
+
+class Progress(msgspec.Struct, frozen=True, tag=True):
+    worker_id: str
+    item: ItemRef
+    step: int
+    total: int
+
+
+class Done(msgspec.Struct, frozen=True, tag=True):
+    """``info``: small facts for the client's event stream (bytes moved, path, cache hit)."""
+
+    worker_id: str
+    item: ItemRef
+    output: bytes = b""
+    info: Info = msgspec.field(default_factory=dict)
+
+
+class Failed(msgspec.Struct, frozen=True, tag=True):
+    worker_id: str
+    item: ItemRef
+    reason: str
+    retryable: bool = True
+
+
+class Bye(msgspec.Struct, frozen=True, tag=True):
+    worker_id: str
+    reason: str = "drained"
+
+
+# ------------------------------------------------------------------ service -> worker
+class Welcome(msgspec.Struct, frozen=True, tag=True):
+    worker_id: str
+    heartbeat_interval: float
+
+
+class Work(msgspec.Struct, frozen=True, tag=True):
+    item: WorkItem
+
+
+class Drop(msgspec.Struct, frozen=True, tag=True):
+    item: ItemRef
+    reason: str
+
+
+class Release(msgspec.Struct, frozen=True, tag=True):
+    request_id: str
+
+
+class Refused(msgspec.Struct, frozen=True, tag=True):
+    code: str
+    reason: str
+    about: str
+
+
+FromWorker = Hello | Beat | Progress | Done | Failed | Bye
+FromService = Welcome | Work | Drop | Release | Refused
+
+_enc = msgspec.msgpack.Encoder()
+_env = msgspec.msgpack.Decoder(Envelope)
+_from_worker = msgspec.msgpack.Decoder(FromWorker)
+_from_service = msgspec.msgpack.Decoder(FromService)
+
+
+def encode(msg: FromWorker | FromService) -> bytes:
+    """One frame: the message inside the versioned envelope."""
+    return _enc.encode(Envelope(MAGIC, WIRE_VERSION, msgspec.Raw(_enc.encode(msg))))
+
+
+def _decode(frame: bytes, decoder: msgspec.msgpack.Decoder) -> object:
+    if len(frame) > MAX_FRAME:
+        raise WireError(f"frame of {len(frame)} bytes is over the {MAX_FRAME}-byte limit")
+    try:
+        env = _env.decode(frame)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise WireError(f"not an orchestrator message: {e}") from None
+    if env.magic != MAGIC:
+        raise WireError(f"not an orchestrator message (magic {env.magic!r})")
+    if env.version != WIRE_VERSION:
+        raise WireError(
+            f"wire version {env.version}; this build speaks only version {WIRE_VERSION}"
+        )
+    try:
+        return decoder.decode(env.body)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise WireError(f"bad message body: {e}") from None
+
+
+def decode_from_worker(frame: bytes) -> FromWorker:
+    """Raises ``WireError``."""
+    return _decode(frame, _from_worker)  # type: ignore[return-value]
+
+
+def decode_from_service(frame: bytes) -> FromService:
+    """Raises ``WireError``."""
+    return _decode(frame, _from_service)  # type: ignore[return-value]

@@ -1,0 +1,394 @@
+"""The worker runtime: a stage function served to the orchestrator.
+
+    def denoise(item: WorkItem, ctx: StageContext) -> StagePayload | bytes:
+        with ctx.connector.consume(item.input) as cond:   # the upstream output
+            latent = run_dit(cond.tensors, ctx.params, on_step=ctx.progress)
+        return StagePayload(request_id=item.request_id, kind="latent", tensor=latent)
+
+    StageWorker("denoise", denoise, "tcp://127.0.0.1:7422", credits=1).run()
+
+Call sequence: ``run()`` says Hello (with labels and credits), then loops:
+items arrive as ``Work``; each runs ``fn(item, ctx)`` on one of ``credits``
+threads. A returned ``StagePayload`` is published through the worker's
+connector and acknowledged with its handle once ``Publication.wait`` returns
+(so an acknowledged output is always consumable); returned ``bytes`` are
+acknowledged as the output as they are (a final stage's small result). An
+exception fails the item (``retryable`` unless it is a ``PayloadError`` or
+``ValueError``: bad input fails the request at once). Every
+``heartbeat_interval`` the worker sends a ``Beat`` listing what it holds.
+
+Obligations of ``fn``: idempotent per ``(request_id, stage)`` (an item may run
+again after a worker death: at least once); check ``ctx.cancelled`` at natural
+boundaries (a cancelled item's result is discarded and its publications
+withdrawn); report ``ctx.progress(step, total)`` if it likes.
+
+Shutdown: ``drain()`` (SIGTERM when ``run()`` is on the main thread)
+advertises zero credits, hands back items that arrive meanwhile (``Failed``,
+retryable: they go back to the queue at once), waits for running items to
+finish and be acknowledged, then says ``Bye`` and closes. ``stop()`` is the
+same without waiting.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import signal
+import socket
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import msgspec
+import zmq
+
+from mooncake_diffusion.connector import DiffusionConnector
+from mooncake_diffusion.errors import PayloadError
+from mooncake_diffusion.orchestrator.errors import OrchestratorError
+from mooncake_diffusion.orchestrator.model import WorkItem
+from mooncake_diffusion.orchestrator.wire import (
+    Beat,
+    Bye,
+    Done,
+    Drop,
+    Failed,
+    Hello,
+    Info,
+    ItemRef,
+    Progress,
+    Refused,
+    Release,
+    Welcome,
+    WireError,
+    Work,
+    decode_from_service,
+    encode,
+)
+from mooncake_diffusion.payload import StagePayload
+
+__all__ = ["StageContext", "StageFn", "StageWorker"]
+
+log = logging.getLogger("mooncake_diffusion.worker")
+_REMEMBER_DONE = 256
+
+
+class StageContext:
+    """What a stage function gets besides its item. ``info``: small facts it may set
+    for the client's event stream (``bytes``, ``path``, ``cache_hit``)."""
+
+    def __init__(self, worker: StageWorker, item: WorkItem) -> None:
+        self.item = item
+        self.worker_id = worker.worker_id
+        self.labels = dict(worker.labels)
+        self.connector = worker.connector
+        self.info: Info = {}
+        self._worker = worker
+        self._cancelled = threading.Event()
+        self._params: Any = None
+
+    @property
+    def params(self) -> Any:
+        """The request's params decoded as JSON (``{}`` when empty)."""
+        if self._params is None:
+            raw = self.item.params
+            self._params = msgspec.json.decode(raw) if raw else {}
+        return self._params
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def progress(self, step: int, total: int) -> None:
+        """Report progress (thread-safe, cheap; sent on the worker's next loop turn)."""
+        self._worker._post(("progress", _ref(self.item), step, total))
+
+
+StageFn = Callable[[WorkItem, StageContext], StagePayload | bytes | None]
+
+
+def _ref(item: WorkItem) -> ItemRef:
+    return ItemRef(item.request_id, item.stage, item.attempt)
+
+
+class StageWorker:
+    """Serve ``fn`` for ``stage`` to the orchestrator at ``orchestrator`` (a ZeroMQ
+    endpoint). ``connector``: one to publish and consume with (default: built from
+    ``transfer_mode`` and ``settings``; either way the worker closes it at the end
+    only if it built it). ``connect_timeout_s``: how long ``run()`` waits for the
+    first ``Welcome`` before raising ``OrchestratorError``."""
+
+    def __init__(
+        self,
+        stage: str,
+        fn: StageFn,
+        orchestrator: str,
+        *,
+        worker_id: str | None = None,
+        credits: int = 1,
+        labels: dict[str, str] | None = None,
+        connector: DiffusionConnector | None = None,
+        transfer_mode: str = "store",
+        settings: Any = None,
+        token: str | None = None,
+        heartbeat_timeout: float | None = None,
+        publish_timeout_s: float = 60.0,
+        connect_timeout_s: float = 30.0,
+    ) -> None:
+        if credits < 1:
+            raise OrchestratorError(f"credits must be >= 1, got {credits}")
+        self.stage = stage
+        self.fn = fn
+        self.orchestrator = orchestrator
+        self.worker_id = worker_id or f"{stage}-{socket.gethostname()}-{os.getpid()}"
+        self.credits = credits
+        self.labels = dict(labels or {})
+        self.labels.setdefault("node", socket.gethostname())
+        self._own_connector = connector is None
+        self.connector = connector or DiffusionConnector(stage, transfer_mode, settings)  # type: ignore[arg-type]
+        self.token = token or os.environ.get("MCD_ORCHESTRATOR_TOKEN", "")
+        self.heartbeat_timeout = heartbeat_timeout
+        self.publish_timeout_s = publish_timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self._mail: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self._running: dict[ItemRef, StageContext] = {}
+        self._done: OrderedDict[ItemRef, bytes] = OrderedDict()
+        self._draining = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._welcomed = threading.Event()
+        self.items_done = 0
+        self.items_failed = 0
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> StageWorker:
+        """Run in a background thread; returns once the orchestrator welcomed us."""
+        self._thread = threading.Thread(target=self._run_safely, name=f"mcd-{self.worker_id}")
+        self._thread.start()
+        if not self._welcomed.wait(self.connect_timeout_s + 1):
+            self.stop()
+            raise OrchestratorError(
+                f"no orchestrator answered at {self.orchestrator} within {self.connect_timeout_s} s"
+            )
+        return self
+
+    def _run_safely(self) -> None:
+        with contextlib.suppress(OrchestratorError):
+            self.run(install_signal_handlers=False)
+
+    def drain(self) -> None:
+        """Finish what is running, take nothing new, leave (thread- and signal-safe)."""
+        self._draining.set()
+        self._kick()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Leave now (running items are abandoned: the orchestrator re-queues them)."""
+        self._stop.set()
+        self._kick()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    def join(self, timeout: float | None = None) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _kick(self) -> None:
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"x")
+
+    def _post(self, msg: tuple[Any, ...]) -> None:
+        self._mail.put(msg)
+        self._kick()
+
+    # ------------------------------------------------------------------ the loop
+    def run(self, *, install_signal_handlers: bool = True) -> None:
+        """Serve until drained or stopped. Raises ``OrchestratorError`` if the
+        orchestrator never answers or refuses us (a wrong token, a bad stage)."""
+        if install_signal_handlers and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, lambda *_: self.drain())
+            signal.signal(signal.SIGINT, lambda *_: self.drain())
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 2000)
+        sock.setsockopt(zmq.ROUTING_ID, self.worker_id.encode())
+        sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
+        sock.connect(self.orchestrator)
+        pool = ThreadPoolExecutor(self.credits, thread_name_prefix=f"mcd-{self.stage}")
+        try:
+            self._serve(sock, pool)
+        finally:
+            for c in self._running.values():
+                c._cancelled.set()
+            pool.shutdown(wait=True, cancel_futures=True)
+            sock.close()
+            ctx.term()
+            if self._own_connector:
+                self.connector.close()
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+
+    def _serve(self, sock: zmq.Socket, pool: ThreadPoolExecutor) -> None:
+        def send(msg: Any) -> None:  # a message, or a frame already encoded
+            sock.send(msg if isinstance(msg, bytes) else encode(msg))
+
+        hello = Hello(
+            self.worker_id,
+            self.stage,
+            self.credits,
+            self.labels,
+            self.heartbeat_timeout,
+            self.token,
+            fresh=True,
+        )
+        send(hello)
+        started = time.monotonic()
+        interval = 1.0
+        next_beat = started + interval
+        drain_announced = False
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        while not self._stop.is_set():
+            now = time.monotonic()
+            if not self._welcomed.is_set() and now - started > self.connect_timeout_s:
+                raise OrchestratorError(
+                    f"no orchestrator answered at {self.orchestrator} within "
+                    f"{self.connect_timeout_s} s"
+                )
+            ready = dict(poller.poll(max(0.0, next_beat - now) * 1000))
+            if sock in ready:
+                while True:
+                    try:
+                        frame = sock.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    reply = self._on_frame(frame, pool)
+                    if isinstance(reply, Welcome):
+                        interval = reply.heartbeat_interval
+                    elif reply is not None:
+                        send(reply)
+            if self._wake_r in ready:
+                with contextlib.suppress(BlockingIOError):
+                    os.read(self._wake_r, 4096)
+            while True:
+                try:
+                    msg = self._mail.get_nowait()
+                except queue.Empty:
+                    break
+                self._on_mail(msg, send)
+            if self._draining.is_set() and not drain_announced and self._welcomed.is_set():
+                send(Beat(self.worker_id, self._refs(), credits=0))
+                drain_announced = True
+            if drain_announced and not self._running:
+                send(Bye(self.worker_id, "drained"))
+                return
+            if time.monotonic() >= next_beat:
+                if self._welcomed.is_set():
+                    credits = 0 if drain_announced else None
+                    send(Beat(self.worker_id, self._refs(), credits=credits))
+                else:
+                    send(hello)  # the orchestrator may not have been up yet
+                next_beat = time.monotonic() + interval
+
+    def _refs(self) -> tuple[ItemRef, ...]:
+        return tuple(self._running)
+
+    def _on_frame(self, frame: bytes, pool: ThreadPoolExecutor) -> Any:
+        try:
+            msg = decode_from_service(frame)
+        except WireError as e:
+            log.warning("worker %s: bad frame from the orchestrator: %s", self.worker_id, e)
+            return None
+        if isinstance(msg, Welcome):
+            self._welcomed.set()
+            return msg
+        if isinstance(msg, Work):
+            return self._on_work(msg.item, pool)
+        if isinstance(msg, Drop):
+            c = self._running.get(msg.item)
+            if c is not None:
+                c._cancelled.set()
+            return None
+        if isinstance(msg, Release):
+            if not any(r.request_id == msg.request_id for r in self._running):
+                self.connector.cleanup(msg.request_id)
+            return None
+        if isinstance(msg, Refused):
+            return self._on_refused(msg)
+        return None
+
+    def _on_refused(self, msg: Refused) -> Any:
+        if msg.code in ("unknown_worker", "unauthorized") and msg.about != "Hello":
+            # the orchestrator forgot us (restarted without a journal, or re-auth needed)
+            return Hello(
+                self.worker_id,
+                self.stage,
+                self.credits,
+                self.labels,
+                self.heartbeat_timeout,
+                self.token,
+                fresh=False,
+            )
+        if msg.about in ("Hello", "RegisterWorker"):
+            self._stop.set()
+            raise OrchestratorError(f"the orchestrator refused {self.worker_id}: {msg.reason}")
+        log.info("worker %s: %s refused (%s): %s", self.worker_id, msg.about, msg.code, msg.reason)
+        return None
+
+    def _on_work(self, item: WorkItem, pool: ThreadPoolExecutor) -> Any:
+        ref = _ref(item)
+        if ref in self._running:
+            return None  # a copy of what we run
+        if ref in self._done:
+            return self._done[ref]  # a copy of what we finished: say Done again
+        if self._draining.is_set():
+            return Failed(self.worker_id, ref, "worker is draining", retryable=True)
+        ctx = StageContext(self, item)
+        self._running[ref] = ctx
+        pool.submit(self._execute, ctx)
+        return None
+
+    def _execute(self, ctx: StageContext) -> None:
+        ref = _ref(ctx.item)
+        try:
+            out = self.fn(ctx.item, ctx)
+            if isinstance(out, StagePayload):
+                pub = self.connector.publish(out)
+                pub.wait(self.publish_timeout_s)
+                output = pub.encode()
+            else:
+                output = bytes(out or b"")
+            self._post(("done", ref, output, ctx.info))
+        except Exception as e:  # the stage's failure is the item's, never the worker's
+            retryable = not isinstance(e, PayloadError | ValueError)
+            log.warning("worker %s: %s failed: %s", self.worker_id, ref, e)
+            self._post(("failed", ref, f"{type(e).__name__}: {e}", retryable))
+
+    def _on_mail(self, msg: tuple[Any, ...], send: Callable[[Any], None]) -> None:
+        kind, ref = msg[0], msg[1]
+        if kind == "progress":
+            if ref in self._running:
+                send(Progress(self.worker_id, ref, msg[2], msg[3]))
+            return
+        ctx = self._running.pop(ref, None)
+        if ctx is None:
+            return
+        if ctx.cancelled:  # revoked: nobody wants the output
+            self.connector.cleanup(ref.request_id)
+            return
+        if kind == "done":
+            frame = encode(Done(self.worker_id, ref, msg[2], msg[3]))
+            self._done[ref] = frame
+            while len(self._done) > _REMEMBER_DONE:
+                self._done.popitem(last=False)
+            self.items_done += 1
+            send(frame)
+        else:
+            self.items_failed += 1
+            send(Failed(self.worker_id, ref, msg[2], msg[3]))

@@ -1,0 +1,158 @@
+"""Real processes for the orchestrator service tests: `mooncake-diffusion orchestrator`
+and `mooncake-diffusion worker`, started, killed and restarted as a user would."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from mooncake_diffusion.orchestrator.client import OrchestratorClient
+
+CLI = [sys.executable, "-m", "mooncake_diffusion.cli"]
+TOY = "mooncake_diffusion.orchestrator.toy"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Proc:
+    """A child whose stdout is read on a thread; ``wait_for(pattern)`` returns a match."""
+
+    def __init__(self, argv: list[str], env: dict[str, str] | None = None) -> None:
+        self.argv = argv
+        self.popen = subprocess.Popen(
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, **(env or {})},
+        )
+        self.lines: list[str] = []
+        self._cv = threading.Condition()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.popen.stdout is not None
+        for line in self.popen.stdout:
+            with self._cv:
+                self.lines.append(line.rstrip("\n"))
+                self._cv.notify_all()
+        with self._cv:
+            self._cv.notify_all()
+
+    def wait_for(self, pattern: str, timeout: float = 60.0) -> re.Match[str]:
+        rx = re.compile(pattern)
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while True:
+                for line in self.lines:
+                    m = rx.search(line)
+                    if m:
+                        return m
+                left = deadline - time.monotonic()
+                if left <= 0 or (self.popen.poll() is not None and not self._reader.is_alive()):
+                    raise AssertionError(
+                        f"{self.argv[3:5]}: no line matching {pattern!r}; rc "
+                        f"{self.popen.poll()}; output:\n" + "\n".join(self.lines[-40:])
+                    )
+                self._cv.wait(min(left, 0.2))
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def kill(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGKILL)
+        self.popen.wait(10)
+        self._reader.join(5)
+
+    def terminate(self, timeout: float = 30.0) -> int:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+        try:
+            rc = self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            rc = self.popen.wait(10)
+        self._reader.join(5)
+        return rc
+
+
+class ServiceStack:
+    """An orchestrator process (fixed ports, a journal) and worker processes."""
+
+    def __init__(self, tmp: Path, mooncake_env: dict[str, str], heartbeat_timeout: float = 2.0):
+        self.tmp = tmp
+        self.env = mooncake_env
+        self.heartbeat_timeout = heartbeat_timeout
+        self.api_port, self.worker_port = free_port(), free_port()
+        self.journal = str(tmp / "orchestrator.db")
+        self.orchestrator: Proc | None = None
+        self.workers: dict[str, Proc] = {}
+        self.client: OrchestratorClient | None = None
+
+    @property
+    def worker_address(self) -> str:
+        return f"tcp://127.0.0.1:{self.worker_port}"
+
+    def start_orchestrator(self) -> Proc:
+        argv = [
+            *CLI,
+            "orchestrator",
+            "--port",
+            str(self.api_port),
+            "--worker-port",
+            str(self.worker_port),
+            "--journal",
+            self.journal,
+            "--heartbeat-timeout",
+            str(self.heartbeat_timeout),
+        ]
+        self.orchestrator = Proc(argv)
+        self.orchestrator.wait_for(r"orchestrator ready: api (\S+)")
+        if self.client is None:
+            self.client = OrchestratorClient(f"http://127.0.0.1:{self.api_port}")
+        return self.orchestrator
+
+    def start_worker(self, stage: str, worker_id: str, credits: int = 1) -> Proc:
+        argv = [
+            *CLI,
+            "worker",
+            "--stage",
+            stage,
+            "--fn",
+            f"{TOY}:{stage}",
+            "--orchestrator",
+            self.worker_address,
+            "--worker-id",
+            worker_id,
+            "--credits",
+            str(credits),
+            "--label",
+            "node=n0",
+        ]
+        p = Proc(argv, self.env)
+        p.wait_for(r"worker ready: ")
+        self.workers[worker_id] = p
+        return p
+
+    def close(self) -> dict[str, int]:
+        """SIGTERM every worker (they drain), then the orchestrator; their exit codes."""
+        rcs = {wid: p.terminate() for wid, p in self.workers.items()}
+        if self.orchestrator is not None:
+            rcs["orchestrator"] = self.orchestrator.terminate()
+        if self.client is not None:
+            self.client.close()
+        return rcs
