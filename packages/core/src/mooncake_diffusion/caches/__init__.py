@@ -4,6 +4,8 @@
                      process of the cluster; get_or_compute() encodes on a miss
     CfgCache         unconditional-branch features by (model, negative-prompt key,
                      step, timestep, shape, dtype); opt-in and best effort
+    CheckpointCache  a denoise job's latent + sampler state every k steps, so any
+                     worker resumes it (checkpoint.py holds its key recipe)
     CacheStats       hits, misses, bytes_read, bytes_written, puts, errors
     embedding_key    the key recipe (keys.py documents it for other engines)
     cfg_key          the CFG-branch key recipe
@@ -24,6 +26,7 @@ Nothing here imports Mooncake or torch until a cache is constructed.
 """
 
 from mooncake_diffusion.caches.cfg import CfgCache
+from mooncake_diffusion.caches.checkpoint import CheckpointCache, CheckpointJob, checkpoint_job
 from mooncake_diffusion.caches.embedding import EmbeddingCache
 from mooncake_diffusion.caches.entry import CacheStats
 from mooncake_diffusion.caches.errors import CacheEntryError, CacheKeyError, CacheMismatchError
@@ -35,8 +38,11 @@ __all__ = [
     "CacheMismatchError",
     "CacheStats",
     "CfgCache",
+    "CheckpointCache",
+    "CheckpointJob",
     "EmbeddingCache",
     "canonical_json",
     "cfg_key",
+    "checkpoint_job",
     "embedding_key",
 ]

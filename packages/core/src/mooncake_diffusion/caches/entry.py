@@ -21,12 +21,13 @@ per object: metadata without data is a miss, and the next write repairs it.
     meta, tensors = store.read(key, owner, dst)  # metadata, then data
     store.remove(key); store.close()
 
-Thread-safe. ``EntryMeta``'s fields, in msgpack array order: kind ("emb" or
-"cfg"), key, owner (encoder id or model id), version (encoder version; "" for
-"cfg"), tensors (``TensorSpec`` arrays), data_bytes, created (unix seconds).
+Thread-safe. ``EntryMeta``'s fields, in msgpack array order: kind ("emb",
+"cfg" or "ckpt"), key, owner (encoder id or model id), version (encoder version;
+the sampler name for "ckpt"; "" for "cfg"), tensors (``TensorSpec`` arrays),
+data_bytes, created (unix seconds).
 
 Metadata format history:
-    1  first version.
+    1  first version; kind "ckpt" (step checkpoints) added later, same layout.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ _LEN = struct.Struct("<I")
 class EntryMeta(msgspec.Struct, frozen=True, array_like=True):
     """What an entry holds; validated at decode (see the module docstring)."""
 
-    kind: Literal["emb", "cfg"]
+    kind: Literal["emb", "cfg", "ckpt"]
     key: str
     owner: str
     version: str
@@ -100,13 +101,15 @@ class EntryMeta(msgspec.Struct, frozen=True, array_like=True):
 class Owner:
     """Whose entries a cache reads and writes; a stored entry must name the same."""
 
-    kind: Literal["emb", "cfg"]
+    kind: Literal["emb", "cfg", "ckpt"]
     owner: str
     version: str = ""
 
     def describe(self) -> str:
         if self.kind == "emb":
             return f"encoder {self.owner!r} version {self.version!r}"
+        if self.kind == "ckpt":
+            return f"model {self.owner!r} sampler {self.version!r}"
         return f"model {self.owner!r}"
 
 

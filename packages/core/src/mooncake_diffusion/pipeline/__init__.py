@@ -14,6 +14,8 @@ the serving system, not image quality. One concern per module:
     writers.py       PNG / GIF (Pillow)
     reference.py     ReferencePipeline: encode / condition / denoise / decode_chunks /
                      run_colocated
+    checkpointing.py denoise_with_checkpoints: resume from / save to CheckpointCache
+    worker.py        a JSON-lines denoise worker process with checkpoints (tests, example)
 
 Call sequence: see ``reference.py``. Importing this package does not import
 torch; the names below load their module (and torch) on first use.
@@ -26,6 +28,7 @@ from typing import Any
 
 __all__ = [
     "SAMPLER_NAME",
+    "CheckpointedDenoise",
     "DecodeStream",
     "DenoisePreempted",
     "GenerationParams",
@@ -33,13 +36,18 @@ __all__ = [
     "PipelineConfig",
     "ReferencePipeline",
     "SamplerState",
+    "condition_key",
     "decode_params",
+    "denoise_with_checkpoints",
     "encode_params",
     "write_frames",
 ]
 
 _WHERE = {
     "SAMPLER_NAME": "sampler",
+    "CheckpointedDenoise": "checkpointing",
+    "condition_key": "checkpointing",
+    "denoise_with_checkpoints": "checkpointing",
     "DecodeStream": "vae",
     "DenoisePreempted": "reference",
     "GenerationParams": "params",
