@@ -8,7 +8,6 @@ torch tensor is seen or a view must be made of a dtype numpy lacks (bfloat16).
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,8 +55,9 @@ class Region:
 
 
 def _is_torch(t: Any) -> bool:
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(t, torch.Tensor)
+    """By the class, not ``sys.modules``: another thread may be mid-way through
+    importing torch, and its half-initialized module has no ``Tensor`` yet."""
+    return any(c.__name__ == "Tensor" and c.__module__ == "torch" for c in type(t).__mro__)
 
 
 def _torch_dtype_name(t: Any) -> str:

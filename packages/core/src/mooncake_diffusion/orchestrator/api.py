@@ -187,7 +187,7 @@ class _Handler(BaseHTTPRequestHandler):
             if len(parts) == 4 and parts[:2] == ["v1", "requests"] and parts[3] == "cancel":
                 self._only(method, "POST")
                 body = self._body(required=False)
-                reason = body.get("reason", "cancelled by client") if body else None
+                reason = (body or {}).get("reason", "cancelled by client")
                 if not isinstance(reason, str):
                     raise _ApiError(HTTPStatus.BAD_REQUEST, "bad_value", "reason must be text")
                 return self._json(200, self.service.cancel(parts[2], reason))

@@ -157,6 +157,7 @@ class RequestTable:
     def done(self, ref: ItemRef, worker_id: str, info: Info) -> None:
         st = self._live.get(ref.request_id)
         if st is not None:
+            st.state, st.worker_id = "queued", None  # for the next stage (or completion)
             ev = RequestEvent(
                 ref.request_id, "done", time.time(), ref.stage, ref.attempt, worker_id, info=info
             )

@@ -119,6 +119,15 @@ class MemoryTransport(Transport):
                 _FABRIC.pop(pid, None)
         return "memory"
 
+    def remove_request(self, request_id: str) -> int:
+        """Drop every payload of ``request_id``, whoever published it (as the store
+        transport does: the fabric, like the store host, outlives producers)."""
+        with _LOCK:
+            gone = [k for k in _FABRIC if k.startswith(f"{request_id}/")]
+            for k in gone:
+                del _FABRIC[k]
+        return len(gone)
+
     def pin(self, region: Region) -> None:
         self.regs.pin(region)
 

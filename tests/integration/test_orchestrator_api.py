@@ -1,0 +1,310 @@
+"""The orchestrator service in library mode and over HTTP: requests through StageWorkers,
+cancellation, bad input of every kind, auth. In-process (threads, loopback sockets) with
+the in-memory transport; the real-process and real-Mooncake runs are in
+test_orchestrator_processes.py."""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import json
+import threading
+import time
+
+import msgspec
+import pytest
+import zmq
+
+from mooncake_diffusion.connector import DiffusionConnector
+from mooncake_diffusion.orchestrator import OrchestratorConfig, toy
+from mooncake_diffusion.orchestrator.api import MAX_BODY, ApiServer
+from mooncake_diffusion.orchestrator.client import OrchestratorClient
+from mooncake_diffusion.orchestrator.errors import OrchestratorError
+from mooncake_diffusion.orchestrator.service import (
+    OrchestratorService,
+    RequestRejected,
+    ServiceConfig,
+)
+from mooncake_diffusion.orchestrator.wire import (
+    Done,
+    Hello,
+    ItemRef,
+    Refused,
+    Welcome,
+    decode_from_service,
+    encode,
+)
+from mooncake_diffusion.orchestrator.worker import StageWorker
+from mooncake_diffusion.settings import MooncakeSettings
+from mooncake_diffusion.transports.memory import fabric_keys
+
+pytestmark = pytest.mark.integration
+
+
+class Stack:
+    def __init__(self, token: str | None = None, **cfg: object) -> None:
+        config = ServiceConfig(
+            orchestrator=OrchestratorConfig(**cfg),  # type: ignore[arg-type]
+            worker_bind="tcp://127.0.0.1:0",
+            token=token,
+        )
+        self.svc = OrchestratorService(config).start()
+        self.api = ApiServer(self.svc, "127.0.0.1", 0, token=token)
+        self.client = OrchestratorClient(self.api.url, token=token)
+        self.workers: list[StageWorker] = []
+        self.connectors: list[DiffusionConnector] = []
+        self.token = token
+
+    def worker(self, stage: str, fn=None, **kw) -> StageWorker:
+        conn = DiffusionConnector(stage, "memory", MooncakeSettings())
+        self.connectors.append(conn)
+        w = StageWorker(
+            stage,
+            fn or getattr(toy, stage),
+            self.svc.worker_address,
+            connector=conn,
+            token=self.token,
+            **kw,
+        ).start()
+        self.workers.append(w)
+        return w
+
+    def pipeline(self) -> None:
+        for stage in ("encode", "denoise", "decode"):
+            self.worker(stage)
+
+    def close(self) -> None:
+        self.client.close()
+        for w in self.workers:
+            w.drain()
+        for w in self.workers:
+            w.join(10)
+        self.svc.close()
+        self.api.close()
+        for c in self.connectors:
+            assert c.stats().live_publications == 0, c.stats()
+            c.close()
+
+
+@pytest.fixture
+def stack():
+    s = Stack()
+    yield s
+    # payloads are released just after a request finishes (the client may hear of the
+    # outcome first): give the release a moment before the workers go
+    deadline = time.monotonic() + 10
+    while fabric_keys() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    s.close()
+    assert fabric_keys() == [], fabric_keys()  # every payload released
+
+
+def raw(api: ApiServer, method: str, path: str, body: bytes | None = None, headers=None):
+    conn = http.client.HTTPConnection(api.host, api.port, timeout=10)
+    try:
+        conn.request(method, path, body=body, headers=headers or {})
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read() or b"{}")
+    finally:
+        conn.close()
+
+
+def test_requests_flow_through_every_stage_with_events_and_metrics(stack):
+    stack.pipeline()
+    params = [{"prompt": f"p{i}", "size": 256, "steps": 3} for i in range(5)]
+    rids = [stack.client.submit(p, slo_class="interactive") for p in params]
+    for rid, p in zip(rids, params, strict=True):
+        st = stack.client.wait(rid, timeout=60)
+        assert st["state"] == "completed", st
+        out = json.loads(base64.b64decode(st["output"]))
+        assert out["checksum"] == pytest.approx(toy.expected_checksum(p), rel=1e-6)
+        kinds = [e["kind"] for e in st["events"]]
+        assert kinds[0] == "submitted" and kinds[-1] == "completed"
+        stages = [e["stage"] for e in st["events"] if e["kind"] == "dispatched"]
+        assert stages == ["encode", "denoise", "decode"]
+    streamed = list(stack.client.events(rids[0]))
+    assert [e["kind"] for e in streamed][-1] == "completed"
+    text = stack.client.metrics_text()
+    assert 'mcd_orchestrator_requests_finished_total{outcome="completed"} 5' in text
+    assert 'mcd_orchestrator_dispatches_total{stage="denoise"} 5' in text
+    assert stack.client.healthz() == {"status": "ok"}
+
+
+def test_cached_embeddings_skip_encode(stack):
+    stack.worker("denoise")
+    stack.worker("decode")
+    enc = DiffusionConnector("encode", "memory", MooncakeSettings())
+    try:
+        import numpy as np
+
+        from mooncake_diffusion.payload import StagePayload
+
+        emb = np.ones(64, np.float32)
+        pub = enc.publish(StagePayload(request_id="cached", kind="embedding", tensor=emb))
+        pub.wait(10)
+        rid = stack.svc.submit({"steps": 1}, request_id="cached", cached_embeddings=pub.encode())
+        st = stack.svc.wait(rid, timeout=30)
+        assert st.state == "completed"
+        assert [e.stage for e in st.events if e.kind == "dispatched"] == ["denoise", "decode"]
+        out = msgspec.json.decode(st.output)
+        assert out["checksum"] == pytest.approx(64 * 1.5)
+    finally:
+        enc.close()
+
+
+def test_progress_is_streamed_and_cancel_stops_a_running_item(stack):
+    stack.worker("encode")
+    den = stack.worker("denoise")
+    stack.worker("decode")
+    rid = stack.svc.submit({"steps": 200, "step_s": 0.02, "size": 64})
+    steps = []
+    for ev in stack.svc.events(rid, timeout=30):
+        if ev.kind == "progress":
+            steps.append(ev.step)
+            if len(steps) == 3:
+                break
+    assert steps == [1, 2, 3]
+    st = stack.svc.cancel(rid)
+    assert st.state == "cancelled"
+    with pytest.raises(RequestRejected) as e:
+        stack.svc.cancel(rid)
+    assert e.value.code == "already_finished"
+    deadline = time.monotonic() + 10
+    while den._running and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not den._running, "the revoked item kept running"
+    assert den.items_done == 0
+
+
+def test_a_failing_stage_fails_the_request_with_its_reason(stack):
+    stack.pipeline()
+    rid = stack.svc.submit({"fail": "denoise"})
+    st = stack.svc.wait(rid, timeout=30)
+    assert st.state == "failed"
+    assert any("asked to fail at denoise" in r for r in st.reasons), st.reasons
+
+
+def test_http_bad_input_gets_4xx_and_changes_nothing(stack):
+    api = stack.api
+    cases = [
+        ("POST", "/v1/requests", b"{not json", {"Content-Type": "application/json"}, 400),
+        ("POST", "/v1/requests", b"[1, 2]", {}, 400),
+        ("POST", "/v1/requests", b'{"params": 3}', {}, 400),
+        ("POST", "/v1/requests", b'{"paramz": {}}', {}, 400),
+        ("POST", "/v1/requests", b'{"slo_class": "gold"}', {}, 400),
+        ("POST", "/v1/requests", b'{"deadline_s": -1}', {}, 400),
+        ("POST", "/v1/requests", b'{"cached_embeddings": "@@"}', {}, 400),
+        ("POST", "/v1/requests", b"{}", {"Content-Type": "text/plain"}, 415),
+        ("POST", "/v1/requests", b"x" * (MAX_BODY + 1), {}, 413),
+        ("GET", "/v1/requests/nope", None, {}, 404),
+        ("POST", "/v1/requests/nope/cancel", None, {}, 404),
+        ("GET", "/v1/requests/nope/events", None, {}, 404),
+        ("DELETE", "/v1/requests", None, {}, 405),
+        ("GET", "/v2/whatever", None, {}, 404),
+    ]
+    for method, path, body, headers, want in cases:
+        status, err = raw(api, method, path, body, headers)
+        assert status == want, (method, path, body and body[:40], status, err)
+        assert err["error"] and err["message"], err
+    big = {"params": {"x": "y" * 70_000}}
+    assert raw(api, "POST", "/v1/requests", json.dumps(big).encode())[0] == 400
+    rid = stack.client.submit({"prompt": "ok"}, request_id="dup")
+    with pytest.raises(RequestRejected) as e:
+        stack.client.submit({}, request_id="dup")
+    assert e.value.code == "duplicate_request"
+    view = stack.client.cluster()
+    assert view["queued"]["encode"] == [rid], view  # only the one good request exists
+
+
+def test_bad_worker_frames_are_refused_without_disturbing_other_work(stack):
+    stack.pipeline()
+    ctx = zmq.Context()
+    rogue = ctx.socket(zmq.DEALER)
+    rogue.setsockopt(zmq.ROUTING_ID, b"rogue")
+    rogue.setsockopt(zmq.LINGER, 0)
+    rogue.connect(stack.svc.worker_address)
+    try:
+
+        def answer(frame: bytes):
+            rogue.send(frame)
+            assert rogue.poll(5000), "no answer"
+            return decode_from_service(rogue.recv())
+
+        assert answer(b"\x00garbage").code == "bad_message"
+        wrong_version = msgspec.msgpack.encode(["mcd-orch", 99, msgspec.Raw(b"\x90")])
+        r = answer(wrong_version)
+        assert r.code == "bad_message" and "version 99" in r.reason
+        r = answer(encode(Hello("rogue", "painting")))
+        assert isinstance(r, Refused) and r.code == "unknown_stage"
+        assert isinstance(answer(encode(Hello("rogue", "decode"))), Welcome)
+        r = answer(encode(Done("rogue", ItemRef("r-none", "decode", 1), b"x")))
+        assert isinstance(r, Refused) and r.code in ("unknown_request", "not_held"), r
+        r = answer(encode(Done("someone-else", ItemRef("r", "decode", 1))))
+        assert r.code == "bad_value"
+    finally:
+        rogue.close()
+        ctx.term()
+    rid = stack.svc.submit({"prompt": "still fine", "steps": 1})
+    assert stack.svc.wait(rid, timeout=30).state == "completed"
+
+
+def test_non_loopback_needs_a_token_and_the_token_is_enforced():
+    with pytest.raises(OrchestratorError, match="token"):
+        ServiceConfig(worker_bind="tcp://0.0.0.0:7422")
+    svc = OrchestratorService(ServiceConfig(worker_bind="tcp://127.0.0.1:0")).start()
+    try:
+        with pytest.raises(OrchestratorError, match="token"):
+            ApiServer(svc, "0.0.0.0", 0)
+    finally:
+        svc.close()
+    s = Stack(token="s3cret")
+    try:
+        status, err = raw(s.api, "GET", "/v1/cluster")
+        assert status == 401 and err["error"] == "unauthorized"
+        assert raw(s.api, "GET", "/healthz")[0] == 200
+        assert s.client.cluster()["workers"] == []
+        bad = StageWorker(
+            "decode",
+            toy.decode,
+            s.svc.worker_address,
+            connector=DiffusionConnector("decode", "memory", MooncakeSettings()),
+            token="wrong",
+            connect_timeout_s=3,
+        )
+        s.connectors.append(bad.connector)
+        with pytest.raises(OrchestratorError):
+            bad.run(install_signal_handlers=False)
+        s.worker("decode")
+        assert [w["stage"] for w in s.client.cluster()["workers"]] == ["decode"]
+    finally:
+        s.close()
+
+
+def test_a_worker_that_drains_finishes_its_item_and_takes_no_more(stack):
+    stack.worker("encode")
+    den = stack.worker("denoise")
+    stack.worker("decode")
+    first = stack.svc.submit({"steps": 20, "step_s": 0.02, "size": 64})
+    for ev in stack.svc.events(first, timeout=30):
+        if ev.kind == "progress":
+            break
+    second = stack.svc.submit({"steps": 1, "size": 64})
+    den.drain()
+    assert stack.svc.wait(first, timeout=30).state == "completed"
+    den.join(10)
+    assert den.items_done == 1
+    assert stack.svc.status(second).state == "queued"  # nobody left to denoise it
+    stack.worker("denoise")
+    assert stack.svc.wait(second, timeout=30).state == "completed"
+
+
+def test_library_mode_wait_and_events_agree(stack):
+    stack.pipeline()
+    rid = stack.svc.submit({"prompt": "lib", "steps": 2})
+    seen = []
+    t = threading.Thread(target=lambda: seen.extend(stack.svc.events(rid)))
+    t.start()
+    st = stack.svc.wait(rid, timeout=30)
+    t.join(10)
+    assert st.state == "completed"
+    assert [e.kind for e in seen if e.kind != "progress"] == [e.kind for e in st.events]
