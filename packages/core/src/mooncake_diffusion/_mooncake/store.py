@@ -117,6 +117,25 @@ class StoreClient:
                 found.append(True)
         return found
 
+    def read(self, key: str, ptr: int, capacity: int) -> int | None:
+        """Read object ``key`` of unknown size into registered memory at ``ptr`` that
+        holds ``capacity`` bytes; returns its size, or ``None`` when the key is absent
+        or still being put. An object larger than ``capacity`` raises ``MooncakeError``;
+        any other failure raises as in ``get_many``. One round trip, no size query."""
+        code = self._store.get_into(key, ptr, capacity)
+        if code in (OBJECT_NOT_FOUND, REPLICA_NOT_READY):
+            return None
+        return check(code, f"store read of {key!r}")
+
+    def exists_many(self, keys: Sequence[str]) -> list[bool]:
+        """Whether each key is in the store (one round trip); any failure raises."""
+        if not keys:
+            return []
+        found = []
+        for key, code in zip(keys, self._store.batch_is_exist(list(keys)), strict=True):
+            found.append(check(code, f"store existence check of {key!r}") == 1)
+        return found
+
     def remove_many(self, keys: Sequence[str]) -> None:
         """Remove keys with force (leases granted by reads do not block); absent keys
         are fine."""
@@ -128,7 +147,12 @@ class StoreClient:
 
     def remove_prefix(self, prefix: str) -> int:
         """Remove every key starting with ``prefix`` (with force); returns how many."""
-        return max(self._store.remove_by_regex("^" + re.escape(prefix), True), 0)
+        return self.remove_regex("^" + re.escape(prefix))
+
+    def remove_regex(self, pattern: str) -> int:
+        """Remove every key matching the regular expression ``pattern`` (with force;
+        one scan of the master's keys); returns how many."""
+        return max(self._store.remove_by_regex(pattern, True), 0)
 
     def close(self) -> None:
         """Unregister buffers and disconnect (about 1 s inside Mooncake). Idempotent."""

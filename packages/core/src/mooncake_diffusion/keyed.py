@@ -1,0 +1,487 @@
+"""Key-addressed handoff of Python objects that hold tensors.
+
+For engines whose consumer knows only a key (vLLM-Omni's connectors): the
+producer publishes the object's tensors through ``DiffusionConnector`` and
+posts a small record (the payload handle plus the object's non-tensor
+"skeleton") in a ``Mailbox`` under that key; the consumer takes the record by
+the key alone and consumes the tensors into fresh memory.
+
+Call sequence (one ``KeyedHandoff`` per process side; thread-safe):
+
+    kh = KeyedHandoff(settings, transfer_mode="store")  # connects; fails fast
+    nbytes = kh.send(key, obj)      # producer; blocks until the consumer can take it
+    got = kh.receive(key)           # consumer: (obj, nbytes), or None at once
+    kh.discard(key)                 # either side: drop key's record and bytes
+    kh.discard_matching(pattern)    # either side: every key matching a regex
+    kh.reap()                       # producer: forget keys consumers took (bounded, cheap)
+    kh.close()                      # drops what this side sent and nobody took
+
+What an object may hold: dicts, lists, tuples (received as lists), str, int,
+float, bool, None, bytes, msgspec Structs and dataclasses (both received as
+dicts), numpy scalars (received as Python numbers), torch tensors and numpy
+arrays (received as the same kind, dtype and shape, on ``device``), and at
+the top level raw bytes, bytearray or memoryview (received as a bytearray).
+Anything else raises ``PayloadError`` before anything is sent. No pickle.
+
+How bytes move. Tensors and top-level raw bytes of at least ``inline_bytes``
+move through the connector's zero-copy path (store: ``put_from`` from the
+caller's memory, ``get_into`` the fresh destination; a non-contiguous tensor
+is made contiguous first, the one copy this module makes). Smaller ones, at
+most 63 of them past the first 63 large ones, travel inside the skeleton,
+because one store object costs a round trip (~0.7 ms here) that a copy of a
+few KiB does not. The skeleton (msgpack; tensors as Ext type 1) rides in the
+record when it is at most half of ``Mailbox.max_record``, else as one more tensor.
+
+Lifecycle. A record is taken once (``Mailbox.take``); its payload is
+delete-on-consume and carries ``ttl_s`` when set, so the store host's reaper
+removes bytes nobody consumed. Records carry the same expiry: a consumer
+treats an expired one as absent and removes it. A producer's ``close``
+removes what it sent that is still untaken, like a shared-memory segment
+unlinked at exit (``keep_on_close=True`` leaves it for later consumers).
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from mooncake_diffusion._mooncake.store import StoreClient
+from mooncake_diffusion.connector import DiffusionConnector, TransferMode
+from mooncake_diffusion.errors import HandleError, PayloadError
+from mooncake_diffusion.mailbox import Mailbox
+from mooncake_diffusion.payload import StagePayload
+from mooncake_diffusion.schema import MAX_TENSORS, Envelope, PayloadHandle, decode_handle
+from mooncake_diffusion.settings import MooncakeSettings
+from mooncake_diffusion.tensors import _is_torch, view_of
+from mooncake_diffusion.transports.store import KEY_ROOT
+
+__all__ = ["RECORD_MAGIC", "RECORD_VERSION", "KeyedHandoff", "KeyedRecord", "pack", "unpack"]
+
+RECORD_MAGIC = "mcd-keyed"
+#: Record format history: 1 first version.
+RECORD_VERSION = 1
+EXT_TENSOR = 1
+_SKELETON = "skeleton"
+_ALIGN = 64
+_LEDGER_MAX = 65536
+_POLL_MIN_S, _POLL_MAX_S = 0.001, 0.02
+
+
+class KeyedRecord(msgspec.Struct, frozen=True, array_like=True):
+    """What a mailbox record holds. ``handle`` is an encoded ``PayloadHandle`` (b"" when
+    everything is inline); ``skeleton`` the msgpack tree (b"" when it travels as the
+    payload tensor ``"skeleton"``); ``nbytes`` the size reported to callers."""
+
+    handle: bytes
+    skeleton: bytes
+    nbytes: int
+    expires_at: float | None = None
+
+
+_encoder = msgspec.msgpack.Encoder()
+_record_decoder = msgspec.msgpack.Decoder(KeyedRecord)
+_envelope_decoder = msgspec.msgpack.Decoder(Envelope)
+_ext_decoder = msgspec.msgpack.Decoder(tuple[str, str, tuple[int, ...], bytes | int])
+
+
+# ------------------------------------------------------------------ object trees
+def pack(obj: Any, inline_bytes: int) -> tuple[bytes, list[tuple[str, Any]]]:
+    """``obj`` -> (skeleton, tensors to move); see the module docstring for the rules.
+
+    Each tensor to move is ``(kind, t)``: kind ``torch``, ``numpy`` or ``bytes``, ``t`` a
+    contiguous torch tensor or numpy array; the payload names index ``i`` ``f"t{i}.{kind}"``.
+    """
+    moved: list[tuple[str, Any]] = []
+
+    def place(kind: str, t: Any, dtype: str, shape: tuple[int, ...], nbytes: int) -> Any:
+        if nbytes >= inline_bytes and len(moved) < MAX_TENSORS - 1:
+            moved.append((kind, t))
+            return msgspec.msgpack.Ext(
+                EXT_TENSOR, _encoder.encode((kind, dtype, shape, len(moved) - 1))
+            )
+        raw = _raw_bytes(kind, t)
+        return msgspec.msgpack.Ext(EXT_TENSOR, _encoder.encode((kind, dtype, shape, raw)))
+
+    def hook(o: Any) -> Any:
+        if _is_torch(o):
+            t = o.detach()
+            if not t.is_contiguous():
+                t = t.contiguous()
+            dtype = str(t.dtype).removeprefix("torch.")
+            return place("torch", t, dtype, tuple(t.shape), t.numel() * t.element_size())
+        if isinstance(o, np.ndarray):
+            if o.dtype.kind in "OV":
+                raise TypeError(f"numpy arrays of dtype {o.dtype} cannot travel")
+            a = np.ascontiguousarray(o)
+            return place("numpy", a, a.dtype.name, tuple(a.shape), a.nbytes)
+        if isinstance(o, np.generic):
+            return o.item()
+        raise TypeError(f"objects of type {type(o).__module__}.{type(o).__qualname__}")
+
+    if isinstance(obj, bytes | bytearray | memoryview) and len(obj) >= inline_bytes:
+        flat = np.frombuffer(obj, dtype=np.uint8)
+        return _encoder.encode(place("bytes", flat, "uint8", (len(flat),), len(flat))), moved
+    try:
+        skeleton = msgspec.msgpack.Encoder(enc_hook=hook).encode(obj)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise PayloadError(f"cannot send this object without pickle: {e}") from None
+    return skeleton, moved
+
+
+def _raw_bytes(kind: str, t: Any) -> bytes:
+    if kind == "torch":
+        import torch
+
+        flat = t.reshape(-1).view(torch.uint8) if t.numel() else t.new_empty(0, dtype=torch.uint8)
+        return flat.cpu().numpy().tobytes()
+    return np.ascontiguousarray(t).tobytes()
+
+
+def unpack(skeleton: bytes | memoryview, moved: dict[int, Any]) -> Any:
+    """The inverse of ``pack``: ``moved[i]`` is the received tensor ``i``."""
+
+    def ext(code: int, data: memoryview) -> Any:
+        if code != EXT_TENSOR:
+            raise HandleError(f"unknown msgpack extension {code} in a keyed record")
+        kind, dtype, shape, where = _ext_decoder.decode(data)
+        if isinstance(where, int):
+            if where not in moved:
+                raise HandleError(f"keyed record names tensor {where}, which did not arrive")
+            return moved[where]
+        return _from_raw(kind, dtype, shape, where)
+
+    try:
+        return msgspec.msgpack.Decoder(ext_hook=ext).decode(skeleton)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise HandleError(f"corrupt keyed record skeleton: {e}") from None
+
+
+def _from_raw(kind: str, dtype: str, shape: tuple[int, ...], raw: bytes) -> Any:
+    if kind == "torch":
+        import torch
+
+        if not raw:
+            return torch.empty(shape, dtype=getattr(torch, dtype))
+        flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        return flat.view(getattr(torch, dtype)).reshape(shape)
+    if kind == "bytes":
+        return bytearray(raw)
+    return np.frombuffer(raw, dtype=dtype).reshape(shape).copy()
+
+
+# ------------------------------------------------------------------ the handoff
+def _safe(key: str) -> str:
+    """``key`` as a request id: no '/', at most 200 characters (long keys hashed)."""
+    s = key.replace("%", "%25").replace("/", "%2F")
+    return s if len(s) <= 200 else s[:180] + "~" + uuid.uuid5(uuid.NAMESPACE_URL, key).hex[:16]
+
+
+class KeyedHandoff:
+    """Send and receive objects by key (see the module docstring).
+
+    ``transfer_mode`` is the connector's: ``store`` (bytes outlive the producer),
+    ``p2p`` (the producer holds them until consumed; it must stay up and leave the
+    tensors unchanged until then) or ``auto`` (store here: no consumer is named).
+    Construction connects the mailbox's store client and raises
+    ``MasterUnavailableError`` within ``settings.connect_timeout_s`` when no master
+    answers. ``device`` is where received tensors are allocated.
+    """
+
+    def __init__(
+        self,
+        settings: MooncakeSettings,
+        *,
+        transfer_mode: TransferMode = "store",
+        role: str = "denoise",
+        inline_bytes: int = 64 << 10,
+        max_record: int = 1 << 20,
+        ttl_s: float | None = None,
+        timeout_s: float = 30.0,
+        device: str = "cpu",
+        keep_on_close: bool = False,
+    ) -> None:
+        if inline_bytes < 1:
+            raise PayloadError(f"inline_bytes must be >= 1, got {inline_bytes}")
+        self.settings = settings
+        self.transfer_mode = transfer_mode
+        self.inline_bytes = inline_bytes
+        self.ttl_s = ttl_s
+        self.timeout_s = timeout_s
+        self.device = device
+        self.keep_on_close = keep_on_close
+        self._lock = threading.Lock()
+        # key -> request id of its payload ("" when inline): sent, not yet seen taken.
+        # Holds no tensors: store payloads left them behind, p2p holds live in core.
+        self._sent: OrderedDict[str, str] = OrderedDict()
+        self._closed = False
+        self._client: StoreClient | None = None
+        self._mailbox: Mailbox | None = None
+        self._conn: DiffusionConnector | None = None
+        self._client = StoreClient(settings)  # probes the master first: fails fast
+        try:
+            self._mailbox = Mailbox(settings, max_record=max_record, client=self._client)
+            self._conn = DiffusionConnector(
+                role, transfer_mode, settings, receive_pool_bytes=0, timeout_s=timeout_s
+            )
+        except BaseException:
+            self.close()
+            raise
+
+    # ------------------------------------------------------------ producer
+    def send(self, key: str, obj: Any) -> int:
+        """Publish ``obj`` under ``key`` and return its size in bytes once a consumer can
+        take it. Raises ``PayloadError`` for objects that cannot travel,
+        ``DuplicatePublishError`` when ``key`` holds an untaken record, and the
+        connector's errors; after an error nothing of ``obj`` is left in the store."""
+        box, conn = self._open()
+        skeleton, moved = pack(obj, self.inline_bytes)
+        tensors = {f"t{i}.{kind}": t for i, (kind, t) in enumerate(moved)}
+        inline = len(skeleton) <= box.max_record // 2  # the rest of a record: the handle
+        if not inline:
+            tensors[_SKELETON] = np.frombuffer(skeleton, dtype=np.uint8)
+        nbytes = len(skeleton) + sum(_nbytes(t) for _, t in moved)
+        expires_at = time.time() + self.ttl_s if self.ttl_s else None
+        pub = None
+        if tensors:
+            rid = f"{_safe(key)}~{uuid.uuid4().hex[:8]}"
+            pub = conn.publish(
+                StagePayload(request_id=rid, kind="feature", tensors=tensors, ttl_s=self.ttl_s)
+            )
+        try:
+            if pub is not None:
+                pub.wait(self.timeout_s)
+            record = KeyedRecord(
+                pub.encode() if pub is not None else b"",
+                skeleton if inline else b"",
+                nbytes,
+                pub.handle.expires_at if pub is not None else expires_at,
+            )
+            box.post(key, _encoder.encode(Envelope(RECORD_MAGIC, RECORD_VERSION, _raw(record))))
+        except BaseException:
+            if pub is not None:
+                pub.release()
+            raise
+        with self._lock:
+            self._sent[key] = pub.handle.request_id if pub is not None else ""
+            while len(self._sent) > _LEDGER_MAX:
+                self._sent.popitem(last=False)
+        return nbytes
+
+    # ------------------------------------------------------------ consumer
+    def receive(self, key: str) -> tuple[Any, int] | None:
+        """Take ``key``'s object: ``(obj, nbytes)``, or ``None`` at once when nothing is
+        posted under ``key`` (or what is there expired). Once taken, a key is gone for
+        every other consumer. Raises ``PayloadGoneError`` when the record was there but
+        its bytes were not (producer died in p2p, removed meanwhile), ``HandleError``
+        for a foreign or corrupt record, and the connector's transfer errors."""
+        box, conn = self._open()
+        raw = box.take(key)
+        if raw is None:
+            return None
+        record = _decode_record(raw, key)
+        if record.expires_at is not None and time.time() >= record.expires_at:
+            if record.handle:
+                conn.cleanup(decode_handle(record.handle).request_id)
+            return None
+        if not record.handle:
+            return unpack(record.skeleton, {}), record.nbytes
+        handle = decode_handle(record.handle)
+        dst, finish = _destinations(handle, self.device)
+        try:
+            with conn.consume(handle, dst=dst) as got:
+                got.wait()
+        except BaseException:
+            conn.cleanup(handle.request_id)  # whatever of it is still in the store
+            raise
+        moved, skeleton = finish()
+        return unpack(record.skeleton or skeleton, moved), record.nbytes
+
+    def receive_until(self, key: str, deadline: float) -> tuple[Any, int] | None:
+        """``receive`` polled with bounded backoff until ``deadline`` (``time.monotonic``);
+        ``None`` when nothing arrived by then."""
+        delay = _POLL_MIN_S
+        while True:
+            got = self.receive(key)
+            left = deadline - time.monotonic()
+            if got is not None or left <= 0:
+                return got
+            time.sleep(min(delay, left))
+            delay = min(delay * 2, _POLL_MAX_S)
+
+    # ------------------------------------------------------------ cleanup
+    def discard(self, key: str) -> None:
+        """Remove ``key``'s record and payload, from either side; absent keys are fine."""
+        box, conn = self._open()
+        with self._lock:
+            rid = self._sent.pop(key, None)
+        if rid:
+            conn.cleanup(rid)
+        raw = box.take(key)
+        if raw is not None:
+            record = _decode_record(raw, key)
+            if record.handle:
+                conn.cleanup(decode_handle(record.handle).request_id)
+
+    def discard_matching(self, pattern: str) -> int:
+        """Remove every record whose key matches the regex ``pattern`` (anchored at the
+        start; end it with ``$`` for exact keys), the store payloads of every key whose
+        '/'- and '%'-escaped form matches, and this side's p2p holds of matching keys;
+        returns the number of records removed. One scan of the master's keys each."""
+        box, conn = self._open()
+        rx = re.compile(pattern)
+        with self._lock:
+            rids = [self._sent.pop(k) for k in [k for k in self._sent if rx.match(k)]]
+        for rid in rids:
+            if rid:
+                conn.cleanup(rid)
+        n = box.discard_matching(pattern)
+        data = pattern[:-1] + "~" if pattern.endswith("$") else pattern
+        assert self._client is not None
+        self._client.remove_regex("^" + re.escape(KEY_ROOT) + data)
+        return n
+
+    def reap(self, budget: int = 64) -> int:
+        """Forget up to ``budget`` of the oldest sent keys whose record a consumer has
+        taken (one batched existence check); returns how many were forgotten. Bounded:
+        cheap enough to call on every iteration of a send loop."""
+        box, _ = self._open()
+        with self._lock:
+            oldest = list(itertools.islice(self._sent, budget))
+        if not oldest:
+            return 0
+        assert self._client is not None
+        there = self._client.exists_many([box.key_of(k) for k in oldest])
+        with self._lock:
+            for key, present in zip(oldest, there, strict=True):
+                if present:
+                    self._sent.move_to_end(key)
+                else:
+                    self._sent.pop(key, None)
+        return there.count(False)
+
+    def pending(self) -> list[str]:
+        """Keys this side sent that it has not yet seen taken (see ``reap``)."""
+        with self._lock:
+            return list(self._sent)
+
+    def stats(self) -> Any:
+        """The connector's ``ConnectorStats`` (leak checks)."""
+        return self._open()[1].stats()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Remove this side's untaken sends (unless ``keep_on_close``), then close the
+        connector and the mailbox. Idempotent; safe after a failed construction."""
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        with self._lock:
+            sent, self._sent = list(self._sent.items()), OrderedDict()
+        try:
+            if not self.keep_on_close and self._mailbox is not None and sent:
+                assert self._client is not None
+                self._client.remove_many([self._mailbox.key_of(k) for k, _ in sent])
+                for _, rid in sent:
+                    if rid and self._conn is not None:
+                        self._conn.cleanup(rid)
+        finally:
+            if self._conn is not None:
+                self._conn.close()
+            if self._mailbox is not None:
+                self._mailbox.close()
+            if self._client is not None:
+                self._client.close()
+
+    def __enter__(self) -> KeyedHandoff:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _open(self) -> tuple[Mailbox, DiffusionConnector]:
+        if self._closed or self._mailbox is None or self._conn is None:
+            raise PayloadError("keyed handoff is closed")
+        return self._mailbox, self._conn
+
+
+def _raw(record: KeyedRecord) -> msgspec.Raw:
+    return msgspec.Raw(_encoder.encode(record))
+
+
+def _decode_record(raw: bytes, key: str) -> KeyedRecord:
+    try:
+        env = _envelope_decoder.decode(raw)
+        if env.magic != RECORD_MAGIC:
+            raise HandleError(f"mailbox record {key!r} is foreign (magic {env.magic!r})")
+        if env.version != RECORD_VERSION:
+            raise HandleError(
+                f"mailbox record {key!r} has format version {env.version}; this build reads "
+                f"only version {RECORD_VERSION}"
+            )
+        return _record_decoder.decode(env.body)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise HandleError(f"mailbox record {key!r} is corrupt: {e}") from None
+
+
+def _nbytes(t: Any) -> int:
+    return t.numel() * t.element_size() if _is_torch(t) else int(t.nbytes)
+
+
+def _destinations(
+    handle: PayloadHandle, device: str
+) -> tuple[dict[str, Any], Callable[[], tuple[dict[int, Any], bytes]]]:
+    """Fresh destinations for every tensor of ``handle``: torch-kind tensors share one
+    torch buffer on ``device``, numpy-kind ones one numpy buffer, raw bytes get a
+    bytearray each. Returns (dst by name, finish) where finish() gives the tensors by
+    index and the skeleton bytes once the payload has landed."""
+    groups: dict[str, list[Any]] = {"torch": [], "numpy": []}
+    dst: dict[str, Any] = {}
+    raws: dict[str, bytearray] = {}
+    for spec in handle.tensors:
+        kind = "numpy" if spec.name == _SKELETON else spec.name.rpartition(".")[2]
+        if kind == "bytes":
+            raws[spec.name] = bytearray(spec.nbytes)
+            dst[spec.name] = np.frombuffer(raws[spec.name], dtype=np.uint8)
+        elif kind in groups:
+            groups[kind].append(spec)
+        else:
+            raise HandleError(f"keyed payload has an unknown tensor {spec.name!r}")
+    for kind, specs in groups.items():
+        offsets, total = [], 0
+        for spec in specs:
+            offsets.append(total)
+            total += -(-spec.nbytes // _ALIGN) * _ALIGN
+        if not specs:
+            continue
+        if kind == "torch":
+            import torch
+
+            buf = torch.empty(max(total, 1), dtype=torch.uint8, device=device)
+        else:
+            buf = np.empty(max(total, 1), dtype=np.uint8)
+        for spec, off in zip(specs, offsets, strict=True):
+            dst[spec.name] = view_of(buf, off, spec)
+
+    def finish() -> tuple[dict[int, Any], bytes]:
+        moved: dict[int, Any] = {}
+        for name, t in dst.items():
+            if name == _SKELETON:
+                continue
+            index = int(name[1:].partition(".")[0])
+            moved[index] = raws.get(name, t)
+        skeleton = dst[_SKELETON].tobytes() if _SKELETON in dst else b""
+        return moved, skeleton
+
+    return dst, finish

@@ -1,0 +1,86 @@
+"""Object trees <-> (skeleton, tensors) for the keyed handoff: pure logic, no store."""
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+
+from mooncake_diffusion.errors import HandleError, PayloadError
+from mooncake_diffusion.keyed import pack, unpack
+
+pytestmark = pytest.mark.unit
+
+
+class Meta(msgspec.Struct, omit_defaults=True, kw_only=True):
+    finished: torch.Tensor | None = None
+    chunk_seq: int | None = None
+
+
+def roundtrip(obj, inline_bytes=1024):
+    skeleton, moved = pack(obj, inline_bytes)
+    # what a consumer receives: fresh copies of the moved tensors
+    received = {
+        i: t.clone() if isinstance(t, torch.Tensor) else t.copy() for i, (_, t) in enumerate(moved)
+    }
+    return unpack(skeleton, received), moved
+
+
+def test_large_tensors_move_small_ones_ride_inline():
+    big, small = torch.randn(64, 64), torch.arange(5)
+    out, moved = roundtrip({"big": big, "small": small, "ids": [1, 2, 3]})
+    assert [k for k, _ in moved] == ["torch"]
+    assert moved[0][1].data_ptr() == big.data_ptr()  # no copy before sending
+    assert torch.equal(out["big"], big) and torch.equal(out["small"], small)
+    assert out["ids"] == [1, 2, 3]
+
+
+def test_bf16_bool_empty_and_zero_dim_tensors_inline():
+    obj = {
+        "bf16": torch.randn(3, 4).to(torch.bfloat16),
+        "flag": torch.tensor(True),
+        "empty": torch.empty(0, 7),
+        "scalar": torch.tensor(2.5),
+    }
+    out, moved = roundtrip(obj)
+    assert moved == []
+    for k, v in obj.items():
+        assert out[k].dtype == v.dtype and out[k].shape == v.shape and torch.equal(out[k], v)
+
+
+def test_structs_come_back_as_dicts_of_their_set_fields():
+    out, _ = roundtrip(Meta(finished=torch.tensor(False), chunk_seq=3))
+    assert isinstance(out, dict) and set(out) == {"finished", "chunk_seq"}
+    assert out["chunk_seq"] == 3 and out["finished"].item() is False
+
+
+def test_numpy_arrays_scalars_and_tuples():
+    arr = np.arange(1000, dtype=np.float32)
+    out, moved = roundtrip({"a": arr, "n": np.int64(4), "t": (1, 2)})
+    assert [k for k, _ in moved] == ["numpy"]
+    assert isinstance(out["a"], np.ndarray) and np.array_equal(out["a"], arr)
+    assert out["n"] == 4 and out["t"] == [1, 2]
+
+
+def test_top_level_raw_bytes_move_and_come_back_as_bytearray():
+    raw = bytes(range(256)) * 8
+    skeleton, moved = pack(raw, 1024)
+    assert [k for k, _ in moved] == ["bytes"]
+    out = unpack(skeleton, {0: bytearray(raw)})
+    assert isinstance(out, bytearray) and out == raw
+
+
+def test_non_contiguous_tensor_is_made_contiguous():
+    t = torch.randn(128, 64).t()
+    out, moved = roundtrip(t)
+    assert moved[0][1].is_contiguous() and torch.equal(out, t)
+
+
+def test_unsupported_objects_are_rejected_before_sending():
+    with pytest.raises(PayloadError, match="without pickle"):
+        pack({"x": object()}, 1024)
+
+
+def test_a_skeleton_naming_a_tensor_that_did_not_arrive_is_rejected():
+    skeleton, _ = pack({"big": torch.randn(64, 64)}, 1024)
+    with pytest.raises(HandleError, match="did not arrive"):
+        unpack(skeleton, {})
