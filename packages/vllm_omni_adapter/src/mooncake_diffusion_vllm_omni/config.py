@@ -1,0 +1,198 @@
+"""The connector's settings: the deploy YAML's ``extra`` mapping, with env fallbacks.
+
+``ConnectorConfig.from_extra(extra)`` reads, in order of precedence, the key in
+``extra`` (``$VAR``/``${VAR}`` expanded, as vLLM-Omni does for its own
+connectors), then the environment variable, then the default:
+
+    key                 env fallback                      default
+    master              MOONCAKE_MASTER                   127.0.0.1:50051
+    admin               MOONCAKE_ADMIN                    master host, port 9003
+    host                MOONCAKE_LOCAL_HOSTNAME           127.0.0.1 ("auto": this host's IP)
+    protocol / proto    MOONCAKE_PROTOCOL                 tcp
+    device_name / rdma  MOONCAKE_DEVICE, RDMA_DEVICE_NAME ""
+    transfer_mode       MOONCAKE_DIFFUSION_TRANSFER_MODE  store   (store | p2p | auto)
+    ttl_s               MOONCAKE_DIFFUSION_TTL_S          300     (0: no TTL)
+    timeout_s                                             30
+    connect_timeout_s                                     5
+    inline_bytes                                          65536
+    max_record                                            1048576
+    receive_device                                        cpu
+    keep_on_close                                         false
+    gpu_direct                                            false
+
+Keys the runtime injects (``stage_id``, ``role``, ``from_stage``, ``to_stage``,
+``type``, ``sender_host``, ``sender_zmq_port``, ``zmq_port``), the chunk knobs
+stage input processors read from ``connector.config`` (``codec_chunk_frames``
+and the like) and the built-in MooncakeStoreConnector's sizing keys
+(``metadata_server``, ``segment``, ``localbuf``: this connector needs no local
+buffer) are accepted and left alone. Any other key is accepted too, since the
+runtime may add more, and named once in a warning so a typo does not go
+unnoticed. A value of the wrong type raises ``ConfigError``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from mooncake_diffusion.errors import ConfigError
+from mooncake_diffusion.settings import MooncakeSettings
+
+__all__ = ["IGNORED_KEYS", "ConnectorConfig"]
+
+_log = logging.getLogger("mooncake_diffusion_vllm_omni")
+
+#: Keys read by this module.
+_KNOWN = {
+    "master",
+    "admin",
+    "host",
+    "local_hostname",
+    "protocol",
+    "proto",
+    "device_name",
+    "rdma",
+    "transfer_mode",
+    "ttl_s",
+    "timeout_s",
+    "connect_timeout_s",
+    "inline_bytes",
+    "max_record",
+    "receive_device",
+    "keep_on_close",
+    "gpu_direct",
+}
+#: Keys the vLLM-Omni runtime injects or other readers of ``connector.config`` use.
+IGNORED_KEYS = frozenset(
+    {
+        "stage_id",
+        "role",
+        "from_stage",
+        "to_stage",
+        "type",
+        "sender_host",
+        "sender_zmq_port",
+        "zmq_port",
+        "metadata_server",
+        "segment",
+        "localbuf",
+        "codec_chunk_frames",
+        "codec_left_context_frames",
+        "initial_codec_chunk_frames",
+    }
+)
+_MODES = ("store", "p2p", "auto")
+_AUTO_HOSTS = {"", "auto", "*", "0.0.0.0", "::"}
+_warned: set[str] = set()
+
+
+def _local_ip() -> str:
+    """This host's outward-facing IP (no packet is sent), or loopback."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("10.255.255.255", 1))
+            return str(s.getsockname()[0])
+        except OSError:
+            return "127.0.0.1"
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """Everything the connector needs; ``settings`` is core's ``MooncakeSettings``."""
+
+    settings: MooncakeSettings
+    transfer_mode: str = "store"
+    ttl_s: float | None = 300.0
+    timeout_s: float = 30.0
+    inline_bytes: int = 64 << 10
+    max_record: int = 1 << 20
+    receive_device: str = "cpu"
+    keep_on_close: bool = False
+    gpu_direct: bool = False
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
+        """Parse ``extra`` (see the module docstring); raises ``ConfigError``."""
+        extra = dict(extra or {})
+        for key in sorted(set(extra) - _KNOWN - IGNORED_KEYS - _warned):
+            _warned.add(key)
+            _log.warning("MooncakeDiffusionConnector: unknown extra key %r ignored", key)
+
+        def pick(*names: str, env: tuple[str, ...] = (), default: Any = None) -> Any:
+            for name in names:
+                if extra.get(name) is not None:
+                    v = extra[name]
+                    return os.path.expandvars(v) if isinstance(v, str) else v
+            for var in env:
+                if os.environ.get(var):
+                    return os.environ[var]
+            return default
+
+        host = str(pick("host", "local_hostname", env=("MOONCAKE_LOCAL_HOSTNAME",), default=""))
+        if host in _AUTO_HOSTS:
+            host = _local_ip() if host else "127.0.0.1"
+        mode_env = ("MOONCAKE_DIFFUSION_TRANSFER_MODE",)
+        mode = str(pick("transfer_mode", env=mode_env, default="store"))
+        if mode not in _MODES:
+            raise ConfigError(f"transfer_mode must be one of {_MODES}, got {mode!r}")
+        try:
+            settings = MooncakeSettings(
+                master=str(pick("master", env=("MOONCAKE_MASTER",), default="127.0.0.1:50051")),
+                admin=pick("admin", env=("MOONCAKE_ADMIN",)),
+                local_hostname=host,
+                protocol=str(pick("protocol", "proto", env=("MOONCAKE_PROTOCOL",), default="tcp")),
+                device=str(
+                    pick(
+                        "device_name",
+                        "rdma",
+                        env=("MOONCAKE_DEVICE", "RDMA_DEVICE_NAME"),
+                        default="",
+                    )
+                ),
+                connect_timeout_s=_number(
+                    pick("connect_timeout_s", default=5.0), "connect_timeout_s", positive=True
+                ),
+            )
+            ttl = _number(pick("ttl_s", env=("MOONCAKE_DIFFUSION_TTL_S",), default=300.0), "ttl_s")
+            return cls(
+                settings=settings,
+                transfer_mode=mode,
+                ttl_s=ttl if ttl > 0 else None,
+                timeout_s=_number(pick("timeout_s", default=30.0), "timeout_s", positive=True),
+                inline_bytes=int(_number(pick("inline_bytes", default=64 << 10), "inline_bytes")),
+                max_record=int(
+                    _number(pick("max_record", default=1 << 20), "max_record", positive=True)
+                ),
+                receive_device=str(pick("receive_device", default="cpu")),
+                keep_on_close=_flag(pick("keep_on_close", default=False), "keep_on_close"),
+                gpu_direct=_flag(pick("gpu_direct", default=False), "gpu_direct"),
+            )
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"MooncakeDiffusionConnector extra: {e}") from None
+
+
+def _number(v: Any, name: str, *, positive: bool = False) -> float:
+    if isinstance(v, bool):
+        raise ConfigError(f"{name} must be a number, got {v!r}")
+    try:
+        x = float(v)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name} must be a number, got {v!r}") from None
+    if x < 0 or (positive and x == 0):
+        raise ConfigError(f"{name} must be {'positive' if positive else '>= 0'}, got {v!r}")
+    return x
+
+
+def _flag(v: Any, name: str) -> bool:
+    if isinstance(v, bool):
+        return v
+    word = v.strip().lower() if isinstance(v, str) else None
+    if word in ("1", "true", "yes", "on"):
+        return True
+    if word in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"{name} must be true or false, got {v!r}")

@@ -1,0 +1,276 @@
+"""MooncakeDiffusionConnector against the real vllm-omni 0.30.0 and vllm 0.30.0.
+
+The deploy YAML goes through vLLM-Omni's own loaders, connectors are built by its
+own factory after vLLM's plugin loader ran this package's entry point, and data
+crosses processes (this one and ``vo_peer.py``) through a real mooncake_master and
+store host. Each test ends with no store key left (the ``make`` fixture).
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.metadata
+import socket
+import sys
+import threading
+import time
+
+import pytest
+import torch
+import vo_payloads
+
+from mooncake_diffusion.errors import MasterUnavailableError
+
+pytestmark = pytest.mark.engines
+
+NAME = "MooncakeDiffusionConnector"
+
+DEPLOY_YAML = """
+async_chunk: false
+connectors:
+  mooncake_diffusion:
+    name: MooncakeDiffusionConnector
+    extra:
+      master: "{master}"
+      admin: "{admin}"
+      host: "127.0.0.1"
+      transfer_mode: store
+      ttl_s: 120
+stages:
+  - stage_id: 0
+    output_connectors:
+      to_stage_1: mooncake_diffusion
+  - stage_id: 1
+    input_connectors:
+      from_stage_0: mooncake_diffusion
+"""
+
+
+def peer_make(peer, extra, **over):
+    r = peer.request(op="make", name=NAME, extra={**extra, **over})
+    assert r["ok"], r
+    assert NAME in r["registered"]
+
+
+def peer_put(peer, kind, key, seed, frm="0", to="1", **kw):
+    r = peer.request(op="put", kind=kind, key=key, seed=seed, **{"from": frm, "to": to}, **kw)
+    assert r["ok"] and r["success"], r
+    return r
+
+
+def test_deploy_yaml_parsed_by_vllm_omni_and_connector_built_by_its_factory(
+    tmp_path, mooncake_cluster, vllm_omni, extra, make
+):
+    import mooncake_diffusion_vllm_omni
+    from mooncake_diffusion_vllm_omni.connector import MooncakeDiffusionConnector
+    from vllm_omni.config.stage_config import load_deploy_config
+    from vllm_omni.distributed.omni_connectors.utils.config import ConnectorSpec
+    from vllm_omni.distributed.omni_connectors.utils.initialization import (
+        get_connectors_config_for_stage,
+        load_omni_transfer_config,
+        resolve_connector_spec,
+    )
+
+    path = tmp_path / "deploy.yaml"
+    path.write_text(DEPLOY_YAML.format(master=extra["master"], admin=extra["admin"]))
+
+    deploy = load_deploy_config(path)  # the `vllm serve --omni --deploy-config` loader
+    assert deploy.connectors["mooncake_diffusion"]["name"] == NAME
+    transfer = load_omni_transfer_config(path)
+    spec = transfer.connectors[("0", "1")]
+    assert spec.name == NAME and spec.extra["transfer_mode"] == "store"
+
+    # the entry point is what registered the name; registering again changes nothing
+    eps = importlib.metadata.entry_points(group="vllm.general_plugins")
+    assert any(ep.value == "mooncake_diffusion_vllm_omni.plugin:register" for ep in eps)
+    assert vllm_omni.list_registered_connectors().count(NAME) == 1
+    mooncake_diffusion_vllm_omni.register()
+    assert vllm_omni.list_registered_connectors().count(NAME) == 1
+
+    # the receiver's spec as a stage worker gets it: role, from/to and stage_id injected
+    recv = get_connectors_config_for_stage(transfer, 1)["from_stage_0"]["spec"]
+    assert recv["extra"]["role"] == "receiver" and recv["extra"]["from_stage"] == 0
+    as_receiver = resolve_connector_spec(ConnectorSpec(**recv), stage_id=1, role="receiver")
+    receiver = make(as_receiver.extra)
+    sender = make(resolve_connector_spec(spec, stage_id=0, role="sender").extra)
+    assert isinstance(receiver, MooncakeDiffusionConnector)
+    assert receiver.stage_id == 1 and sender.stage_id == 0
+    assert receiver.config["role"] == "receiver" and receiver.config["to_stage"] == 1
+    assert receiver.supports_raw_data is True
+    assert receiver.health()["status"] == "healthy"
+
+    ok, size, _ = sender.put("0", "1", "req-yaml_0_0", {"ids": [1, 2, 3], "text": "hi"})
+    assert ok and size > 0
+    assert receiver.get("0", "1", "req-yaml_0_0") == ({"ids": [1, 2, 3], "text": "hi"}, size)
+    assert receiver.get("0", "1", "req-yaml_0_0") is None  # consumed once
+
+
+def test_thinker_to_talker_full_payload_across_processes(peer, extra, make):
+    peer_make(peer, extra)
+    conn = make(extra)
+    put = peer_put(peer, "thinker2talker", "req-t2t_0_0", seed=7)
+    got = conn.get("0", "1", "req-t2t_0_0")
+    assert got is not None
+    obj, size = got
+    assert size == put["size"]
+    assert vo_payloads.digest(obj) == put["digest"]  # every tensor byte, ids and strings
+    assert obj["meta"]["finished"].item() is True
+    assert obj["ids"]["prompt"] == obj["ids"]["all"][: len(obj["ids"]["prompt"])]
+    assert conn.get("0", "1", "req-t2t_0_0") is None
+
+
+def test_async_chunks_with_incrementing_chunk_id_come_back_as_dicts(peer, extra, make):
+    peer_make(peer, {**extra, "stage_id": 0, "role": "sender"})
+    conn = make({**extra, "stage_id": 1, "role": "receiver"})
+    for chunk_id in range(4):
+        last = chunk_id == 3
+        put = peer_put(peer, "chunk", f"ext-9_0_{chunk_id}", 9, chunk_id=chunk_id, last=last)
+        obj, size = conn.get("0", "1", f"ext-9_0_{chunk_id}")
+        assert isinstance(obj, dict)  # msgspec structs are returned as dicts
+        assert vo_payloads.digest(obj) == put["digest"] and size == put["size"]
+        assert obj["meta"]["chunk_seq"] == chunk_id
+        assert bool(obj["meta"]["finished"]) is last
+
+
+def test_packed_kv_cache_bytes_round_trip_unchanged(peer, extra, make):
+    from vllm_omni.distributed.omni_connectors.kv_transfer_manager import KVCacheTransferData
+
+    conn = make(extra)
+    peer_make(peer, extra)
+    key = "omni_0_to_1_kv_cache_req-kv"
+    raw = vo_payloads.build("kv", 11)
+    ok, size, _ = conn.put("0", "1", key, raw)  # this process produces, the peer consumes
+    assert ok and size >= len(raw)
+    r = peer.request(op="get", key=key, **{"from": "0", "to": "1"})
+    assert r["found"] and r["type"] == "bytearray"
+    assert r["digest"] == vo_payloads.expected_digest(raw)
+    # and the reverse direction, decoded by vLLM-Omni's own KV unpacker
+    peer_put(peer, "kv", key, seed=12)
+    got, _ = conn.get("0", "1", key)
+    assert isinstance(got, bytes | bytearray)
+    mine = KVCacheTransferData.from_bytes(got)
+    theirs = KVCacheTransferData.from_bytes(vo_payloads.build("kv", 12))
+    assert mine["request_id"] == theirs["request_id"] == "req-12"
+    for a, b in zip(
+        mine["layer_blocks"]["key_cache"], theirs["layer_blocks"]["key_cache"], strict=True
+    ):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_diffusion_stage_payload_read_with_get_with_deadline(peer, extra, make):
+    peer_make(peer, extra)
+    conn = make(extra)
+    result: list = []
+    reader = threading.Thread(
+        target=lambda: result.append(
+            conn.get_with_deadline("0", "1", "req-dit_0_0", deadline=time.monotonic() + 240)
+        )
+    )
+    reader.start()  # waiting before the producer has put anything
+    put = peer_put(peer, "diffusion", "req-dit_0_0", seed=5)
+    reader.join()
+    conn.abandon_get("req-dit_0_0")
+    assert result[0] is not None
+    obj, size = result[0]
+    assert vo_payloads.digest(obj) == put["digest"] and size == put["size"]
+    assert obj["height"] == 720 and obj["encoder_output"].shape == (1, 256, 4096)
+
+
+def test_missing_key_returns_none_at_once(extra, make):
+    conn = make(extra)
+    assert conn.get("0", "1", "never-put_0_0") is None
+    assert conn.get_with_deadline("0", "1", "never-put_0_0", deadline=time.monotonic()) is None
+    health = conn.health()
+    assert health["misses"] == 2 and health["errors"] == 0
+
+
+def test_cleanup_deletes_unconsumed_payloads_of_a_request(peer, mooncake_cluster, extra, make):
+    peer_make(peer, extra)
+    conn = make(extra)
+    for chunk_id in range(3):  # three chunks of req-a (big enough to leave data objects)
+        peer_put(peer, "diffusion", f"req-a_0_{chunk_id}", seed=chunk_id)
+    peer_put(peer, "diffusion", "req-ab_0_0", seed=9)  # shares a prefix, not the request
+    before = mooncake_cluster.keys()
+    assert any("req-a_0_" in k for k in before)
+    conn.cleanup("req-a")  # from the consumer side: it never saw these keys
+    left = mooncake_cluster.keys()
+    assert left and all("req-a_" not in k for k in left), left
+    assert conn.get("0", "1", "req-a_0_1") is None
+    assert conn.get("0", "1", "req-ab_0_0") is not None
+    conn.cleanup("req-ab_0_0")  # an exact key, already consumed: fine
+    assert mooncake_cluster.keys() == []
+
+
+def test_producer_close_removes_what_nobody_took(peer, mooncake_cluster, extra, make):
+    peer_make(peer, extra)
+    conn = make(extra)
+    peer_put(peer, "thinker2talker", "req-c_0_0", seed=3)
+    assert mooncake_cluster.keys()
+    assert peer.request(op="close")["ok"]
+    assert mooncake_cluster.keys() == []
+    assert conn.get("0", "1", "req-c_0_0") is None
+
+
+def test_reap_consumed_forgets_taken_keys(peer, extra, make):
+    peer_make(peer, extra)
+    conn = make(extra)
+    for i in range(3):
+        peer_put(peer, "chunk", f"req-r_0_{i}", 1, chunk_id=i, last=i == 2)
+    assert peer.request(op="health")["health"]["pending"] == 3
+    for i in range(3):
+        assert conn.get("0", "1", f"req-r_0_{i}") is not None
+    assert peer.request(op="reap")["ok"]
+    assert peer.request(op="health")["health"]["pending"] == 0
+
+
+def test_p2p_mode_across_processes(peer, extra, make):
+    peer_make(peer, extra, transfer_mode="p2p")
+    conn = make({**extra, "transfer_mode": "p2p"})
+    put = peer_put(peer, "latent", "req-p_0_0", seed=2, mb=16)
+    obj, size = conn.get("0", "1", "req-p_0_0")
+    assert vo_payloads.digest(obj) == put["digest"] and size == put["size"]
+    assert peer.request(op="health")["health"]["errors"] == 0
+
+
+def test_injected_and_unknown_extra_keys_are_accepted(extra, make, vllm_omni):
+    from vllm_omni.distributed.omni_connectors.utils.config import ConnectorSpec
+
+    injected = {
+        **extra,
+        "stage_id": 2,
+        "role": "receiver",
+        "from_stage": 1,
+        "to_stage": 2,
+        "type": NAME,
+        "codec_chunk_frames": 25,
+        "metadata_server": "http://127.0.0.1:8080/metadata",
+        "segment": 512_000_000,
+        "localbuf": 64_000_000,
+        "zmq_port": 50051,
+        "something_new": True,
+    }
+    conn = make(injected)
+    assert conn.stage_id == 2 and conn.config["codec_chunk_frames"] == 25
+    with pytest.raises(ValueError, match="transfer_mode"):
+        vllm_omni.create_connector(ConnectorSpec(name=NAME, extra={**extra, "transfer_mode": "x"}))
+
+
+def test_dead_master_fails_construction_clearly(vllm_omni, make):
+    from mooncake_diffusion_vllm_omni.connector import MooncakeDiffusionConnector
+    from vllm_omni.distributed.omni_connectors.utils.config import ConnectorSpec
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dead = {"master": f"127.0.0.1:{port}", "connect_timeout_s": 1}
+    with pytest.raises(ValueError, match=f"127.0.0.1:{port}"):
+        vllm_omni.create_connector(ConnectorSpec(name=NAME, extra=dead))
+    unraisable: list = []
+    old, sys.unraisablehook = sys.unraisablehook, unraisable.append
+    try:
+        with pytest.raises(MasterUnavailableError):
+            MooncakeDiffusionConnector(dead)
+        gc.collect()  # __del__ -> close() on the half-built connector must not raise
+    finally:
+        sys.unraisablehook = old
+    assert unraisable == []

@@ -1,0 +1,28 @@
+"""Import first in every process of the vLLM-Omni engine tests (CPU machines only).
+
+vllm 0.30.0 pulls torchvision 0.28.0, torchaudio 2.11.0 and torchcodec from PyPI,
+which are CUDA builds: their native extensions need ``libc10_cuda.so``, which the
+CPU build of torch lacks, so importing them raises and takes ``import vllm.config``
+(through transformers' optional image/audio helpers) down with it. No connector
+code uses them. Marking them absent in ``sys.modules`` makes transformers see them
+as not installed (``importlib.util.find_spec`` returns ``None``), which is how
+vLLM and vLLM-Omni import on a machine without them. On a GPU machine with the
+CUDA torch nothing here is needed; it only runs when torch has no CUDA.
+"""
+
+from __future__ import annotations
+
+import sys
+
+CUDA_ONLY_WHEELS = ("torchvision", "torchaudio", "torchcodec")
+
+
+def hide_cuda_only_wheels() -> None:
+    import torch
+
+    if torch.version.cuda is None:
+        for name in CUDA_ONLY_WHEELS:
+            sys.modules.setdefault(name, None)  # type: ignore[arg-type]
+
+
+hide_cuda_only_wheels()
