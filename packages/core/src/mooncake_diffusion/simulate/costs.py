@@ -1,0 +1,136 @@
+"""Stage service times and memory facts for the cluster simulator, each with its source.
+
+Every number cites ``/work/shared/workloads.md`` (section, and the source it
+quotes there); tags as there: M measured, D derived, S stated. Values are
+seconds on one GPU (batch 1) unless said otherwise. Nothing here is fitted to a
+desired result; where workloads.md gives a range the midpoint is used.
+
+    kind       encode                    denoise                           decode
+    wan-720p   0.5 s (§3: 0.07-0.9, M)   40 x 26.0 s (§0.2/§11: 1041.5/40) 5.0 s (§5: 4-6, D)
+    qwen-1024  0.2 s (§11: 0.05-0.3)     50 x 0.25 s (§11: SGLang, D)      0.2 s (§11: 0.1-0.3)
+    flux-1024  0.04 s (§11: 0.02-0.05)   28 x 0.20 s (§11: 0.15-0.24)      0.15 s (§11: 0.1-0.2)
+    qwen-4090  0.40 s resident /         8 x 1.88 s resident /             0.26 s (§5: SDXL VAE
+               12.89 s offloaded (§7.1)  8 x 2.90 s offloaded (§7.1, M)    on a 4090, M)
+
+Transfers between stages: 0.025 s per boundary (§6: LightX2V, ~4 ms
+serialisation + ~20 ms RDMA, M). Decode tiling when the VAE shares the DiT's
+GPU and does not fit: x1.5 time (§5: tiling costs 0-100% extra, M; midpoint).
+Memory (§1, §3, §5): Wan2.2-A14B experts 2 x 28 GB + umT5 11.4 GB + VAE decode
+peak 11.8 GB = 79.2 GB before activations on an 80 GB H100, so a colocated Wan
+decode is tiled; Qwen-Image 40.9 + 16.6 + 0.3 GB fits untiled; FLUX fits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+__all__ = [
+    "FLUX_1024",
+    "QWEN_1024",
+    "QWEN_4090",
+    "TRANSFER_S",
+    "WAN_720P",
+    "RequestKind",
+]
+
+#: Seconds per stage boundary in a disaggregated run (§6, M: LightX2V on H100 + IB).
+TRANSFER_S = 0.025
+
+
+@dataclass(frozen=True)
+class RequestKind:
+    """One kind of request and what each stage costs it on one GPU.
+
+    ``encode_s`` covers every prompt the request encodes (positive and, with CFG,
+    negative); ``negative_share`` is the part of it spent on the negative prompt
+    (what a cluster-wide embedding cache saves once that prompt is cached).
+    ``step_s`` is one denoise step, CFG included. ``decode_tile_factor`` multiplies
+    decode time when the VAE must run tiled on the DiT's GPU (colocated, or
+    disaggregated with the decode-memory mechanism off). ``decode_chunks``: the
+    decode streams that many temporal chunks; time to first frame counts the
+    first. ``offload_encode_s`` / ``offload_step_s``: the same stages with weights
+    offloaded to host memory (small-memory GPUs), or None where not measured.
+    ``slo_s``: the deadline from submit, goodput counts completions within it.
+    """
+
+    name: str
+    slo_class: str
+    encode_s: float
+    steps: int
+    step_s: float
+    decode_s: float
+    negative_share: float = 0.5
+    decode_tile_factor: float = 1.0
+    decode_chunks: int = 1
+    offload_encode_s: float | None = None
+    offload_step_s: float | None = None
+    slo_s: float = 60.0
+
+    @property
+    def denoise_s(self) -> float:
+        return self.steps * self.step_s
+
+    @property
+    def isolated_s(self) -> float:
+        """End-to-end seconds alone on one GPU, nothing cached or tiled."""
+        return self.encode_s + self.denoise_s + self.decode_s
+
+    def with_slo(self, scale: float) -> RequestKind:
+        """A copy whose deadline is ``scale`` x its isolated latency."""
+        return replace(self, slo_s=scale * self.isolated_s)
+
+
+# Wan2.2-A14B T2V, 1280x720, 81 frames, 40 steps, CFG, one H100: 1041.5 s / 40 steps
+# (§0.2 and §11, D from the Wan2.2 comp_effic table); umT5 0.07-0.9 s (§3, M); VAE
+# 720p decode 4-6 s on H100 (§5, D from FastVAE's A800 9.26 s M); 21 latent frames,
+# decoded in 4 temporal chunks (the causal VAE streams, §5 / DESIGN). Tiled in a
+# colocated GPU (memory in the module docstring).
+WAN_720P = RequestKind(
+    name="wan-720p",
+    slo_class="batch",
+    encode_s=0.5,
+    steps=40,
+    step_s=26.0,
+    decode_s=5.0,
+    decode_tile_factor=1.5,
+    decode_chunks=4,
+).with_slo(2.0)
+
+# Qwen-Image 1024^2, 50 steps, true CFG: ~0.25 s/step on H100 (§11, SGLang; D);
+# Qwen2.5-VL encode 35-300 ms (§3, M); VAE 0.1-0.3 s (§11, D).
+QWEN_1024 = RequestKind(
+    name="qwen-1024",
+    slo_class="interactive",
+    encode_s=0.2,
+    steps=50,
+    step_s=0.25,
+    decode_s=0.2,
+).with_slo(3.0)
+
+# FLUX.1-dev 1024^2, 28 steps, guidance-distilled (no CFG, one prompt): 0.15-0.24 s/step
+# (§11, compiled / eager); T5-XXL + CLIP 21-52 ms (§3, M); VAE 0.1-0.2 s (§11).
+FLUX_1024 = RequestKind(
+    name="flux-1024",
+    slo_class="interactive",
+    encode_s=0.04,
+    steps=28,
+    step_s=0.20,
+    decode_s=0.15,
+    negative_share=0.0,
+).with_slo(3.0)
+
+# LightX2V's 8 x RTX 4090 Qwen-Image-2512 T2I (§7.1, M: LightX2V blog): text encoder
+# 12.89 s offloaded / 0.40 s resident; DiT step 2.90 s offloaded / 1.88 s resident at
+# 8 steps (the QPS runs look like 8 steps, §7.1 D). VAE: the SDXL VAE at 1024^2 on a
+# 4090 takes 0.256 s (§5, M), used as the 4090 decode time.
+QWEN_4090 = RequestKind(
+    name="qwen-4090",
+    slo_class="interactive",
+    encode_s=0.40,
+    steps=8,
+    step_s=1.88,
+    decode_s=0.26,
+    offload_encode_s=12.89,
+    offload_step_s=2.90,
+    slo_s=60.0,
+)
