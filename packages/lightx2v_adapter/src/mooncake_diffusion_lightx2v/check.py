@@ -1,0 +1,116 @@
+"""Verify the adapter against the LightX2V installed here:
+``python -m mooncake_diffusion_lightx2v.check``.
+
+Checks, in order: ``import lightx2v`` works (with ``SKIP_PLATFORM_CHECK=1`` set
+when unset, so it runs on a machine without a GPU); this package's entry point
+is in ``lightx2v.platform_plugins``; ``DisaggMixin`` has the six methods with
+the parameters the adapter expects, and all six are routed by the plugin;
+the Wan and Qwen runners inherit them; which git commit the checkout is at
+(``f8aee98b`` is the one the adapter targets). Prints one line per check and
+exits 1 if any failed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import inspect
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from mooncake_diffusion_lightx2v import TARGET_COMMIT
+from mooncake_diffusion_lightx2v.plugin import MIXIN_MODULE, PATCHED, patched
+
+__all__ = ["EXPECTED_PARAMS", "main", "run_checks"]
+
+#: The parameters of each routed method at f8aee98b (``self`` first).
+EXPECTED_PARAMS = {
+    "init_disagg": ["self", "config"],
+    "send_encoder_outputs": ["self", "inputs", "latent_shape"],
+    "receive_encoder_outputs": ["self"],
+    "send_transformer_outputs": ["self", "latents"],
+    "receive_transformer_outputs": ["self"],
+    "release_disagg": ["self"],
+}
+_RUNNERS = (
+    ("lightx2v.models.runners.wan.wan_runner", "WanRunner"),
+    ("lightx2v.models.runners.qwen_image.qwen_image_runner", "QwenImageRunner"),
+)
+
+
+def _commit(package_dir: Path) -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(package_dir), "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def run_checks() -> list[tuple[bool, str]]:
+    """Run every check; returns ``(passed, line)`` pairs (never raises)."""
+    results: list[tuple[bool, str]] = []
+    os.environ.setdefault("SKIP_PLATFORM_CHECK", "1")
+    try:
+        lightx2v = importlib.import_module("lightx2v")
+    except Exception as e:
+        return [(False, f"import lightx2v failed: {type(e).__name__}: {e}")]
+    results.append((True, f"import lightx2v: {lightx2v.__file__}"))
+    eps = importlib.metadata.entry_points(group="lightx2v.platform_plugins")
+    ours = [ep for ep in eps if ep.value == "mooncake_diffusion_lightx2v.plugin:register"]
+    results.append((bool(ours), f"entry point lightx2v.platform_plugins: {[e.name for e in ours]}"))
+    try:
+        mixin = importlib.import_module(MIXIN_MODULE).DisaggMixin
+    except Exception as e:
+        results.append((False, f"{MIXIN_MODULE}.DisaggMixin: {type(e).__name__}: {e}"))
+        return results
+    for name, want in EXPECTED_PARAMS.items():
+        method = getattr(mixin, name, None)
+        if method is None:
+            results.append((False, f"DisaggMixin.{name}: missing"))
+            continue
+        original = getattr(method, "__mooncake_diffusion_original__", method)
+        got = list(inspect.signature(original).parameters)
+        results.append((got == want, f"DisaggMixin.{name}{tuple(got)} (expected {tuple(want)})"))
+    routed = patched(mixin)
+    results.append((routed == list(PATCHED), f"routed by the plugin: {len(routed)} of 6"))
+    for module, cls in _RUNNERS:
+        try:
+            runner = getattr(importlib.import_module(module), cls)
+        except ModuleNotFoundError as e:
+            if e.name and module.startswith(e.name):  # the runner module itself is absent
+                results.append((True, f"{cls}: not in this LightX2V ({module})"))
+            else:  # it exists but needs something not installed (zmq, say)
+                results.append((False, f"{cls}: {e}"))
+            continue
+        except Exception as e:
+            results.append((False, f"{cls}: {type(e).__name__}: {e}"))
+            continue
+        results.append((issubclass(runner, mixin), f"{cls} inherits DisaggMixin"))
+    commit = _commit(Path(lightx2v.__file__).resolve().parent)
+    if commit is None:
+        results.append((True, "checkout commit: unknown (not a git checkout)"))
+    else:
+        same = commit.startswith(TARGET_COMMIT[:8]) or TARGET_COMMIT.startswith(commit)
+        note = "the targeted commit" if same else f"differs from {TARGET_COMMIT[:8]}"
+        results.append((True, f"checkout commit: {commit[:12]} ({note})"))
+    return results
+
+
+def main() -> int:
+    results = run_checks()
+    for ok, line in results:
+        print(("ok    " if ok else "FAIL  ") + line)
+    failed = sum(not ok for ok, _ in results)
+    print("all checks passed" if not failed else f"{failed} check(s) failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

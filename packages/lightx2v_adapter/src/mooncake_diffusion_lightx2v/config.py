@@ -1,0 +1,128 @@
+"""``disagg_config`` (LightX2V's role JSON) -> the adapter's settings.
+
+Read once per runner by ``init_disagg``. LightX2V's own keys keep their
+meaning (``disagg_mode``, ``bootstrap_room``, ``decoder_bootstrap_room``,
+``decoder_engine_rank``); the Mooncake keys it documents but ignores
+(``local_hostname``, ``protocol``, ``device_name``) are honoured; the rest are
+the adapter's own. Unknown keys are left alone (LightX2V has many).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from mooncake_diffusion.errors import ConfigError
+from mooncake_diffusion.settings import MooncakeSettings
+
+__all__ = ["BACKEND", "AdapterConfig", "selects_adapter"]
+
+#: The ``disagg_config.transfer_backend`` value that routes a runner through the adapter.
+BACKEND = "mooncake_diffusion"
+_MODES = ("p2p", "store", "auto")
+_ROLES = {"encoder": "encode", "transformer": "denoise", "decode": "decode"}
+
+
+def selects_adapter(config: Mapping[str, Any] | None) -> bool:
+    """Whether a runner ``config`` names this adapter (any other value: LightX2V's path)."""
+    if not config:
+        return False
+    disagg = config.get("disagg_config") or {}
+    return isinstance(disagg, Mapping) and disagg.get("transfer_backend") == BACKEND
+
+
+def _number(d: Mapping[str, Any], key: str, default: float, kind: type = float) -> Any:
+    value = d.get(key, default)
+    try:
+        out = kind(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"disagg_config.{key} must be a {kind.__name__}, got {value!r}") from None
+    if out <= 0:
+        raise ConfigError(f"disagg_config.{key} must be positive, got {value!r}")
+    return out
+
+
+@dataclass(frozen=True)
+class AdapterConfig:
+    """Everything the adapter reads from a runner config (see the README's key table)."""
+
+    disagg_mode: str
+    connector_role: str
+    settings: MooncakeSettings
+    transfer_mode: str
+    channel: str
+    #: a transformer that hands latents to a decoder (``decoder_engine_rank`` set)
+    sends_phase2: bool
+    latent_chunks: int
+    verify: bool
+    timeout_s: float
+    ttl_s: float
+    receive_pool_bytes: int
+
+    @classmethod
+    def from_runner_config(cls, config: Mapping[str, Any]) -> AdapterConfig:
+        """Parse; raises ``ConfigError`` naming the bad key."""
+        disagg = config.get("disagg_config") or {}
+        mode = config.get("disagg_mode")
+        if mode not in _ROLES:
+            raise ConfigError(
+                f"disagg_mode must be one of {sorted(_ROLES)} with transfer_backend "
+                f"{BACKEND!r}, got {mode!r}"
+            )
+        if disagg.get("decentralized_queue"):
+            raise ConfigError(
+                "disagg_config.decentralized_queue is not supported with transfer_backend "
+                f"{BACKEND!r} yet (queue mode through the orchestrator is coming)"
+            )
+        transfer_mode = disagg.get("transfer_mode", "auto")
+        if transfer_mode not in _MODES:
+            raise ConfigError(f"disagg_config.transfer_mode must be one of {_MODES}")
+        settings = MooncakeSettings.from_env(
+            master=disagg.get("master"),
+            admin=disagg.get("admin"),
+            local_hostname=disagg.get("local_hostname"),
+            protocol=disagg.get("protocol"),
+            device=disagg.get("device_name"),
+            same_host=disagg.get("same_host"),
+        )
+        channel = str(disagg.get("channel", "lightx2v"))
+        if not channel or "/" in channel:
+            raise ConfigError("disagg_config.channel must be a non-empty name without '/'")
+        verify = disagg.get("verify", False)
+        if verify not in (True, False, "crc32", "none"):
+            raise ConfigError("disagg_config.verify must be true, false, 'crc32' or 'none'")
+        return cls(
+            disagg_mode=mode,
+            connector_role=_ROLES[mode],
+            settings=settings,
+            transfer_mode=transfer_mode,
+            channel=channel,
+            sends_phase2=mode == "transformer" and disagg.get("decoder_engine_rank") is not None,
+            latent_chunks=_number(disagg, "latent_chunks", 4, int),
+            verify=verify in (True, "crc32"),
+            timeout_s=_number(disagg, "timeout_s", 600.0),
+            ttl_s=_number(disagg, "ttl_s", 600.0),
+            receive_pool_bytes=_number(disagg, "receive_pool_mb", 256, int) << 20,
+        )
+
+    @staticmethod
+    def room(config: Mapping[str, Any], phase: int) -> int:
+        """The room of ``phase`` for this request, as LightX2V picks it: Phase 1 is
+        ``data_bootstrap_room`` (a per-request override) or ``bootstrap_room``
+        (default 0); Phase 2 is ``decoder_bootstrap_room`` on the transformer and
+        ``bootstrap_room`` on the decoder (default 1). Read on every call, since a
+        server's ``set_config`` may change them per request."""
+        disagg = config.get("disagg_config") or {}
+        try:
+            if phase == 1:
+                return int(config.get("data_bootstrap_room", disagg.get("bootstrap_room", 0)))
+            if config.get("disagg_mode") == "transformer":
+                return int(disagg.get("decoder_bootstrap_room", 1))
+            return int(disagg.get("bootstrap_room", 1))
+        except (TypeError, ValueError):
+            raise ConfigError(f"the Phase {phase} bootstrap room must be an int") from None
+
+    def mailbox_name(self, phase: int, room: int, seq: int) -> str:
+        """Where the handle of the ``seq``-th payload of a (phase, room) channel goes."""
+        return f"{self.channel}/p{phase}/{room}/{seq}"
