@@ -33,7 +33,7 @@ def deterministic(threads: int) -> Iterator[None]:
     torch.set_num_threads(threads)
     torch.use_deterministic_algorithms(True)
     try:
-        with torch.inference_mode():
+        with torch.no_grad():
             yield
     finally:
         torch.use_deterministic_algorithms(prev_det)
