@@ -102,6 +102,8 @@ class ServiceStack:
         self.orchestrator: Proc | None = None
         self.workers: dict[str, Proc] = {}
         self.client: OrchestratorClient | None = None
+        #: names (worker ids, "orchestrator") whose exit code must be 0 at close
+        self.clean_exit: tuple[str, ...] = ()
 
     @property
     def worker_address(self) -> str:

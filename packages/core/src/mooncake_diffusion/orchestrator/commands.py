@@ -12,6 +12,7 @@ import importlib
 import logging
 import os
 import signal
+import sys
 import threading
 from typing import Any
 
@@ -69,7 +70,10 @@ def _run_orchestrator(args: argparse.Namespace) -> int:
             f"journal {journal} auth {'token' if token else 'none (loopback)'}",
             flush=True,
         )
-        stop.wait()
+        while not stop.wait(0.5):
+            if service.stopped.is_set():  # the driver gave up (a journal write failed)
+                print(f"orchestrator failed: {service.failure}", file=sys.stderr, flush=True)
+                return 1
         print("orchestrator stopping", flush=True)
     finally:
         service.close()

@@ -55,7 +55,7 @@ import zmq
 from mooncake_diffusion.orchestrator.clock import Clock, MonotonicClock
 from mooncake_diffusion.orchestrator.core import Orchestrator
 from mooncake_diffusion.orchestrator.errors import OrchestratorError
-from mooncake_diffusion.orchestrator.journal import JournaledOrchestrator
+from mooncake_diffusion.orchestrator.journal import JournaledOrchestrator, JournalError
 from mooncake_diffusion.orchestrator.model import (
     STAGES,
     Action,
@@ -197,6 +197,9 @@ class OrchestratorService:
         self._latency: list[int] = [0] * (len(_LATENCY_BUCKETS) + 1)
         self._latency_sum = 0.0
         self.worker_address = ""
+        #: set when the driver thread has ended (closed, or stopped by ``failure``)
+        self.stopped = threading.Event()
+        self.failure: BaseException | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> OrchestratorService:
@@ -214,6 +217,25 @@ class OrchestratorService:
             raise OrchestratorError(f"cannot bind {self.config.worker_bind}: {e}") from e
         self._router = router
         self.worker_address = router.getsockopt_string(zmq.LAST_ENDPOINT)
+        opened: Future = Future()
+        self._thread = threading.Thread(
+            target=self._run, args=(opened,), name="mcd-orchestrator", daemon=True
+        )
+        self._thread.start()
+        try:
+            opened.result()
+        except BaseException:
+            self._thread.join()
+            self._closed = True
+            router.close()
+            self._ctx.term()
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+            raise
+        return self
+
+    def _open_core(self) -> None:
+        """In the driver thread (SQLite objects stay in the thread that made them)."""
         cfg = self.config.orchestrator
         if self.config.journal:
             self._core = JournaledOrchestrator.open(
@@ -227,9 +249,6 @@ class OrchestratorService:
                 self._send_work(d)
         else:
             self._core = Orchestrator(cfg, clock=self._clock, policy=self._policy)
-        self._thread = threading.Thread(target=self._run, name="mcd-orchestrator", daemon=True)
-        self._thread.start()
-        return self
 
     def close(self) -> None:
         """Stop the driver and close sockets and the journal. Idempotent. Event streams end."""
@@ -244,8 +263,6 @@ class OrchestratorService:
             self._router.close()
         if self._ctx is not None:
             self._ctx.term()
-        if isinstance(self._core, JournaledOrchestrator):
-            self._core.close()
         self.table.close_streams()
         os.close(self._wake_r)
         os.close(self._wake_w)
@@ -343,8 +360,8 @@ class OrchestratorService:
 
     # ------------------------------------------------------------------ driver plumbing
     def _call(self, fn: Callable[[], Any]) -> Any:
-        if self._closed or self._thread is None:
-            raise ServiceUnavailable("the orchestrator service is not running")
+        if self._closed or self._thread is None or self.stopped.is_set():
+            raise ServiceUnavailable(f"the orchestrator service is not running ({self.failure})")
         fut: Future = Future()
         self._mail.put((fn, fut))
         os.write(self._wake_w, b"x")
@@ -361,7 +378,27 @@ class OrchestratorService:
             return self._core.now()
         return self._clock.now()
 
-    def _run(self) -> None:
+    def _run(self, opened: Future) -> None:
+        try:
+            self._open_core()
+        except BaseException as e:
+            opened.set_exception(e)
+            return
+        opened.set_result(None)
+        try:
+            self._loop()
+        finally:
+            if isinstance(self._core, JournaledOrchestrator):
+                self._core.close()
+            self.stopped.set()
+            while True:  # nobody will answer these now
+                try:
+                    _, fut = self._mail.get_nowait()
+                except queue.Empty:
+                    break
+                fut.set_exception(ServiceUnavailable(f"the orchestrator stopped: {self.failure}"))
+
+    def _loop(self) -> None:
         router = self._router
         assert router is not None and self._core is not None
         poller = zmq.Poller()
@@ -395,15 +432,25 @@ class OrchestratorService:
                 if fut.set_running_or_notify_cancel():
                     try:
                         fut.set_result(fn())
+                    except JournalError as e:
+                        log.critical("orchestrator: stopping, the journal failed: %s", e)
+                        self.failure, self._stopping = e, True
+                        fut.set_exception(ServiceUnavailable(f"journal failed: {e}"))
                     except BaseException as e:
                         fut.set_exception(e)
             if deadline is not None and self._now() >= deadline:
                 self._guard(self._feed, Tick(), None)
 
     def _guard(self, fn: Callable[..., Any], *args: Any) -> None:
-        """Worker traffic must never stop the driver: log and count what fails."""
+        """Worker traffic must never stop the driver: log and count what fails. A
+        journal that cannot be written does stop it: acting on events that are not
+        durable would break the promise; a supervisor restarts the service."""
         try:
             fn(*args)
+        except JournalError as e:
+            log.critical("orchestrator: stopping, the journal failed: %s", e)
+            self.failure = e
+            self._stopping = True
         except Exception:
             self._counters["driver_errors"] += 1
             log.exception("orchestrator: error while handling %s", fn.__name__)

@@ -1,0 +1,112 @@
+"""The orchestrator service and stage workers as real processes over real Mooncake
+(store mode): a worker SIGKILLed mid-item, an orchestrator SIGKILLed mid-run and
+restarted on its journal, a worker drained with SIGTERM. Nothing accepted is lost,
+nothing completes twice, and no store key is left behind."""
+
+from __future__ import annotations
+
+import base64
+import json
+import threading
+import time
+
+import pytest
+from servicestack import ServiceStack
+
+from mooncake_diffusion.orchestrator import toy
+from mooncake_diffusion.testing import assert_no_leaks
+
+pytestmark = pytest.mark.faults
+
+
+@pytest.fixture
+def stack(tmp_path, mooncake_cluster):
+    baseline = {f"{t.name}#{t.ident}" for t in threading.enumerate()}
+    s = ServiceStack(tmp_path, mooncake_cluster.settings.as_env(), heartbeat_timeout=2.0)
+    yield s
+    # release of a finished request's payloads follows its completion closely
+    deadline = time.monotonic() + 15
+    while mooncake_cluster.keys() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    rcs = s.close()
+    assert all(rc == 0 for name, rc in rcs.items() if name in s.clean_exit), rcs
+    assert_no_leaks(mooncake_cluster, baseline)
+
+
+def checksum(st: dict) -> float:
+    return json.loads(base64.b64decode(st["output"]))["checksum"]
+
+
+def wait_step(client, rid: str, step: int, timeout: float = 60) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        st = client.status(rid)
+        if st["state"] == "running" and st.get("stage") == "denoise" and st.get("step", 0) >= step:
+            return st
+        assert st["state"] not in ("completed", "failed", "cancelled"), st
+        time.sleep(0.05)
+    raise AssertionError(f"{rid} never reached denoise step {step}: {client.status(rid)}")
+
+
+def test_a_worker_killed_mid_item_loses_nothing(stack):
+    stack.start_orchestrator()
+    stack.start_worker("encode", "enc-0")
+    stack.start_worker("denoise", "den-0")
+    stack.start_worker("denoise", "den-1")
+    stack.start_worker("decode", "dec-0")
+    stack.clean_exit = ("enc-0", "dec-0", "orchestrator")
+    c = stack.client
+    params = {"prompt": "kill me", "size": 4096, "steps": 30, "step_s": 0.05}
+    rid = c.submit(params)
+    st = wait_step(c, rid, 3)
+    victim = st["worker_id"]
+    stack.workers[victim].kill()  # SIGKILL: no goodbye, no cleanup
+    st = c.wait(rid, timeout=90)
+    assert st["state"] == "completed", st
+    assert checksum(st) == pytest.approx(toy.expected_checksum(params), rel=1e-6)
+    kinds = [(e["kind"], e.get("stage"), e.get("worker_id")) for e in st["events"]]
+    assert ("requeued", "denoise", None) in kinds, kinds
+    redo = [w for k, s, w in kinds if k == "dispatched" and s == "denoise"]
+    assert redo[0] == victim and redo[-1] != victim, redo
+    assert any("heartbeat" in r for r in st["reasons"]), st["reasons"]
+    text = c.metrics_text()
+    assert 'mcd_orchestrator_requests_finished_total{outcome="completed"} 1' in text
+    assert 'mcd_orchestrator_requeues_total{stage="denoise"} 1' in text
+
+
+def test_an_orchestrator_restarted_mid_run_loses_no_accepted_request(stack):
+    stack.start_orchestrator()
+    stack.start_worker("encode", "enc-0")
+    stack.start_worker("denoise", "den-0", credits=2)
+    stack.start_worker("decode", "dec-0")
+    stack.clean_exit = ("enc-0", "den-0", "dec-0", "orchestrator")
+    c = stack.client
+    params = [{"prompt": f"r{i}", "size": 2048, "steps": 8, "step_s": 0.1} for i in range(6)]
+    rids = [c.submit(p) for p in params]
+    wait_step(c, rids[0], 2)
+    stack.orchestrator.kill()  # SIGKILL mid-run: the journal is all that is left
+    time.sleep(0.5)
+    stack.start_orchestrator()  # same ports, same journal; workers reconnect by themselves
+    finals = [c.wait(rid, timeout=120) for rid in rids]
+    assert [f["state"] for f in finals] == ["completed"] * 6, finals
+    for f, p in zip(finals, params, strict=True):
+        assert checksum(f) == pytest.approx(toy.expected_checksum(p), rel=1e-6)
+        # one completion per request, across both lives of the orchestrator
+        assert [e["kind"] for e in f["events"]].count("completed") == 1, f["events"]
+
+
+def test_sigterm_drains_a_worker_its_item_completes(stack):
+    stack.start_orchestrator()
+    stack.start_worker("encode", "enc-0")
+    den = stack.start_worker("denoise", "den-0")
+    stack.start_worker("decode", "dec-0")
+    stack.clean_exit = ("enc-0", "den-0", "dec-0", "orchestrator")
+    c = stack.client
+    params = {"prompt": "drain", "size": 1024, "steps": 10, "step_s": 0.1}
+    rid = c.submit(params)
+    wait_step(c, rid, 2)
+    assert den.terminate() == 0  # returns once the worker has drained and left
+    assert den.wait_for(r"stopped: 1 done")
+    st = c.wait(rid, timeout=30)
+    assert st["state"] == "completed" and not st.get("reasons"), st
+    assert checksum(st) == pytest.approx(toy.expected_checksum(params), rel=1e-6)
