@@ -28,6 +28,7 @@ Not thread-safe per runner (LightX2V calls a runner from one thread).
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import logging
 import time
@@ -122,6 +123,9 @@ class AdapterState:
         self.posted_p2p: list[str] = []
         self.p1 = _Channel(1, "sender" if cfg.disagg_mode == "encoder" else "receiver")
         self.p2 = _Channel(2, "receiver" if cfg.disagg_mode == "decode" else "sender")
+        self._closed = False
+        # LightX2V (f8aee98b) never calls release_disagg: close at exit instead
+        atexit.register(self.close)
 
     def publish(self, phase: int, room: int, payload_of: Any, stream_chunks: bool) -> None:
         """Publish one payload on (phase, room) and post its handle; returns once
@@ -169,7 +173,12 @@ class AdapterState:
     def close(self) -> None:
         """Discard the handles of p2p payloads nobody took (their bytes die with the
         connector), then close mailbox and connector. Store payloads and their
-        handles stay for their receivers (until ``ttl_s``)."""
+        handles stay for their receivers (until ``ttl_s``). Idempotent; also runs
+        at interpreter exit."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.close)
         try:
             for name in self.posted_p2p:
                 self.mailbox.discard(name)
