@@ -13,6 +13,13 @@ this process under a virtual clock. Two parts:
                ``Orchestrator.handle`` only; ``loop`` adds this driver (building events,
                bookkeeping). Per routing policy and per pool size (workers per stage,
                encode/denoise/decode, with 4/1/4 credits each).
+    service    The submit-to-dispatch round trip through the real service over loopback:
+               ``mooncake-diffusion orchestrator`` runs as its own process (with and
+               without its SQLite journal); this process runs the HTTP client and three
+               ``StageWorker``s (in-memory connector, stage functions that acknowledge at
+               once). One request at a time: the time from ``client.submit`` to the
+               encode worker's stage function being called (HTTP in, journal commit,
+               ZeroMQ out, the worker's thread pool), p50 and p99.
     chaos      ``Simulation`` (``orchestrator/sim.py``) of 10,000 requests with random
                worker deaths (half reported by a supervisor, half found by the
                heartbeat deadline; some dead workers' results arrive late), retryable
@@ -36,6 +43,7 @@ import platform
 import random
 import statistics
 import sys
+import tempfile
 import time
 from collections import deque
 from dataclasses import asdict, dataclass
@@ -212,6 +220,81 @@ def chaos(policy: str, seed: int) -> ChaosRow:
 
 
 # --------------------------------------------------------------------------- output
+@dataclass
+class ServiceRow:
+    journal: bool
+    requests: int
+    rtt_ms_p50: float
+    rtt_ms_p90: float
+    rtt_ms_p99: float
+    rtt_ms_max: float
+    completed: int
+
+
+def service_rtt(requests: int, journal: bool, tmp: str) -> ServiceRow:
+    import threading
+
+    from mooncake_diffusion.connector import DiffusionConnector
+    from mooncake_diffusion.orchestrator import toy
+    from mooncake_diffusion.orchestrator.client import OrchestratorClient
+    from mooncake_diffusion.orchestrator.worker import StageWorker
+    from mooncake_diffusion.settings import MooncakeSettings
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+    from servicestack import CLI, Proc, free_port
+
+    api, wport = free_port(), free_port()
+    argv = [*CLI, "orchestrator", "--port", str(api), "--worker-port", str(wport)]
+    if journal:
+        argv += ["--journal", os.path.join(tmp, f"bench-{time.time_ns()}.db")]
+    orch = Proc(argv)
+    orch.wait_for("orchestrator ready")
+    called: dict[str, float] = {}
+    cv = threading.Condition()
+
+    def first(item: Any, ctx: Any) -> bytes:
+        t = time.perf_counter()
+        with cv:
+            called[item.request_id] = t
+            cv.notify_all()
+        return b""
+
+    workers = []
+    try:
+        for stage, fn in (("encode", first), ("denoise", toy.ack), ("decode", toy.ack)):
+            conn = DiffusionConnector(stage, "memory", MooncakeSettings())
+            w = StageWorker(stage, fn, f"tcp://127.0.0.1:{wport}", connector=conn, credits=4)
+            workers.append((w.start(), conn))
+        client = OrchestratorClient(f"http://127.0.0.1:{api}")
+        rtts = []
+        for i in range(requests + 20):  # the first 20 warm up connections and caches
+            rid = f"rtt-{i}"
+            t0 = time.perf_counter()
+            client.submit({"i": i}, request_id=rid)
+            with cv:
+                cv.wait_for(lambda rid=rid: rid in called, timeout=10)
+            if i >= 20:
+                rtts.append((called[rid] - t0) * 1e3)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            text = client.metrics_text()
+            line = next(x for x in text.splitlines() if 'outcome="completed"' in x)
+            if int(float(line.split()[-1])) >= requests + 20:
+                break
+            time.sleep(0.1)
+        completed = int(float(line.split()[-1]))
+        client.close()
+    finally:
+        for w, _ in workers:
+            w.drain()
+        for w, conn in workers:
+            w.join(10)
+            conn.close()
+        orch.terminate()
+    q = statistics.quantiles(rtts, n=100)
+    return ServiceRow(journal, requests, q[49], q[89], q[98], max(rtts), completed)
+
+
 def machine_info() -> dict[str, Any]:
     return {
         "cpu_count": os.cpu_count(),
@@ -223,7 +306,7 @@ def machine_info() -> dict[str, Any]:
     }
 
 
-def markdown(sat: list[SaturatedRow], ch: list[ChaosRow]) -> str:
+def markdown(sat: list[SaturatedRow], ch: list[ChaosRow], svc: list[ServiceRow]) -> str:
     lines = [
         "| policy | pool (E/D/V workers) | decisions | core dec/s | loop dec/s "
         "| handle p50 us | handle p99 us |",
@@ -247,6 +330,18 @@ def markdown(sat: list[SaturatedRow], ch: list[ChaosRow]) -> str:
             f"| {c.lost} | {c.duplicate_completions} | {c.worker_deaths} | {c.requeued} "
             f"| {c.late_results_dropped} | {c.virtual_hours:.2f} "
             f"| {c.core_decisions_per_s:,.0f} | {c.wall_seconds:.1f} |"
+        )
+    lines += [
+        "",
+        "| service (submit -> dispatch) | requests | p50 ms | p90 ms | p99 ms | max ms "
+        "| completed |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in svc:
+        lines.append(
+            f"| {'journal (SQLite WAL)' if r.journal else 'no journal'} | {r.requests} "
+            f"| {r.rtt_ms_p50:.2f} | {r.rtt_ms_p90:.2f} | {r.rtt_ms_p99:.2f} "
+            f"| {r.rtt_ms_max:.2f} | {r.completed} |"
         )
     return "\n".join(lines)
 
@@ -272,14 +367,23 @@ def main(argv: list[str] | None = None) -> int:
     for policy in ("affinity",) if a.quick else POLICIES:
         log(f"chaos: {CHAOS_REQUESTS} requests, {policy}")
         ch.append(chaos(policy, a.seed))
+    svc = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for journal in (True, False):
+            n = 300 if a.quick else 2000
+            log(f"service: {n} requests one at a time, journal {'on' if journal else 'off'}")
+            svc.append(service_rtt(n, journal, tmp))
     total = time.perf_counter() - t0
-    print(markdown(sat, ch))
+    print(markdown(sat, ch, svc))
     print(f"\ntotal {total:.1f} s; dec/s = Dispatch actions per second (see --help)")
     summary = {
         "decisions_per_s": min(r.core_decisions_per_s for r in sat),
         "loop_decisions_per_s": min(r.loop_decisions_per_s for r in sat),
         "lost_requests": sum(c.lost for c in ch),
         "duplicate_completions": sum(c.duplicate_completions for c in ch),
+        "service_rtt_p50_ms": next(r.rtt_ms_p50 for r in svc if r.journal),
+        "service_rtt_p99_ms": next(r.rtt_ms_p99 for r in svc if r.journal),
+        "service_rtt_p99_ms_no_journal": next(r.rtt_ms_p99 for r in svc if not r.journal),
     }
     if a.json:
         doc = {
@@ -292,7 +396,8 @@ def main(argv: list[str] | None = None) -> int:
                 "handle_us": "microseconds per handle() call",
             },
             "rows": [{"part": "saturated", **asdict(r)} for r in sat]
-            + [{"part": "chaos", **asdict(c)} for c in ch],
+            + [{"part": "chaos", **asdict(c)} for c in ch]
+            + [{"part": "service", **asdict(r)} for r in svc],
             "summary": summary,
             "total_seconds": total,
         }
