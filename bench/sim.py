@@ -361,6 +361,14 @@ def markdown(rows: list[dict]) -> str:
         )
     out += [
         "",
+        "`no_offload` changes nothing on 80 GB H100s (nothing is offloaded there); its effect "
+        "is in the LightX2V 4090 rows. `decode_off_dit` only removes the tiled Wan decode "
+        "(+2.5 s per 1046 s job); larger denoise batches are not modelled. `all off` and "
+        "`without shared_decode` give every 8-GPU node its own aux GPU (8 at 64 GPUs, not 2): "
+        "fewer denoise GPUs, which 90 % load overloads.",
+    ]
+    out += [
+        "",
         "### Decode-pool sharing ratio: mixed workload, 64 GPUs, 90 % load",
         "",
         "| denoise : aux | goodput/s | SLO met | P99 TTFF s | aux util | denoise util |",
@@ -523,6 +531,9 @@ def main(argv: list[str] | None = None) -> int:
                 "scales": scales,
                 "loads": loads,
                 "target_requests": target,
+                "slo": "interactive 3 x isolated latency, batch 2 x (simulate/costs.py)",
+                "kinds": {k.name: asdict(k) for k in (WAN_720P, QWEN_1024, FLUX_1024, QWEN_4090)},
+                "workloads": {w.name: {k.name: sh for k, sh in w.kinds} for w in WORKLOADS},
             },
             "rows": rows,
             "summary": summary,

@@ -3,7 +3,9 @@
     pipe = ReferencePipeline(PipelineConfig())          # random weights from a seed
     params = GenerationParams(prompt="a red fox", negative_prompt="blurry", seed=7)
 
-    # Encode worker (one prompt per call; cacheable by prompt)
+    # Encode worker (one prompt per call; cacheable by prompt, e.g.
+    #   EmbeddingCache(settings, encoder_id=pipe.encoder_id, encoder_version="1")
+    #   .get_or_compute(prompt, {}, lambda: pipe.encode(prompt)))
     emb = pipe.encode(params.prompt)                    # {"embeds": [1, L, D]}
     cond = pipe.condition(params)                       # {"prompt_embeds", "negative_embeds"}
     # Denoise worker
@@ -70,6 +72,9 @@ class ReferencePipeline:
     def __init__(self, config: PipelineConfig | None = None) -> None:
         self.config = config if config is not None else PipelineConfig()
         self.model_id = self.config.model_id()
+        #: Names the text encoder's weights (for ``EmbeddingCache``): the same config
+        #: hash, so another config never reads these embeddings.
+        self.encoder_id = self.model_id + "/text"
         self._lock = threading.Lock()
         with self._ctx():
             self.text_encoder = TextEncoder(self.config)
