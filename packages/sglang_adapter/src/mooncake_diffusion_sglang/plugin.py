@@ -1,0 +1,176 @@
+"""The ``sglang.multimodal_gen.plugins`` entry point: makes the flag real.
+
+sglang calls ``register()`` in every process that runs diffusion code (the
+``sglang serve`` parent, each spawned scheduler and HTTP process:
+``load_plugins()``), then applies the hooks (``apply_plugin_hooks()``). Hooks,
+all on sglang 0.5.23 targets:
+
+    AFTER  DisaggServerArgsMixin.add_disagg_cli_args   parser building, serve process
+           adds ``mooncake-diffusion`` to ``--disagg-transfer-backend`` and the
+           adapter's ``--mooncake-diffusion-*`` flags (``options.FLAGS``)
+    AFTER  ServerArgs.from_cli_args                     after parsing, serve process
+           validates the adapter's flags and exports them for workers
+    AROUND create_transfer_engine                       scheduler, rank 0 of a role
+           our engine when the backend is ``mooncake-diffusion``, sglang's otherwise
+    AROUND TransferTensorBuffer.__init__                scheduler, after the engine
+           with our backend and a host pool: the pool is a shared memfd (pinned
+           with cudaHostRegister when CUDA is present) instead of torch pinned
+           memory, so same-host senders can map it
+
+Unknown targets (another sglang version) are logged by sglang and left alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from mooncake_diffusion_sglang.options import BACKEND, ENV, FLAGS, Options, OptionsError
+
+__all__ = ["register", "selected"]
+
+logger = logging.getLogger(__name__)
+
+_SA = "sglang.multimodal_gen.runtime.server_args"
+_TRANSPORT = "sglang.multimodal_gen.runtime.disaggregation.transport"
+TARGETS = {
+    "cli": f"{_SA}.disagg.DisaggServerArgsMixin.add_disagg_cli_args",
+    "parsed": f"{_SA}.server_args.ServerArgs.from_cli_args",
+    "factory": f"{_TRANSPORT}.engine.create_transfer_engine",
+    "buffer": f"{_TRANSPORT}.buffer.TransferTensorBuffer.__init__",
+}
+
+
+def selected() -> bool:
+    """Whether this process runs with ``--disagg-transfer-backend mooncake-diffusion``:
+    sglang's global server args when set (schedulers), else the exported options."""
+    mod = sys.modules.get(f"{_SA}.server_args")
+    args = getattr(mod, "_global_server_args", None) if mod is not None else None
+    if args is not None:
+        return getattr(args, "disagg_transfer_backend", None) == BACKEND
+    return bool(os.environ.get(ENV))
+
+
+def add_cli_args(result: None, cls: type, parser: argparse.ArgumentParser) -> None:
+    """Extend ``--disagg-transfer-backend``'s choices and add the adapter's flags."""
+    action = parser._option_string_actions.get("--disagg-transfer-backend")
+    if action is not None and action.choices is not None and BACKEND not in action.choices:
+        action.choices = [*action.choices, BACKEND]
+        action.help = f"{action.help} '{BACKEND}': mooncake-diffusion (adapter)."
+    if "--mooncake-diffusion-config" in parser._option_string_actions:
+        return
+    parser.add_argument(
+        "--mooncake-diffusion-config",
+        default=None,
+        metavar="PATH",
+        help=f"YAML/JSON file with the {BACKEND} adapter's settings "
+        f"(keys: {', '.join(Options.__struct_fields__)}).",
+    )
+    for name, (flag, kw) in FLAGS.items():
+        parser.add_argument(flag, dest=f"mooncake_diffusion_{name}", default=None, **kw)
+
+
+def _namespace(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    return args[1] if len(args) > 1 else kwargs.get("args")
+
+
+def after_from_cli_args(result: Any, *args: Any, **kwargs: Any) -> None:
+    """Validate the adapter's flags against the parsed server args and export them.
+
+    Exits like sglang's own argument errors (``SystemExit`` with a message) when
+    an adapter flag is given without selecting the backend, or a value is bad.
+    """
+    ns = _namespace(args, kwargs)
+    given = [
+        flag
+        for name, (flag, _) in {"config": ("--mooncake-diffusion-config", {}), **FLAGS}.items()
+        if getattr(ns, f"mooncake_diffusion_{name}", None) is not None
+    ]
+    if getattr(result, "disagg_transfer_backend", None) != BACKEND:
+        os.environ.pop(ENV, None)
+        if given:
+            raise SystemExit(
+                f"error: {', '.join(given)} need(s) --disagg-transfer-backend {BACKEND}"
+            )
+        return
+    try:
+        options = Options.from_cli(ns)
+    except OptionsError as e:
+        raise SystemExit(f"error: {e}") from None
+    options.export()
+
+
+def around_create_transfer_engine(
+    original: Callable[..., Any],
+    hostname: str = "127.0.0.1",
+    gpu_id: int = 0,
+    ib_device: str | None = None,
+    **kwargs: Any,
+) -> Any:
+    """sglang's factory, answering with the adapter's engine when selected."""
+    if not selected():
+        return original(hostname=hostname, gpu_id=gpu_id, ib_device=ib_device, **kwargs)
+    from mooncake_diffusion_sglang.engine import MooncakeDiffusionTransferEngine
+
+    return MooncakeDiffusionTransferEngine(hostname=hostname, gpu_id=gpu_id, ib_device=ib_device)
+
+
+def around_buffer_init(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> None:
+    """With our backend, a host staging pool lives in a shared memfd.
+
+    sglang builds its allocator and bookkeeping as usual (on a ``meta`` tensor,
+    which takes no memory); then the pool memory is swapped for the memfd. It
+    is released when the buffer object goes away.
+    """
+    device = kwargs.get("device", args[3] if len(args) > 3 else "cpu")
+    if device != "cpu" or not selected():
+        original(self, *args, **kwargs)
+        return
+    if len(args) > 3:
+        args = (*args[:3], "meta", *args[4:])
+    else:
+        kwargs["device"] = "meta"
+    original(self, *args, **kwargs)
+    from mooncake_diffusion.direct import allocate_pool, release_pool
+
+    size = self._allocator.pool_size
+    pool = allocate_pool(size)
+    weakref.finalize(self, release_pool, pool.base)
+    self._pool = pool.tensor
+    self._pool_ptr = pool.base
+    self._device = "cpu"
+    pinned = _pin(pool.base, size)
+    logger.info(
+        "TransferTensorBuffer: %d MiB shared host pool (memfd%s) for %s",
+        size >> 20,
+        ", cudaHostRegister" if pinned else "",
+        BACKEND,
+    )
+
+
+def _pin(ptr: int, nbytes: int) -> bool:
+    """Page-lock host memory for fast device copies where CUDA is present."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return False
+    rc = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
+    if int(rc) != 0:
+        logger.warning("cudaHostRegister of the staging pool failed (%s); unpinned", rc)
+        return False
+    return True
+
+
+def register() -> None:
+    """Entry point: register the hooks with sglang's diffusion hook registry."""
+    from sglang.multimodal_gen.runtime.platforms.plugins import HookRegistry, HookType
+
+    HookRegistry.register(TARGETS["cli"], add_cli_args, HookType.AFTER)
+    HookRegistry.register(TARGETS["parsed"], after_from_cli_args, HookType.AFTER)
+    HookRegistry.register(TARGETS["factory"], around_create_transfer_engine, HookType.AROUND)
+    HookRegistry.register(TARGETS["buffer"], around_buffer_init, HookType.AROUND)
