@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from mooncake_diffusion.errors import ConfigError, PayloadError
 from mooncake_diffusion_lightx2v import payloads
 from mooncake_diffusion_lightx2v.config import AdapterConfig, selects_adapter
+
+from mooncake_diffusion.errors import ConfigError, PayloadError
 
 pytestmark = [pytest.mark.engines, pytest.mark.unit]
 

@@ -160,3 +160,25 @@ def test_a_dead_master_in_the_json_fails_the_role_at_start(spawn_role, mooncake_
     role = spawn_role("encoder", config)
     with pytest.raises(Exception, match="exited with code 1"):
         role.request(op="info")
+
+
+def test_store_payloads_outlive_their_sender(spawn_role, mooncake_cluster):
+    enc = spawn_role("encoder", role_config("encoder", mooncake_cluster, transfer_mode="store"))
+    sent = ok(enc.request(op="run", seed=4))
+    ok(enc.request(op="release"))
+    enc.close()  # the encoder is gone; its payload is in the store host
+    tra = spawn_role("transformer", role_config("transformer", mooncake_cluster))
+    got = ok(tra.request(op="run", seed=4))
+    assert got["inputs"]["text_encoder_output"] == sent["inputs"]["text_encoder_output"]
+    assert got["inputs"]["image_encoder_output"] == sent["inputs"]["image_encoder_output"]
+
+
+def test_a_killed_p2p_sender_fails_the_receive_instead_of_hanging(spawn_role, mooncake_cluster):
+    enc = spawn_role("encoder", role_config("encoder", mooncake_cluster, transfer_mode="p2p"))
+    tra = spawn_role("transformer", role_config("transformer", mooncake_cluster, timeout_s=5))
+    ok(enc.request(op="run", seed=8))
+    enc.kill()  # SIGKILL: no release, no exit hook; its handle is still in the mailbox
+    lost = tra.request(op="run", seed=8)
+    assert not lost["ok"] and lost["error"] in ("PeerGoneError", "TransferError"), lost
+    info = ok(tra.request(op="info"))
+    assert info["adapter"] and info["pool_bytes_in_use"] == 0
