@@ -128,14 +128,22 @@ class ServiceStack:
             self.client = OrchestratorClient(f"http://127.0.0.1:{self.api_port}")
         return self.orchestrator
 
-    def start_worker(self, stage: str, worker_id: str, credits: int = 1) -> Proc:
+    def start_worker(
+        self,
+        stage: str,
+        worker_id: str,
+        credits: int = 1,
+        *,
+        fn: str | None = None,
+        env: dict[str, str] | None = None,
+    ) -> Proc:
         argv = [
             *CLI,
             "worker",
             "--stage",
             stage,
             "--fn",
-            f"{TOY}:{stage}",
+            fn or f"{TOY}:{stage}",
             "--orchestrator",
             self.worker_address,
             "--worker-id",
@@ -145,7 +153,7 @@ class ServiceStack:
             "--label",
             "node=n0",
         ]
-        p = Proc(argv, self.env)
+        p = Proc(argv, {**self.env, **(env or {})})
         p.wait_for(r"worker ready: ")
         self.workers[worker_id] = p
         return p
