@@ -54,7 +54,7 @@ def test_cluster_up_prints_settings_serves_and_stops_on_ctrl_c():
 
 def test_demo_moves_and_checks_a_latent_through_both_modes():
     out = subprocess.run(
-        [*CLI, "demo", "--shape", "1,16,5,32,32", "--repeats", "1"],
+        [*CLI, "handoff", "--shape", "1,16,5,32,32", "--repeats", "1"],
         capture_output=True,
         text=True,
         timeout=300,

@@ -69,7 +69,7 @@ def test_sizes_and_cli_arguments():
     assert parse_size("4096") == 4096
     with pytest.raises(argparse.ArgumentTypeError):
         parse_size("lots")
-    args = build_parser().parse_args(["demo", "--shape", "1,4,2", "--modes", "store"])
+    args = build_parser().parse_args(["handoff", "--shape", "1,4,2", "--modes", "store"])
     assert args.shape == (1, 4, 2) and args.modes == ("store",)
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["demo", "--modes", "p2p,fax"])
+        build_parser().parse_args(["handoff", "--modes", "p2p,fax"])

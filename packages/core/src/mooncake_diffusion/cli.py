@@ -79,6 +79,14 @@ def _cluster_up(args: argparse.Namespace) -> int:
     return 0
 
 
+def _system_demo(args: argparse.Namespace) -> int:
+    from mooncake_diffusion.system_demo import run_system_demo
+
+    return run_system_demo(
+        args.images, args.videos, args.steps, args.denoise_workers, args.out, not args.no_verify
+    )
+
+
 def _demo(args: argparse.Namespace) -> int:
     from mooncake_diffusion.demo import run_demo
 
@@ -93,8 +101,31 @@ def build_parser() -> argparse.ArgumentParser:
         "(embeddings, latents) between Encode, Denoise and Decode workers.",
     )
     sub = p.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser(
+    system = sub.add_parser(
         "demo",
+        help="the whole system: cluster, orchestrator, E/D/V workers, a mixed batch",
+        description="Start a Mooncake master and store host, the orchestrator and Encode, "
+        "Denoise and Decode worker processes running the tiny reference pipeline; submit "
+        "interactive images and batch videos (sharing a negative prompt), show live "
+        "progress, then a per-request table (TTFF, time in each queue and stage, bytes "
+        "and paths, cache hits) and write the outputs (PNG, GIF) to a folder. Every "
+        "output is checked bitwise against a colocated run. Random weights: it measures "
+        "the serving system, not image quality.",
+    )
+    system.add_argument("--images", type=int, default=4, help="interactive images (default 4)")
+    system.add_argument("--videos", type=int, default=2, help="batch videos, 9 frames (default 2)")
+    system.add_argument("--steps", type=int, default=8, help="denoise steps (default 8)")
+    system.add_argument(
+        "--denoise-workers", type=int, default=2, help="denoise worker processes (default 2)"
+    )
+    system.add_argument("--out", help="output folder (default: a new temporary folder)")
+    system.add_argument(
+        "--no-verify", action="store_true", help="skip the bitwise check against colocated"
+    )
+    system.set_defaults(func=_system_demo)
+
+    demo = sub.add_parser(
+        "handoff",
         help="move a video-sized latent between two processes through p2p and store",
         description="Start an embedded Mooncake cluster and a producer process, move a "
         "Wan 720p video latent to this process through each path, check every byte "
