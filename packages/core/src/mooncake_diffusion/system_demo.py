@@ -104,16 +104,28 @@ def run_system_demo(
     out_dir: str | None = None,
     verify: bool = True,
 ) -> int:
+    """The demo; 0 when every request completed (and matched colocated, with ``verify``)."""
+    out = Path(out_dir or tempfile.mkdtemp(prefix="mooncake-diffusion-demo-"))
+    batch = _batch(images, videos, steps)
+    sts, wall, stats = serve_batch(batch, denoise_workers, out)
+    return _report(sts, batch, out, wall, stats, verify)
+
+
+def serve_batch(
+    batch: list[tuple[str, str, dict[str, Any]]], denoise_workers: int, out: Path
+) -> tuple[list[Any], float, dict[str, int]]:
+    """Run ``batch`` ((request id, class, params) each) on a fresh embedded system; the
+    final statuses, seconds from first submit to last outcome, service counters."""
     from mooncake_diffusion._mooncake.cluster import LocalCluster
     from mooncake_diffusion.orchestrator.api import ApiServer
     from mooncake_diffusion.orchestrator.model import OrchestratorConfig
     from mooncake_diffusion.orchestrator.service import OrchestratorService, ServiceConfig
 
-    out = Path(out_dir or tempfile.mkdtemp(prefix="mooncake-diffusion-demo-"))
     out.mkdir(parents=True, exist_ok=True)
     logs = out / "logs"
     logs.mkdir(exist_ok=True)
-    batch = _batch(images, videos, steps)
+    images = sum(cls == "interactive" for _, cls, _ in batch)
+    videos = len(batch) - images
     t0 = time.monotonic()
     procs: list[Any] = []
     with LocalCluster(pool_bytes=512 << 20) as cluster:
@@ -187,7 +199,7 @@ def run_system_demo(
                 p.log.close()
             svc.close()
             api.close()
-    return _report(sts, batch, out, wall, stats, verify)
+    return sts, wall, stats
 
 
 def _report(sts: list[Any], batch: list, out: Path, wall: float, stats: dict, verify: bool) -> int:
