@@ -129,29 +129,41 @@ class AdapterState:
 
     def publish(self, phase: int, room: int, payload_of: Any, stream_chunks: bool) -> None:
         """Publish one payload on (phase, room) and post its handle; returns once
-        the bytes are consumable. ``payload_of(request_id)`` builds the payload."""
+        the bytes are consumable. ``payload_of(request_id)`` builds the payload.
+
+        Keeps both sides' counts in step on failure: an error before the handle is
+        posted gives the sequence number back (the next send reuses it); after it
+        is posted (streamed latents), the payload is withdrawn and the handle left
+        in place, so the receiver fails that one request and both move on.
+        """
         channel = self.p1 if phase == 1 else self.p2
         seq = channel.next_seq(room)
-        request_id = f"lx2v-{self.cfg.channel}-p{phase}-{room}-{seq}-{uuid.uuid4().hex[:8]}"
-        payload: StagePayload = payload_of(request_id)
-        # auto: every LightX2V channel has one named receiver, started before its sender
-        consumer = f"{self.cfg.channel}/p{phase}/{room}"
-        pub = self.connector.publish(payload, consumer=consumer)
         name = self.cfg.mailbox_name(phase, room, seq)
+        posted = False
+        pub = None
         try:
+            request_id = f"lx2v-{self.cfg.channel}-p{phase}-{room}-{seq}-{uuid.uuid4().hex[:8]}"
+            payload: StagePayload = payload_of(request_id)
+            # auto: every LightX2V channel has one named receiver, started before its sender
+            pub = self.connector.publish(payload, consumer=f"{self.cfg.channel}/p{phase}/{room}")
             if stream_chunks:  # the receiver may start on chunk 0 while the rest moves
                 self.mailbox.post(name, pub.encode())
+                posted = True
                 pub.wait(self.cfg.timeout_s)
             else:  # nothing to overlap: post only what is sure to be there
                 pub.wait(self.cfg.timeout_s)
                 self.mailbox.post(name, pub.encode())
+                posted = True
         except BaseException:
-            pub.release()
-            self.mailbox.discard(name)
+            if pub is not None:
+                pub.release()
+            if not posted:
+                channel.sequence[room] -= 1
             raise
-        if pub.handle.transport == "p2p":
-            self.posted_p2p.append(name)
-            del self.posted_p2p[:-_MAX_REMEMBERED]
+        finally:
+            if posted and pub is not None and pub.handle.transport == "p2p":
+                self.posted_p2p.append(name)  # discarded at close if still untaken
+                del self.posted_p2p[:-_MAX_REMEMBERED]
 
     def take(self, phase: int, room: int) -> bytes:
         """The next handle of (phase, room), waiting up to ``timeout_s``."""
