@@ -1,0 +1,395 @@
+"""vLLM-Omni bench: MooncakeDiffusionConnector vs vLLM-Omni's own connectors, cross-process.
+
+Run ``uv run python bench/vllm_omni.py [--quick] [--json PATH] [--sizes-mb 16,64,256]
+[--repeats N]`` from the repository root. It re-launches itself inside the engine
+environment ``.venvs/vllm_omni`` (the real vllm 0.30.0 + vllm-omni 0.30.0; built with the
+same recipe and stamp as ``./dev engines vllm_omni`` when missing or stale). One run starts
+a ``LocalCluster`` (a real ``mooncake_master`` plus a store host process) and a peer
+process (this file with ``--peer``). The peer is the producer stage, this process the
+consumer; both build every connector through vLLM-Omni's ``OmniConnectorFactory`` after
+vLLM's plugin loader ran (the adapter's entry point registers its name).
+
+The payload is what the issue names: a dict holding a bf16 latent
+``[1, 16, T, 64, 64]`` of 16, 64 or 256 MiB plus a small int, one fresh key per put.
+Timed per transfer: the peer's ``put(...)`` (from the call until it returns) plus this
+process's ``get(...)`` right after (until it returns the dict); GB/s = latent bytes / that
+sum. Connectors, all in one run, round-robin per repeat (order flipped every other repeat):
+
+    ours_store     MooncakeDiffusionConnector, transfer_mode: store (the default): tensors
+                   put_from the producer's memory into the store host, get_into fresh
+                   tensors; the handle in a Store mailbox record
+    ours_p2p       MooncakeDiffusionConnector, transfer_mode: p2p: the producer keeps the
+                   tensor, the consumer's get pulls it (same host: one memory copy)
+    builtin_store  vLLM-Omni's MooncakeStoreConnector. Shims, the smallest that make it run
+                   with mooncake 0.3.13: ``ReplicateConfig`` is wrapped in a subclass that
+                   accepts the removed ``with_soft_pin`` attribute and sets
+                   ``soft_pin_action = ENABLE`` (the same pinning); ``localbuf`` is raised
+                   from its 64 MB default (which rejects larger payloads) to 9/8 of the
+                   largest payload: for 256 MiB, 257-280 MiB still fail (rc -600, its
+                   allocator), 288 MiB is the smallest 8 MiB step that works; ``metadata_server:
+                   P2PHANDSHAKE`` (no HTTP metadata server here). Its ``cleanup`` is a
+                   no-op, so this process removes each key after the timed get (untimed)
+                   to keep its segments from filling.
+    builtin_shm    vLLM-Omni's SharedMemoryConnector (/dev/shm, key-addressed), as shipped
+
+Also per connector: ``get`` of a key nobody put (p50 over a few calls; the built-in
+store connector polls 20 x 50 ms before it gives up). Every connector's first transfer of
+each size is checked byte for byte (SHA-256 of the latent) against the producer's.
+``ratio`` = ours_store throughput / the row's; the summary's ``vs_builtin_store_64mb`` and
+``vs_builtin_store_256mb`` are ours_store / builtin_store at those sizes (``*_p2p``: with
+ours_p2p), ``vs_builtin_shm_min`` the smallest ours_store / builtin_shm over the sizes.
+Absolute times on this shared 2-vCPU machine are noise; read the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+# This file is named like the engine's package: keep its folder (for _common) behind
+# site-packages, so `import vllm_omni` finds vLLM-Omni, not this script.
+_HERE = str(Path(__file__).resolve().parent)
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.getcwd()) != _HERE] + [_HERE]
+
+ROOT = Path(__file__).resolve().parent.parent
+ENGINE = "vllm_omni"
+VENV = ROOT / ".venvs" / ENGINE
+ADAPTER = ROOT / "packages" / "vllm_omni_adapter"
+MIB = 1 << 20
+NAME = "MooncakeDiffusionConnector"
+ROWS = ("ours_store", "ours_p2p", "builtin_store", "builtin_shm")
+FACTORY_NAME = {
+    "ours_store": NAME,
+    "ours_p2p": NAME,
+    "builtin_store": "MooncakeStoreConnector",
+    "builtin_shm": "SharedMemoryConnector",
+}
+
+
+# ------------------------------------------------------------------ environment
+def _stamp() -> str:
+    """The stamp ``./dev`` writes for the engine venv (same inputs, same hash)."""
+    data = b"".join(
+        p.read_bytes()
+        for p in (
+            ADAPTER / "engine" / "requirements.txt",
+            ADAPTER / "pyproject.toml",
+            ROOT / "packages" / "core" / "pyproject.toml",
+        )
+    )
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+def ensure_engine_venv() -> Path:
+    """``.venvs/vllm_omni/bin/python``, (re)built like ``./dev engines vllm_omni`` does."""
+    py = VENV / "bin" / "python"
+    stamp_file = VENV / ".stamp"
+    if py.exists() and stamp_file.exists() and stamp_file.read_text().strip() == _stamp():
+        return py
+    print(f"[bench] building {VENV} (as ./dev engines {ENGINE} does)", file=sys.stderr)
+    python = next(
+        (p for p in ("/usr/bin/python3.11", "python3.11", "python3") if _runs(p)), "python3"
+    )
+    subprocess.run(["uv", "venv", "--quiet", "--python-preference", "only-system",
+                    "--python", python, str(VENV)], check=True)  # fmt: skip
+    extra = []
+    if (ADAPTER / "engine" / "constraints.txt").exists():
+        extra = ["--constraint", str(ADAPTER / "engine" / "constraints.txt")]
+    subprocess.run(
+        ["uv", "pip", "install", "--quiet", "--python", str(py), *extra,
+         "-r", str(ADAPTER / "engine" / "requirements.txt"),
+         "-e", f"{ROOT / 'packages' / 'core'}[cpu]", "-e", str(ADAPTER),
+         "pytest>=8.4", "pytest-timeout>=2.4"],
+        check=True,
+    )  # fmt: skip
+    stamp_file.write_text(_stamp() + "\n")
+    return py
+
+
+def _runs(python: str) -> bool:
+    try:
+        return subprocess.run([python, "-c", "0"], capture_output=True).returncode == 0
+    except OSError:
+        return False
+
+
+def prepare_process() -> None:
+    """vllm pulls CUDA builds of torchvision/torchaudio/torchcodec that cannot load next to
+    the CPU torch; mark them absent (as tests/engines/vllm_omni/vo_cpu_env.py does)."""
+    import torch
+
+    if torch.version.cuda is None:
+        for name in ("torchvision", "torchaudio", "torchcodec"):
+            sys.modules.setdefault(name, None)  # type: ignore[arg-type]
+
+
+def shim_builtin_store() -> None:
+    """Let vLLM-Omni's MooncakeStoreConnector run on mooncake 0.3.13 (see the docstring)."""
+    import mooncake.store as mstore
+    from vllm_omni.distributed.omni_connectors.connectors import mooncake_store_connector as m
+
+    class SoftPinConfig(mstore.ReplicateConfig):  # accepts the removed attribute
+        def __init__(self) -> None:
+            super().__init__()
+            self.soft_pin_action = mstore.SoftPinAction.ENABLE
+
+    m.ReplicateConfig = SoftPinConfig
+
+
+def factory() -> Any:
+    from vllm.plugins import load_general_plugins
+    from vllm_omni.distributed.omni_connectors.factory import OmniConnectorFactory
+
+    load_general_plugins()
+    shim_builtin_store()
+    return OmniConnectorFactory
+
+
+def extras(master: str, admin: str, localbuf: int) -> dict[str, dict[str, Any]]:
+    ours = {"master": master, "admin": admin, "host": "127.0.0.1", "ttl_s": 600}
+    return {
+        "ours_store": {**ours, "transfer_mode": "store"},
+        "ours_p2p": {**ours, "transfer_mode": "p2p"},
+        "builtin_store": {
+            "host": "127.0.0.1",
+            "metadata_server": "P2PHANDSHAKE",
+            "master": master,
+            "segment": 2 * localbuf,
+            "localbuf": localbuf,
+            "proto": "tcp",
+        },
+        "builtin_shm": {},
+    }
+
+
+def build(factory_cls: Any, row: str, extra: dict[str, Any]) -> Any:
+    from vllm_omni.distributed.omni_connectors.utils.config import ConnectorSpec
+
+    return factory_cls.create_connector(ConnectorSpec(name=FACTORY_NAME[row], extra=dict(extra)))
+
+
+def latent_dict(mb: int, seed: int) -> dict[str, Any]:
+    import torch
+
+    t = mb * MIB // 2 // (16 * 64 * 64)
+    g = torch.Generator().manual_seed(seed)
+    latent = torch.randint(-32768, 32767, (1, 16, t, 64, 64), dtype=torch.int16, generator=g)
+    return {"latent": latent.view(torch.bfloat16), "step": seed}
+
+
+def sha(t: Any) -> str:
+    import torch
+
+    return hashlib.sha256(t.contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
+
+
+# ------------------------------------------------------------------ the peer (producer)
+def peer_main() -> int:
+    prepare_process()
+    from _common import serve_peer
+
+    state: dict[str, Any] = {"conns": {}, "data": {}}
+
+    def setup(extras: dict[str, dict[str, Any]], sizes: list[int]) -> dict[str, Any]:
+        f = factory()
+        for row, extra in extras.items():
+            state["conns"][row] = build(f, row, extra)
+        shas = {}
+        for mb in sizes:
+            state["data"][mb] = latent_dict(mb, mb)
+            shas[str(mb)] = sha(state["data"][mb]["latent"])
+        return {"shas": shas}
+
+    def put(row: str, key: str, mb: int) -> dict[str, Any]:
+        data = state["data"][mb]
+        t0 = time.perf_counter()
+        ok, size, _ = state["conns"][row].put("0", "1", key, data)
+        seconds = time.perf_counter() - t0
+        if not ok:
+            raise RuntimeError(f"{row} put of {mb} MiB failed")
+        return {"seconds": seconds, "size": size}
+
+    def reap() -> dict[str, Any]:
+        for conn in state["conns"].values():
+            conn.reap_consumed()
+        return {}
+
+    def close() -> dict[str, Any]:
+        for conn in state["conns"].values():
+            conn.close()
+        state["conns"].clear()
+        return {}
+
+    return serve_peer({"setup": setup, "put": put, "reap": reap, "close": close})
+
+
+# ------------------------------------------------------------------ the bench (consumer)
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    prepare_process()
+    from _common import PeerClient
+
+    from mooncake_diffusion import LocalCluster
+
+    sizes = args.sizes
+    localbuf = -(-max(sizes) * 9 // 8) * MIB  # smallest that runs: see the docstring
+    pool = 3 * max(sizes) * MIB + 256 * MIB
+    rows_out: list[dict[str, Any]] = []
+    t_start = time.perf_counter()
+    # Mooncake's default read lease (5 s) instead of LocalCluster's 1 s test setting: a
+    # 256 MiB read on this loaded 2-vCPU machine can take longer than 1 s
+    with LocalCluster(pool_bytes=pool, lease_ttl_ms=5000) as cluster:
+        s = cluster.settings
+        ex = extras(s.master, s.admin_address, localbuf)
+        peer = PeerClient([sys.executable, __file__, "--peer"], env=dict(os.environ, **s.as_env()))
+        try:
+            f = factory()  # imports vLLM-Omni here while the peer does the same
+            conns = {row: build(f, row, ex[row]) for row in ROWS}
+            shas = peer.call("setup", extras=ex, sizes=sizes)["shas"]
+            misses = {row: miss_ms(conns[row], args.miss_repeats) for row in ROWS}
+            n = 0
+            for mb in sizes:
+                times: dict[str, list[float]] = {row: [] for row in ROWS}
+                for rep in range(args.warmup + args.repeats):
+                    order = ROWS if rep % 2 == 0 else tuple(reversed(ROWS))
+                    for row in order:
+                        n += 1
+                        key = f"bench-{row}-{mb}-{n}"
+                        put = peer.call("put", row=row, key=key, mb=mb)
+                        t0 = time.perf_counter()
+                        got = conns[row].get("0", "1", key)
+                        get_s = time.perf_counter() - t0
+                        if got is None:
+                            raise RuntimeError(f"{row}: {key} not found after its put")
+                        if rep == 0:
+                            assert sha(got[0]["latent"]) == shas[str(mb)], f"{row} corrupted"
+                        del got
+                        if row == "builtin_store":  # its cleanup() is a no-op (untimed)
+                            conns[row].store.remove(conns[row]._make_key(key, "0", "1"), True)
+                        if rep >= args.warmup:
+                            times[row].append(put["seconds"] + get_s)
+                    peer.call("reap")
+                for row in ROWS:
+                    med = statistics.median(times[row])
+                    rows_out.append(
+                        {"size_mb": mb, "connector": row, "seconds": med,
+                         "gbps": mb * MIB / med / 1e9, "repeats": len(times[row]),
+                         "miss_get_ms": misses[row]}
+                    )  # fmt: skip
+            for row in ROWS:
+                conns[row].close()
+            peer.call("close")
+            left = cluster.keys()
+        finally:
+            peer.close()
+    base = {(r["size_mb"], r["connector"]): r for r in rows_out}
+    for r in rows_out:
+        r["ratio"] = round(base[(r["size_mb"], "ours_store")]["gbps"] / r["gbps"], 3)
+
+    def vs(row: str, mb: int, ours: str = "ours_store") -> float | None:
+        if (mb, row) not in base:
+            return None
+        return round(base[(mb, ours)]["gbps"] / base[(mb, row)]["gbps"], 2)
+
+    summary = {
+        "vs_builtin_store_64mb": vs("builtin_store", 64),
+        "vs_builtin_store_256mb": vs("builtin_store", 256),
+        "vs_builtin_shm_min": min(vs("builtin_shm", mb) or 0 for mb in sizes),
+        "vs_builtin_store_64mb_p2p": vs("builtin_store", 64, "ours_p2p"),
+        "vs_builtin_store_256mb_p2p": vs("builtin_store", 256, "ours_p2p"),
+        "vs_builtin_shm_min_p2p": min(vs("builtin_shm", mb, "ours_p2p") or 0 for mb in sizes),
+        "store_keys_left": len(left),
+        "wall_s": round(time.perf_counter() - t_start, 1),
+    }
+    return {"bench": "vllm_omni", "machine": machine_info(), "rows": rows_out,
+            "summary": summary}  # fmt: skip
+
+
+def miss_ms(conn: Any, repeats: int) -> float:
+    samples = []
+    for i in range(repeats):
+        t0 = time.perf_counter()
+        assert conn.get("0", "1", f"bench-never-put-{i}") is None
+        samples.append((time.perf_counter() - t0) * 1e3)
+    return round(statistics.median(samples), 3)
+
+
+def machine_info() -> dict[str, Any]:
+    import importlib.metadata
+
+    import torch
+
+    versions = {}
+    for d in ("vllm", "vllm-omni", "mooncake-transfer-engine-non-cuda", "mooncake-diffusion"):
+        try:
+            versions[d] = importlib.metadata.version(d)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return {
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "packages": versions,
+    }
+
+
+def table(result: dict[str, Any]) -> str:
+    lines = [
+        "| size | connector | seconds (median) | GB/s | ours_store speedup | missing-key get ms |",
+        "|---:|---|---:|---:|---:|---:|",
+    ]  # fmt: skip
+    for r in result["rows"]:
+        lines.append(
+            f"| {r['size_mb']} MiB | {r['connector']} | {r['seconds']:.4f} | {r['gbps']:.2f} | "
+            f"{r['ratio']:.2f} | {r['miss_get_ms']:.2f} |"
+        )
+    s = result["summary"]
+    lines += [
+        "",
+        "builtin_store ran with shims: ReplicateConfig subclass accepting with_soft_pin "
+        "(sets soft_pin_action=ENABLE), localbuf raised to 9/8 of the largest payload, "
+        "metadata_server P2PHANDSHAKE; keys removed after each timed get (its cleanup is a "
+        "no-op). builtin_shm ran as shipped.",
+        "Summary: " + ", ".join(f"`{k}` {v}" for k, v in s.items()),
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="1 repeat after 1 warm-up")
+    p.add_argument("--json", help="write the result as JSON here")
+    p.add_argument("--sizes-mb", default="16,64,256")
+    p.add_argument("--repeats", type=int, default=None)
+    p.add_argument("--peer", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.peer:
+        return peer_main()
+    import importlib.util
+
+    spec = importlib.util.find_spec("vllm_omni")
+    if spec is None or spec.origin == str(Path(__file__).resolve()):  # not the engine venv
+        py = ensure_engine_venv()
+        os.execv(str(py), [str(py), __file__, *(argv if argv is not None else sys.argv[1:])])
+    args.sizes = [int(x) for x in args.sizes_mb.split(",") if x]
+    args.repeats = args.repeats or (1 if args.quick else 5)
+    args.warmup = 1
+    args.miss_repeats = 3 if args.quick else 5
+    result = run(args)
+    print(table(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
