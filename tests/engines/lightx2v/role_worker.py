@@ -96,6 +96,7 @@ def main() -> None:
             else [state.cfg.settings.master, state.cfg.transfer_mode],
             "live_publications": None if stats is None else stats.live_publications,
             "pool_bytes_in_use": None if stats is None else stats.pool_bytes_in_use,
+            "last_received": None if state is None else state.last_received,
         }
 
     def release(cmd: dict) -> dict:

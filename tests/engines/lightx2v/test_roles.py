@@ -66,7 +66,14 @@ def test_requests_in_flight_on_one_room_arrive_in_order_byte_for_byte(
         assert out["p2_meta"]["latents_shape"] == list(latent_dims(config))
         assert out["p2_meta"]["latents_dtype"] == "torch.bfloat16"
     assert ok(enc.request(op="info"))["live_publications"] == 0
-    assert ok(dec.request(op="info"))["pool_bytes_in_use"] == 0
+    info = ok(dec.request(op="info"))
+    assert info["pool_bytes_in_use"] == 0
+    # the mode in the JSON is the path the bytes took (p2p: same host, so one memory copy)
+    path = "store" if mode == "store" else "p2p/shm"
+    z, t, h, w = latent_dims(config)
+    assert info["last_received"] == {"path": path, "num_chunks": 4, "nbytes": z * t * h * w * 2}
+    phase1 = ok(tra.request(op="info"))["last_received"]
+    assert phase1["path"] == path and phase1["num_chunks"] == 1
 
 
 def test_receivers_wait_for_late_senders_and_chunked_latents_verify(spawn_role, mooncake_cluster):
@@ -87,6 +94,7 @@ def test_receivers_wait_for_late_senders_and_chunked_latents_verify(spawn_role, 
     config = role_config("transformer", mooncake_cluster)
     assert ok(replies["dec"])["output"] == expected_latents(config, 5)
     assert "crc32" in replies["dec"]["p2_meta"]
+    assert ok(dec.request(op="info"))["last_received"]["num_chunks"] == 3
 
 
 def test_full_wan_480p_phase1_geometry(spawn_role, mooncake_cluster):

@@ -123,6 +123,9 @@ class AdapterState:
         self.posted_p2p: list[str] = []
         self.p1 = _Channel(1, "sender" if cfg.disagg_mode == "encoder" else "receiver")
         self.p2 = _Channel(2, "receiver" if cfg.disagg_mode == "decode" else "sender")
+        #: how the last received payload came: ``path`` ("p2p/net", "p2p/shm",
+        #: "store"), ``num_chunks``, ``nbytes`` (observability; tests read it)
+        self.last_received: dict[str, Any] = {}
         self._closed = False
         # LightX2V (f8aee98b) never calls release_disagg: close at exit instead
         atexit.register(self.close)
@@ -181,6 +184,15 @@ class AdapterState:
             time.sleep(delay)
             delay = min(delay * 2, _POLL_MAX_S)
         return handle
+
+    def received(self, got: Any) -> None:
+        """Record how ``got`` (a ``ReceivedPayload`` whose chunks all landed) came."""
+        got.wait()  # a chunked fetch sets its path just after the last chunk lands
+        self.last_received = {
+            "path": got.path,
+            "num_chunks": got.num_chunks,
+            "nbytes": sum(t.nbytes for t in got.handle.tensors),
+        }
 
     def close(self) -> None:
         """Discard the handles of p2p payloads nobody took (their bytes die with the
@@ -268,6 +280,7 @@ def receive_encoder_outputs(self: Any) -> dict:
         meta = got.meta
         if "crc32" in meta:
             payloads.verify(got.tensors, meta["crc32"])
+        state.received(got)
         return payloads.unpack_phase1(self.config, got.tensors, meta, dtype, lightx2v_device())
 
 
@@ -320,6 +333,7 @@ def receive_transformer_outputs(self: Any) -> torch.Tensor:
         meta = got.meta
         if "crc32" in meta:
             payloads.verify(got.tensors, meta["crc32"])
+        state.received(got)
     self._p2_receive_meta = meta
     return out
 
