@@ -109,7 +109,7 @@ class ServiceStack:
     def worker_address(self) -> str:
         return f"tcp://127.0.0.1:{self.worker_port}"
 
-    def start_orchestrator(self) -> Proc:
+    def start_orchestrator(self, *extra: str) -> Proc:
         argv = [
             *CLI,
             "orchestrator",
@@ -121,6 +121,7 @@ class ServiceStack:
             self.journal,
             "--heartbeat-timeout",
             str(self.heartbeat_timeout),
+            *extra,
         ]
         self.orchestrator = Proc(argv)
         self.orchestrator.wait_for(r"orchestrator ready: api (\S+)")

@@ -55,8 +55,8 @@ def result(st: dict) -> dict:
     return json.loads(base64.b64decode(st["output"]))
 
 
-def start(stack: ServiceStack, denoise: int = 1) -> None:
-    stack.start_orchestrator()
+def start(stack: ServiceStack, denoise: int = 1, *extra: str) -> None:
+    stack.start_orchestrator(*extra)
     stack.start_worker("encode", "enc-0", fn=f"{STAGES}:encode")
     for i in range(denoise):
         stack.start_worker("denoise", f"den-{i}", fn=f"{STAGES}:denoise")
@@ -110,3 +110,34 @@ def test_a_denoise_worker_killed_mid_job_resumes_from_its_checkpoint(stack):
     assert len(den) == 1 and den[0]["worker_id"] != victim, den
     assert den[0]["info"]["resumed_from"] >= 4, den  # from a checkpoint, not from step 0
     assert result(st)["sha256"] == colocated(p)
+
+
+def test_a_batch_video_yields_to_an_interactive_image_and_resumes_bitwise(stack):
+    start(stack, 1, "--preemption")
+    stack.clean_exit = ("enc-0", "den-0", "dec-0", "orchestrator")
+    c = stack.client
+    video = {"prompt": "slow video", "negative_prompt": "bad", "seed": 5, "steps": 24, "frames": 9}
+    image = {"prompt": "quick image", "negative_prompt": "bad", "seed": 6, "steps": 4}
+    vid = c.submit(video, slo_class="batch")
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        st = c.status(vid)
+        if st.get("stage") == "denoise" and st.get("step", 0) >= 5:
+            break
+        time.sleep(0.02)
+    else:
+        raise AssertionError(c.status(vid))
+    img = c.submit(image, slo_class="interactive")
+    img_st = c.wait(img, timeout=120)
+    assert img_st["state"] == "completed", img_st
+    vid_now = c.status(vid)
+    assert vid_now["state"] != "completed", "the image did not pass the video"
+    vid_st = c.wait(vid, timeout=180)
+    assert vid_st["state"] == "completed", vid_st
+    kinds = [e["kind"] for e in vid_st["events"]]
+    assert "preempted" in kinds and "yielded" in kinds, kinds
+    assert not vid_st.get("reasons"), vid_st  # a yield is not a failure
+    den = [e for e in vid_st["events"] if e["kind"] == "done" and e["stage"] == "denoise"]
+    assert den[0]["info"]["resumed_from"] >= 4, den  # resumed from its checkpoint
+    assert result(vid_st)["sha256"] == colocated(video)
+    assert result(img_st)["sha256"] == colocated(image)

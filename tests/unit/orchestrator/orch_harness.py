@@ -47,7 +47,8 @@ def check_invariants(core: Orchestrator) -> None:
         assert s.free_credits[stage] == sum(w.free for w in s.workers if w.stage == stage)
     holders = Counter(rid for w in s.workers for rid in w.running)
     for r in s.requests:
-        assert 0 <= r.attempt <= core.config.max_attempts, r
+        # a yield (preemption) is a dispatch that is not a failed attempt
+        assert 0 <= r.attempt <= core.config.max_attempts + core.config.max_preemptions, r
         if r.state == "running":  # exactly one worker, alive, of the right stage
             assert holders[r.request_id] == 1 and r.worker_id in workers, r
             assert r.attempt >= 1, r

@@ -132,7 +132,7 @@ def serve_batch(
         assert cluster.settings is not None
         print(f"cluster up in {time.monotonic() - t0:.1f}s: master {cluster.settings.master}")
         cfg = ServiceConfig(
-            orchestrator=OrchestratorConfig(heartbeat_timeout=5.0),
+            orchestrator=OrchestratorConfig(heartbeat_timeout=5.0, preemption=True),
             worker_bind="tcp://127.0.0.1:0",
             journal=str(out / "orchestrator.db"),
         )

@@ -50,6 +50,7 @@ def _run_orchestrator(args: argparse.Namespace) -> int:
         policy=args.policy,
         heartbeat_timeout=args.heartbeat_timeout,
         max_attempts=args.max_attempts,
+        preemption=args.preemption,
     )
     service = OrchestratorService(
         ServiceConfig(orchestrator=cfg, worker_bind=worker_bind, journal=args.journal, token=token)
@@ -142,6 +143,12 @@ def add_commands(sub: Any) -> None:
         help="seconds of worker silence before its items are re-queued (default 10)",
     )
     o.add_argument("--max-attempts", type=int, default=3, help="tries per stage (default 3)")
+    o.add_argument(
+        "--preemption",
+        action="store_true",
+        help="let waiting interactive denoise jobs preempt batch ones at a step boundary "
+        "(workers must checkpoint; the reference pipeline's stages do)",
+    )
     o.add_argument("--log-level", default="warning", help="default warning")
     o.set_defaults(func=_run_orchestrator)
 

@@ -40,6 +40,14 @@ Rules:
   attempt of that (request, stage); anything else is ``Rejected`` and dropped.
   After ``max_attempts`` dispatches of a stage, or a non-retryable failure,
   the request fails with one reason per failed attempt.
+- Preemption (``OrchestratorConfig.preemption``): when denoise jobs of a
+  higher-priority class wait and no denoise credit is free, the most recently
+  started running job of the lowest class below them gets one ``Preempt``
+  (one per waiting job); its worker stops at a step boundary and answers
+  ``ItemYielded``, the job goes back to the queue keeping its place (its
+  progress is in the step-checkpoint cache), and the freed credit admits the
+  waiting job. A yield is not a failed attempt; a request is preempted at most
+  ``max_preemptions`` times, so it cannot starve.
 - Every request ends with exactly one of RequestCompleted / RequestFailed /
   RequestCancelled followed by one ReleasePayloads; its credits and
   reservation are released at that moment.
@@ -67,7 +75,9 @@ from mooncake_diffusion.orchestrator.model import (
     Heartbeat,
     ItemDone,
     ItemFailed,
+    ItemYielded,
     OrchestratorConfig,
+    Preempt,
     RegisterWorker,
     RejectCode,
     Rejected,
@@ -117,14 +127,17 @@ class _Request:
         "index",
         "input",
         "params",
+        "preempting",
         "reasons",
         "reserved",
         "rid",
         "since",
         "stages",
+        "started",
         "submitted_at",
         "token",
         "worker",
+        "yields",
     )
 
     def __init__(
@@ -153,6 +166,9 @@ class _Request:
         self.reserved = False
         self.reasons: list[str] = []
         self.handles: list[bytes] = []
+        self.yields = 0  # dispatches that ended in ItemYielded (not failures)
+        self.preempting = False  # a Preempt was sent for the running attempt
+        self.started = now  # when the running attempt was dispatched
 
     @property
     def stage(self) -> Stage:
@@ -196,6 +212,7 @@ class Orchestrator:
             WorkerLost: self._on_lost,
             ItemDone: self._on_done,
             ItemFailed: self._on_failed,
+            ItemYielded: self._on_yielded,
             Tick: self._on_tick,
         }
 
@@ -384,11 +401,23 @@ class Orchestrator:
         reason = f"{req.stage} attempt {req.attempt} on {ev.worker_id}: {ev.reason[:MAX_REASON]}"
         self._retry_or_fail(req, reason, bool(ev.retryable), out)
 
+    def _on_yielded(self, ev: ItemYielded, now: float, out: list[Action]) -> None:
+        req = self._held(ev, out)
+        if req is None:
+            return
+        if not req.preempting:
+            what = f"{ev.stage} attempt {ev.attempt} of {ev.request_id!r}"
+            return _reject(out, "bad_value", f"{what} was not asked to yield", ev)
+        self._release_worker(req, now)
+        req.yields += 1
+        self._unreserve(req)  # admission reserves again
+        self._enqueue(req, req.since)
+
     def _on_tick(self, ev: Tick, now: float, out: list[Action]) -> None:
         pass  # expiry already ran in handle()
 
     # ------------------------------------------------------------------ lifecycle
-    def _held(self, ev: ItemDone | ItemFailed, out: list[Action]) -> _Request | None:
+    def _held(self, ev: ItemDone | ItemFailed | ItemYielded, out: list[Action]) -> _Request | None:
         """The request if ``ev`` comes from the worker holding its current attempt; else
         reject (stale attempts and results for items not held are dropped here)."""
         rid, stage, attempt, wid = ev.request_id, ev.stage, ev.attempt, ev.worker_id
@@ -429,6 +458,7 @@ class Orchestrator:
         stage = req.stage
         if stage == "decode":
             self._reserve(req)
+        req.preempting = False
         req.since = since
         req.token = self._queues[stage].push(req, req.cls.name, since)
 
@@ -438,7 +468,7 @@ class Orchestrator:
         """After a failed attempt (not running any more): re-queue, or fail the request.
         Returns whether it was re-queued."""
         req.reasons.append(reason)
-        if retryable and req.attempt < self.config.max_attempts:
+        if retryable and req.attempt - req.yields < self.config.max_attempts:
             out.append(Requeued(req.rid, req.stage, req.attempt, reason))
             if req.stage == "denoise":
                 self._unreserve(req)  # admission reserves again
@@ -503,10 +533,37 @@ class Orchestrator:
                     break  # no decode credit to reserve for the latent
                 req = q.pop(now)
                 assert req is not None
-                self._dispatch(req, stage, q, out)
+                self._dispatch(req, stage, q, out, now)
+        if self.config.preemption:
+            self._preempt(out)
+
+    def _preempt(self, out: list[Action]) -> None:
+        """The preemption rule (module docstring). O(denoise workers) when it applies."""
+        q = self._queues["denoise"]
+        if not q or self._pools.free_total["denoise"] > 0:
+            return
+        running = [
+            r
+            for w in self._pools.workers.values()
+            if w.stage == "denoise"
+            for r in w.running.values()
+        ]
+        pending = sum(r.preempting for r in running)
+        victims = sorted(
+            (r for r in running if not r.preempting and r.yields < self.config.max_preemptions),
+            key=lambda r: (-r.cls.priority, -r.started, r.rid),
+        )
+        for v in victims:
+            if q.waiting_better_than(v.cls.priority) <= pending:
+                break  # victims further on are of higher classes: fewer jobs outrank them
+            assert v.worker is not None
+            v.preempting = True
+            pending += 1
+            why = "a higher-priority denoise job waits"
+            out.append(Preempt(v.worker.worker_id, v.rid, "denoise", v.attempt, why))
 
     def _dispatch(
-        self, req: _Request, stage: Stage, q: ClassQueue[_Request], out: list[Action]
+        self, req: _Request, stage: Stage, q: ClassQueue[_Request], out: list[Action], now: float
     ) -> None:
         req.token = 0
         attempt = req.attempt + 1
@@ -527,6 +584,7 @@ class Orchestrator:
                 f"routing policy chose {w!r}, not one of the {len(candidates)} candidates"
             )
         req.attempt = attempt
+        req.started = now
         req.worker = w
         w.running[req.rid] = req
         pools.hold(w)

@@ -16,7 +16,8 @@ Events (driver -> core)            Actions (core -> driver)
     WorkerLost      a worker is gone   RequestFailed     attempts exhausted, with reasons
     ItemDone        output published   RequestCancelled  the cancel took effect
     ItemFailed      a worker gave up   ReleasePayloads   drop what a finished request holds
-    Tick            time passed        WorkerRemoved     a worker left or missed its deadline
+    ItemYielded     stopped on request WorkerRemoved     a worker left or missed its deadline
+    Tick            time passed        Preempt           ask a worker to yield a denoise job
                                        Rejected          a bad event, ignored; says why
 Payload handles (``params``, ``input``, ``output``) are opaque bytes of at most
 ``MAX_HANDLE_BYTES``; the tensors they name move through the connector.
@@ -42,7 +43,9 @@ __all__ = [
     "Heartbeat",
     "ItemDone",
     "ItemFailed",
+    "ItemYielded",
     "OrchestratorConfig",
+    "Preempt",
     "RegisterWorker",
     "RejectCode",
     "Rejected",
@@ -140,6 +143,10 @@ class OrchestratorConfig(msgspec.Struct, frozen=True, kw_only=True):
     heartbeat_timeout: float = 10.0
     policy: str = "affinity"
     finished_memory: int = 65536
+    #: Step-boundary preemption of denoise jobs (see ``Preempt``); off by default.
+    preemption: bool = False
+    #: How often one request may be preempted (a bound, so it cannot starve).
+    max_preemptions: int = 2
 
     def __post_init__(self) -> None:
         names = [c.name for c in self.classes]
@@ -155,6 +162,8 @@ class OrchestratorConfig(msgspec.Struct, frozen=True, kw_only=True):
             _fail(f"heartbeat_timeout must be > 0, got {self.heartbeat_timeout}")
         if self.finished_memory < 0:
             _fail(f"finished_memory must be >= 0, got {self.finished_memory}")
+        if self.max_preemptions < 0:
+            _fail(f"max_preemptions must be >= 0, got {self.max_preemptions}")
 
 
 # --------------------------------------------------------------------------- the work item
@@ -251,11 +260,32 @@ class ItemFailed(msgspec.Struct, frozen=True, tag=True):
     retryable: bool = True
 
 
+class ItemYielded(msgspec.Struct, frozen=True, tag=True):
+    """The worker stopped the item at a step boundary, as a ``Preempt`` asked; the job
+    goes back to its queue (its progress lives in the step-checkpoint cache) and the
+    dispatch does not count against ``max_attempts``."""
+
+    worker_id: str
+    request_id: str
+    stage: str
+    attempt: int
+
+
 class Tick(msgspec.Struct, frozen=True, tag=True):
     """Nothing but the passage of time (heartbeat deadlines are checked on every event)."""
 
 
-Event = Submit | Cancel | RegisterWorker | Heartbeat | WorkerLost | ItemDone | ItemFailed | Tick
+Event = (
+    Submit
+    | Cancel
+    | RegisterWorker
+    | Heartbeat
+    | WorkerLost
+    | ItemDone
+    | ItemFailed
+    | ItemYielded
+    | Tick
+)
 
 
 # --------------------------------------------------------------------------- actions
@@ -268,6 +298,19 @@ class Dispatch(msgspec.Struct, frozen=True, tag=True):
 
 class Revoke(msgspec.Struct, frozen=True, tag=True):
     """Tell ``worker_id`` to drop an item (its request was cancelled); its credit is free."""
+
+    worker_id: str
+    request_id: str
+    stage: Stage
+    attempt: int
+    reason: str
+
+
+class Preempt(msgspec.Struct, frozen=True, tag=True):
+    """Ask ``worker_id`` to stop a running denoise job at its next step boundary and
+    answer ``ItemYielded`` (or ``ItemDone``, if it finished first): a job of a higher
+    priority class waits and no denoise credit is free. The credit stays held until
+    the answer comes. Emitted once per preemption (``OrchestratorConfig.preemption``)."""
 
     worker_id: str
     request_id: str
@@ -347,6 +390,7 @@ class Rejected(msgspec.Struct, frozen=True, tag=True):
 Action = (
     Dispatch
     | Revoke
+    | Preempt
     | Requeued
     | RequestCompleted
     | RequestFailed

@@ -47,6 +47,9 @@ class ClassQueue(Generic[T]):
         self._heaps: dict[str, list[tuple[float, int]]] = {c.name: [] for c in classes}
         self._live: dict[int, T] = {}
         self._seq = 0
+        self._priority = {c.name: c.priority for c in classes}
+        self._class_of: dict[int, str] = {}
+        self._counts: dict[str, int] = {c.name: 0 for c in classes}
 
     def __len__(self) -> int:
         return len(self._live)
@@ -60,11 +63,18 @@ class ClassQueue(Generic[T]):
         self._seq += 1
         heapq.heappush(self._heaps[slo_class], (since, self._seq))
         self._live[self._seq] = item
+        self._class_of[self._seq] = slo_class
+        self._counts[slo_class] += 1
         return self._seq
 
     def discard(self, token: int) -> None:
         """Forget a queued item; a token already popped or discarded is ignored."""
-        self._live.pop(token, None)
+        if self._live.pop(token, None) is not None:
+            self._counts[self._class_of.pop(token)] -= 1
+
+    def waiting_better_than(self, priority: int) -> int:
+        """How many queued items belong to classes served before ``priority``. O(classes)."""
+        return sum(n for name, n in self._counts.items() if self._priority[name] < priority)
 
     def pop(self, now: float) -> T | None:
         """Remove and return the next item to serve at ``now``, or ``None`` if empty."""
@@ -88,4 +98,5 @@ class ClassQueue(Generic[T]):
                 best_heap, best_key = h, key
         assert best_heap is not None
         _, seq = heapq.heappop(best_heap)
+        self._counts[self._class_of.pop(seq)] -= 1
         return live.pop(seq)

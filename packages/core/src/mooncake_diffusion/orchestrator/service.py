@@ -65,7 +65,9 @@ from mooncake_diffusion.orchestrator.model import (
     Heartbeat,
     ItemDone,
     ItemFailed,
+    ItemYielded,
     OrchestratorConfig,
+    Preempt,
     RegisterWorker,
     Rejected,
     ReleasePayloads,
@@ -100,6 +102,8 @@ from mooncake_diffusion.orchestrator.wire import (
     Welcome,
     WireError,
     Work,
+    Yield,
+    Yielded,
     decode_from_worker,
     encode,
 )
@@ -495,6 +499,11 @@ class OrchestratorService:
             ref = ItemRef(a.request_id, a.stage, a.attempt)
             self._outstanding.pop(ref, None)
             self._send(a.worker_id.encode(), Drop(ref, a.reason))
+        elif isinstance(a, Preempt):
+            ref = ItemRef(a.request_id, a.stage, a.attempt)
+            self._counters["preemptions"] += 1
+            self.table.preempted(ref, a.worker_id, a.reason)
+            self._send(a.worker_id.encode(), Yield(ref, a.reason))
         elif isinstance(a, Requeued):
             self._counters[f"requeued:{a.stage}"] += 1
             self._outstanding.pop(ItemRef(a.request_id, a.stage, a.attempt), None)
@@ -585,6 +594,12 @@ class OrchestratorService:
             ev = ItemFailed(wid, r.request_id, r.stage, r.attempt, msg.reason, msg.retryable)
             if not _rejected(self._feed(ev, ident), "ItemFailed"):
                 self._outstanding.pop(r, None)
+        elif isinstance(msg, Yielded):
+            r = msg.item
+            ev = ItemYielded(wid, r.request_id, r.stage, r.attempt)
+            if not _rejected(self._feed(ev, ident), "ItemYielded"):
+                self._outstanding.pop(r, None)
+                self.table.yielded(r, wid)
         elif isinstance(msg, Progress):
             self.table.progress(msg.item, wid, msg.step, msg.total)
         elif isinstance(msg, Bye):
@@ -699,7 +714,7 @@ class OrchestratorService:
             "Events the core rejected, by code.",
             [(f'{{code="{k}"}}', v) for k, v in rejected],
         )
-        for name in ("workers_removed", "wire_errors", "resent", "driver_errors"):
+        for name in ("workers_removed", "preemptions", "wire_errors", "resent", "driver_errors"):
             metric(
                 f"{name}_total",
                 "counter",

@@ -45,7 +45,8 @@ MAX_EVENTS = 256
 class RequestEvent(msgspec.Struct, frozen=True, omit_defaults=True):
     """One thing that happened to a request. ``kind``: submitted, dispatched, progress,
     done (a stage's output is published; ``info`` from the worker), requeued,
-    completed, failed, cancelled."""
+    preempted (asked to yield), yielded (back in its queue), completed, failed,
+    cancelled."""
 
     request_id: str
     kind: str
@@ -160,6 +161,24 @@ class RequestTable:
             st.state, st.worker_id = "queued", None  # for the next stage (or completion)
             ev = RequestEvent(
                 ref.request_id, "done", time.time(), ref.stage, ref.attempt, worker_id, info=info
+            )
+            self._emit(ref.request_id, ev)
+
+    def preempted(self, ref: ItemRef, worker_id: str, reason: str) -> None:
+        """A ``Preempt`` was sent (the item still runs until it yields)."""
+        if ref.request_id in self._live:
+            ev = RequestEvent(
+                ref.request_id, "preempted", time.time(), ref.stage, ref.attempt, worker_id
+            )
+            self._emit(ref.request_id, msgspec.structs.replace(ev, reason=reason))
+
+    def yielded(self, ref: ItemRef, worker_id: str) -> None:
+        """The worker stopped the item; the request waits in its queue again."""
+        st = self._live.get(ref.request_id)
+        if st is not None:
+            st.state, st.worker_id = "queued", None
+            ev = RequestEvent(
+                ref.request_id, "yielded", time.time(), ref.stage, ref.attempt, worker_id
             )
             self._emit(ref.request_id, ev)
 

@@ -67,7 +67,7 @@ def denoise(item: WorkItem, ctx: StageContext) -> StagePayload | None:
         ctx.info["path"] = got.path
     steps, step_s = int(p.get("steps", 4)), float(p.get("step_s", 0.0))
     for i in range(steps):
-        if ctx.cancelled:
+        if ctx.cancelled or ctx.should_yield:
             return None
         time.sleep(step_s)
         x = x * np.float32(0.5) + np.float32(1.0)

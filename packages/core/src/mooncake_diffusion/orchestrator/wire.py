@@ -18,6 +18,8 @@ Call sequence (worker W, service S; W's ZeroMQ routing id is its worker id):
     W -> S  Beat       alive; ``running`` lists what it holds, so the service re-sends
                        an item it dispatched that never arrived
     S -> W  Drop       stop an item (its request was cancelled)
+    S -> W  Yield      stop a denoise item at its next step boundary (preemption)
+    W -> S  Yielded    it stopped as asked; it goes back to its queue
     S -> W  Release    the request finished: drop the payloads it published for it
     S -> W  Refused    a message was not accepted, and why (``code`` as the core's)
     W -> S  Bye        leaving (drained); nothing it holds is lost
@@ -48,6 +50,8 @@ __all__ = [
     "Welcome",
     "WireError",
     "Work",
+    "Yield",
+    "Yielded",
     "decode_from_service",
     "decode_from_worker",
     "encode",
@@ -111,6 +115,11 @@ class Failed(msgspec.Struct, frozen=True, tag=True):
     retryable: bool = True
 
 
+class Yielded(msgspec.Struct, frozen=True, tag=True):
+    worker_id: str
+    item: ItemRef
+
+
 class Bye(msgspec.Struct, frozen=True, tag=True):
     worker_id: str
     reason: str = "drained"
@@ -131,6 +140,11 @@ class Drop(msgspec.Struct, frozen=True, tag=True):
     reason: str
 
 
+class Yield(msgspec.Struct, frozen=True, tag=True):
+    item: ItemRef
+    reason: str
+
+
 class Release(msgspec.Struct, frozen=True, tag=True):
     request_id: str
 
@@ -141,8 +155,8 @@ class Refused(msgspec.Struct, frozen=True, tag=True):
     about: str
 
 
-FromWorker = Hello | Beat | Progress | Done | Failed | Bye
-FromService = Welcome | Work | Drop | Release | Refused
+FromWorker = Hello | Beat | Progress | Done | Failed | Yielded | Bye
+FromService = Welcome | Work | Drop | Yield | Release | Refused
 
 _enc = msgspec.msgpack.Encoder()
 _env = msgspec.msgpack.Decoder(Envelope)

@@ -20,7 +20,9 @@ exception fails the item (``retryable`` unless it is a ``PayloadError`` or
 Obligations of ``fn``: idempotent per ``(request_id, stage)`` (an item may run
 again after a worker death: at least once); check ``ctx.cancelled`` at natural
 boundaries (a cancelled item's result is discarded and its publications
-withdrawn); report ``ctx.progress(step, total)`` if it likes.
+withdrawn); with preemption on, check ``ctx.should_yield`` at step boundaries
+and stop (raise, or return ``None``) with its progress checkpointed; report
+``ctx.progress(step, total)`` if it likes.
 
 Shutdown: ``drain()`` (SIGTERM when ``run()`` is on the main thread)
 advertises zero credits, hands back items that arrive meanwhile (``Failed``,
@@ -66,6 +68,8 @@ from mooncake_diffusion.orchestrator.wire import (
     Welcome,
     WireError,
     Work,
+    Yield,
+    Yielded,
     decode_from_service,
     encode,
 )
@@ -89,6 +93,7 @@ class StageContext:
         self.info: Info = {}
         self._worker = worker
         self._cancelled = threading.Event()
+        self._yield = threading.Event()
         self._params: Any = None
 
     @property
@@ -102,6 +107,13 @@ class StageContext:
     @property
     def cancelled(self) -> bool:
         return self._cancelled.is_set()
+
+    @property
+    def should_yield(self) -> bool:
+        """The orchestrator asked this item to stop at its next step boundary (a job of a
+        higher class waits). Stop, with progress checkpointed, by raising or returning
+        ``None``: the item goes back to its queue (not a failure) and resumes later."""
+        return self._yield.is_set()
 
     def progress(self, step: int, total: int) -> None:
         """Report progress (thread-safe, cheap; sent on the worker's next loop turn)."""
@@ -315,6 +327,11 @@ class StageWorker:
             if c is not None:
                 c._cancelled.set()
             return None
+        if isinstance(msg, Yield):
+            c = self._running.get(msg.item)
+            if c is not None:
+                c._yield.set()
+            return None
         if isinstance(msg, Release):
             if not any(r.request_id == msg.request_id for r in self._running):
                 self.connector.cleanup(msg.request_id)
@@ -358,6 +375,9 @@ class StageWorker:
         ref = _ref(ctx.item)
         try:
             out = self.fn(ctx.item, ctx)
+            if out is None and ctx.should_yield:
+                self._post(("yielded", ref))
+                return
             if isinstance(out, StagePayload):
                 pub = self.connector.publish(out)
                 pub.wait(self.publish_timeout_s)
@@ -366,6 +386,9 @@ class StageWorker:
                 output = bytes(out or b"")
             self._post(("done", ref, output, ctx.info))
         except Exception as e:  # the stage's failure is the item's, never the worker's
+            if ctx.should_yield:  # stopped as asked (e.g. the pipeline's DenoisePreempted)
+                self._post(("yielded", ref))
+                return
             retryable = not isinstance(e, PayloadError | ValueError)
             log.warning("worker %s: %s failed: %s", self.worker_id, ref, e)
             self._post(("failed", ref, f"{type(e).__name__}: {e}", retryable))
@@ -382,7 +405,9 @@ class StageWorker:
         if ctx.cancelled:  # revoked: nobody wants the output
             self.connector.cleanup(ref.request_id)
             return
-        if kind == "done":
+        if kind == "yielded":
+            send(Yielded(self.worker_id, ref))
+        elif kind == "done":
             frame = encode(Done(self.worker_id, ref, msg[2], msg[3]))
             self._done[ref] = frame
             while len(self._done) > _REMEMBER_DONE:

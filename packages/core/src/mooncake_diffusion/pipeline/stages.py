@@ -15,8 +15,10 @@ every worker of a deployment must use the same. ``MCD_CHECKPOINT_EVERY``
   ``EmbeddingCache`` in Mooncake Store (one encode per distinct negative prompt
   across the cluster). Output: ``retained`` payload of both.
 - denoise: resumes the job from its newest step checkpoint if one exists (any
-  worker's), checkpoints every k steps, reports progress per step, publishes the
-  latent chunked along T; checkpoints are removed once it is published.
+  worker's), checkpoints every k steps, reports progress per step, yields at a
+  step boundary when preempted (``DenoisePreempted``; the job resumes from its
+  checkpoint later), publishes the latent chunked along T; checkpoints are
+  removed once it is published.
 - decode: consumes the latent chunk by chunk as chunks land, decodes each on the
   causal VAE stream (decode overlaps the transfer), writes the output file.
   Output (the request's result): JSON with ``frames``, ``sha256`` of all frame
@@ -124,7 +126,7 @@ def denoise(item: WorkItem, ctx: StageContext) -> StagePayload | None:
         cond,
         params,
         on_step=lambda k, _state: ctx.progress(k, params.steps),
-        should_stop=lambda _k: ctx.cancelled,
+        should_stop=lambda _k: ctx.cancelled or ctx.should_yield,
     )
     ctx.info["resumed_from"] = result.resumed_from
     ctx.info["checkpoints"] = len(result.saved)
