@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     PeerClient = _common().PeerClient
 
     sizes = [int(float(s) * MIB) for s in args.sizes_mb.split(",")]
-    repeats = args.repeats or (3 if args.quick else 10)
+    repeats = args.repeats or (3 if args.quick else 20)
     warmup = 1 if args.quick else 2
     max_bytes = max(sizes)
     t0 = time.perf_counter()
