@@ -159,11 +159,14 @@ def _pin(ptr: int, nbytes: int) -> bool:
 
     if not torch.cuda.is_available():
         return False
-    rc = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
-    if int(rc) != 0:
+    try:
+        rc = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
+        ok = int(rc) == 0
+    except Exception as e:  # an old or unusual CUDA runtime binding
+        rc, ok = e, False
+    if not ok:
         logger.warning("cudaHostRegister of the staging pool failed (%s); unpinned", rc)
-        return False
-    return True
+    return ok
 
 
 def register() -> None:
