@@ -249,6 +249,11 @@ class OrchestratorService:
                 policy=self._policy,
                 observer=self._replayed,
             )
+            # Workers could not reach us while we were down: give each recovered one a
+            # fresh heartbeat deadline from now, or the downtime alone would declare
+            # them dead and re-queue (and count as failed) everything they run.
+            for w in self._core.snapshot().workers:
+                self._core.handle(Heartbeat(w.worker_id))
             for d in self._core.recovered_dispatches:
                 self._send_work(d)
         else:
