@@ -23,10 +23,12 @@ for the transfer. Mechanisms, each a switch (``Mechanisms``):
   preemption: when an interactive job waits for denoise and every denoise
   worker is busy, a running batch job stops at its next step boundary (its
   step-checkpoint holds the progress) and goes back to the queue, resuming
-  later from the steps it had done. The core has no preemption rule: the
-  driver models it on the core's events (``ItemFailed(retryable)`` at the
-  boundary, then the core re-queues the job and gives the credit to the
-  waiting interactive job). Off: one FIFO class, no preemption.
+  later from the steps it had done. This is the core's own rule
+  (``OrchestratorConfig.preemption``): the core emits ``Preempt``, the
+  simulated worker stops at its next step boundary and answers
+  ``ItemYielded``, the core re-queues the job and gives the credit to the
+  waiting interactive job (``max_preemptions`` is lifted here, as before the
+  rule existed). Off: one FIFO class, no preemption.
 - ``embedding_cache``: a cluster-wide cache holds the shared negative prompt
   (its share of encode time is saved) and a ``prompt_repeat`` share of
   positive prompts (the request skips Encode; ``Submit.cached_embeddings``).
@@ -62,8 +64,9 @@ from mooncake_diffusion.orchestrator.model import (
     Dispatch,
     Event,
     ItemDone,
-    ItemFailed,
+    ItemYielded,
     OrchestratorConfig,
+    Preempt,
     RegisterWorker,
     Rejected,
     RequestCompleted,
@@ -239,9 +242,6 @@ class _Cell:
         self.workers: dict[str, _Worker] = {}
         self.n_denoise = 0
         self.den_held = 0
-        self.waiting_interactive: set[str] = set()
-        self.preempting: set[str] = set()
-        self.running_batch: dict[str, _Run] = {}
 
 
 @dataclass
@@ -290,7 +290,10 @@ class _Sim:
     # ------------------------------------------------------------ cluster
     def _core(self, priorities: bool, policy: object | None = None) -> Orchestrator:
         cfg = OrchestratorConfig(
-            classes=_classes(priorities), max_attempts=1_000_000, heartbeat_timeout=_NEVER
+            classes=_classes(priorities),
+            heartbeat_timeout=_NEVER,
+            preemption=priorities,  # only the disaggregated layouts ask for priorities
+            max_preemptions=1_000_000,
         )
         return Orchestrator(cfg, clock=self.clock, policy=policy)  # type: ignore[arg-type]
 
@@ -359,8 +362,6 @@ class _Sim:
         actions = cell.core.handle(ev)
         for a in actions:
             self._execute(cell, a)
-        if self.o.layout.mode == "disaggregated" and self.o.mech.priorities:
-            self._maybe_preempt(cell)
 
     def _execute(self, cell: _Cell, a: Action) -> None:
         now = self.clock.now()
@@ -368,13 +369,14 @@ class _Sim:
             w = cell.workers[a.worker_id]
             if a.item.stage == "denoise":
                 cell.den_held += 1
-                cell.waiting_interactive.discard(a.item.request_id)
             if w.gpu is None:  # the colocated bookkeeping decode: no GPU, no time
                 self._at(now, "finish", (w, a.item, None))
                 return
             w.gpu.queue.append((w, a.item))
             if w.gpu.running is None:
                 self._start(w.gpu)
+        elif isinstance(a, Preempt):
+            self._preempt(cell.workers[a.worker_id], a)
         elif isinstance(a, RequestCompleted):
             rec = self.o.records[a.request_id]
             rec.done = now
@@ -440,8 +442,6 @@ class _Sim:
                 dec = kind.decode_s * kind.decode_tile_factor
                 rec.ttff = now + took + dec / kind.decode_chunks
                 took += dec
-            elif kind.slo_class == "batch":
-                w.cell.running_batch[item.request_id] = run
         else:  # decode, one temporal chunk per segment (the causal VAE streams)
             on_dit = not self.o.mech.decode_off_dit
             done = self.decoded.get(item.request_id, 0)
@@ -457,27 +457,18 @@ class _Sim:
         if hi > lo:
             gpu.busy += hi - lo
         gpu.running = None
-        run.worker.cell.running_batch.pop(run.item.request_id, None)
-        run.worker.cell.preempting.discard(run.item.request_id)
 
     # ------------------------------------------------------------ preemption
-    def _maybe_preempt(self, cell: _Cell) -> None:
-        need = len(cell.waiting_interactive) - len(cell.preempting)
-        if need <= 0 or cell.den_held < cell.n_denoise:
+    def _preempt(self, w: _Worker, a: Preempt) -> None:
+        """The core asked ``w`` to yield: stop at the job's next step boundary (a job
+        that ends at that boundary just finishes; its ``ItemDone`` answers)."""
+        run = w.gpu.running if w.gpu is not None else None
+        if run is None or (run.item.request_id, run.item.attempt) != (a.request_id, a.attempt):
             return
         now = self.clock.now()
-        options = []
-        for rid, run in cell.running_batch.items():
-            if rid in cell.preempting:
-                continue
-            k = max(0, math.ceil((now - run.boundary0) / run.step_s - 1e-9))
-            if k >= run.steps_left:
-                continue  # it finishes at its next boundary anyway
-            options.append((run.boundary0 + k * run.step_s, rid, run, k))
-        options.sort(key=lambda x: (x[0], x[1]))
-        for t, rid, run, k in options[:need]:
-            cell.preempting.add(rid)
-            self._at(max(t, now), "preempt", (run, k))
+        k = max(0, math.ceil((now - run.boundary0) / run.step_s - 1e-9))
+        if k < run.steps_left:
+            self._at(max(run.boundary0 + k * run.step_s, now), "preempt", (run, k))
 
     def _ev_preempt(self, arg: object) -> None:
         run, k = arg  # type: ignore[misc]
@@ -485,9 +476,6 @@ class _Sim:
         gpu, cell = w.gpu, w.cell
         if gpu.running is not run:
             return  # finished first
-        if not cell.waiting_interactive:
-            cell.preempting.discard(run.item.request_id)
-            return  # nobody waits any more: keep running
         rec = self.o.records[run.item.request_id]
         rec.preemptions += 1
         self.steps_run += k
@@ -495,7 +483,7 @@ class _Sim:
         self._stop(gpu, self.clock.now())
         it = run.item
         cell.den_held -= 1
-        self._feed(cell, ItemFailed(w.wid, it.request_id, "denoise", it.attempt, "preempted"))
+        self._feed(cell, ItemYielded(w.wid, it.request_id, "denoise", it.attempt))
         if gpu.running is None and gpu.queue:
             self._start(gpu)
 
@@ -524,10 +512,6 @@ class _Sim:
                 return
         if item.stage == "denoise":
             cell.den_held -= 1
-        elif item.stage == "encode":
-            rec = self.o.records[item.request_id]
-            if rec.kind.slo_class == "interactive":
-                cell.waiting_interactive.add(item.request_id)
         out = f"{item.stage}:{item.request_id}".encode()
         self._feed(cell, ItemDone(w.wid, item.request_id, item.stage, item.attempt, output=out))
         if gpu is not None and gpu.running is None and gpu.queue:
@@ -545,8 +529,6 @@ class _Sim:
         skip = colocated or (o.mech.embedding_cache and repeat)
         rec = RequestRecord(rid, kind, now, now + kind.slo_s, encode_skipped=skip and not colocated)
         o.records[rid] = rec
-        if skip and kind.slo_class == "interactive":
-            cell.waiting_interactive.add(rid)
         cached = b"emb:" + rid.encode() if skip else None
         ev = Submit(
             rid,
