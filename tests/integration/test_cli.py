@@ -52,7 +52,7 @@ def test_cluster_up_prints_settings_serves_and_stops_on_ctrl_c():
         urllib.request.urlopen(f"http://{env['MOONCAKE_ADMIN']}/health", timeout=2)
 
 
-def test_demo_moves_and_checks_a_latent_through_both_modes():
+def test_handoff_moves_and_checks_a_latent_through_both_modes():
     out = subprocess.run(
         [*CLI, "handoff", "--shape", "1,16,5,32,32", "--repeats", "1"],
         capture_output=True,
@@ -66,3 +66,33 @@ def test_demo_moves_and_checks_a_latent_through_both_modes():
     assert re.search(r"\| p2p-net \| p2p/net.*\| True \|", out.stdout), out.stdout
     assert "store keys left: 0" in out.stdout
     assert "Local segment descriptor" not in out.stderr
+
+
+def test_demo_runs_the_whole_system_and_every_output_matches_colocated(tmp_path):
+    out = subprocess.run(
+        [
+            *CLI,
+            "demo",
+            "--images",
+            "1",
+            "--videos",
+            "1",
+            "--steps",
+            "2",
+            "--denoise-workers",
+            "1",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ),
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "bitwise identical to the colocated run: all" in out.stdout, out.stdout
+    assert re.search(r"\| img-0 \| interactive \| completed \|.*\| yes \|", out.stdout)
+    assert re.search(r"\| vid-0 \| batch \| completed \|.*\| yes \|", out.stdout)
+    assert re.search(r"queues E\d+ D\d+ V\d+ \| running ", out.stdout)  # live progress
+    assert (tmp_path / "img-0.png").stat().st_size > 0
+    assert (tmp_path / "vid-0.gif").stat().st_size > 0
