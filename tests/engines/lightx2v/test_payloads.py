@@ -147,6 +147,16 @@ def test_disagg_config_keys_become_settings_and_defaults():
     assert (c.connector_role, c.transfer_mode, c.channel) == ("denoise", "auto", "lightx2v")
     assert (c.latent_chunks, c.verify, c.sends_phase2) == (4, False, False)
     assert AdapterConfig.from_runner_config(cfg("transformer", decoder_engine_rank=2)).sends_phase2
+    assert c.queue is None
+
+
+def test_the_queue_key_selects_queue_mode_and_implies_a_decoder():
+    q = {"orchestrator": "tcp://10.0.0.1:7422", "credits": 2, "token": "t", "labels": {"z": "a"}}
+    c = AdapterConfig.from_runner_config(cfg("transformer", queue=q))
+    assert c.sends_phase2 and c.connector_role == "denoise"
+    assert c.queue is not None
+    assert (c.queue.orchestrator, c.queue.credits, c.queue.token) == ("tcp://10.0.0.1:7422", 2, "t")
+    assert (c.queue.labels, c.queue.worker_id, c.queue.result_sha256) == ({"z": "a"}, None, False)
 
 
 def test_rooms_follow_lightx2v_defaults_and_overrides():
@@ -166,7 +176,12 @@ def test_rooms_follow_lightx2v_defaults_and_overrides():
         (cfg(timeout_s="soon"), "timeout_s"),
         (cfg(verify="sha256"), "verify"),
         (cfg(channel="a/b"), "channel"),
-        (cfg(decentralized_queue=True), "queue mode"),
+        (cfg(decentralized_queue=True), r"queue mode.*\"queue\": \{\"orchestrator\""),
+        (cfg(queue="tcp://127.0.0.1:7422"), "queue must be an object"),
+        (cfg(queue={"orchestrator": "127.0.0.1:7422"}), r"queue\.orchestrator"),
+        (cfg(queue={"orchestrator": "tcp://h:1", "credits": 0}), r"queue\.credits"),
+        (cfg(queue={"orchestrator": "tcp://h:1", "credit": 2}), r"unknown keys \['credit'\]"),
+        (cfg(queue={"orchestrator": "tcp://h:1", "labels": {"a": 1}}), r"queue\.labels"),
         (cfg("controller"), "disagg_mode"),
         (cfg(master="nowhere"), "master"),
     ],

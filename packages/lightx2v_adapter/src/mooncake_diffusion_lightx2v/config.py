@@ -16,12 +16,13 @@ from typing import Any
 from mooncake_diffusion.errors import ConfigError
 from mooncake_diffusion.settings import MooncakeSettings
 
-__all__ = ["BACKEND", "AdapterConfig", "selects_adapter"]
+__all__ = ["BACKEND", "AdapterConfig", "QueueConfig", "selects_adapter"]
 
 #: The ``disagg_config.transfer_backend`` value that routes a runner through the adapter.
 BACKEND = "mooncake_diffusion"
 _MODES = ("p2p", "store", "auto")
 _ROLES = {"encoder": "encode", "transformer": "denoise", "decode": "decode"}
+_QUEUE_KEYS = {"orchestrator", "credits", "token", "worker_id", "labels", "result_sha256"}
 
 
 def selects_adapter(config: Mapping[str, Any] | None) -> bool:
@@ -32,15 +33,75 @@ def selects_adapter(config: Mapping[str, Any] | None) -> bool:
     return isinstance(disagg, Mapping) and disagg.get("transfer_backend") == BACKEND
 
 
-def _number(d: Mapping[str, Any], key: str, default: float, kind: type = float) -> Any:
+def _number(
+    d: Mapping[str, Any],
+    key: str,
+    default: float,
+    kind: type = float,
+    where: str = "disagg_config",
+) -> Any:
     value = d.get(key, default)
     try:
         out = kind(value)
     except (TypeError, ValueError):
-        raise ConfigError(f"disagg_config.{key} must be a {kind.__name__}, got {value!r}") from None
+        raise ConfigError(f"{where}.{key} must be a {kind.__name__}, got {value!r}") from None
     if out <= 0:
-        raise ConfigError(f"disagg_config.{key} must be positive, got {value!r}")
+        raise ConfigError(f"{where}.{key} must be positive, got {value!r}")
     return out
+
+
+@dataclass(frozen=True)
+class QueueConfig:
+    """``disagg_config.queue``: this role serves the orchestrator's queue of its stage
+    (encoder: ``encode``, transformer: ``denoise``, decode: ``decode``)."""
+
+    #: the orchestrator's worker endpoint, ``tcp://host:port``
+    orchestrator: str
+    #: items the orchestrator may hand this role at once (the runner runs one at a time)
+    credits: int
+    #: the orchestrator's token (else ``$MCD_ORCHESTRATOR_TOKEN``)
+    token: str | None
+    #: the worker's id (default ``<stage>-<host>-<pid>``)
+    worker_id: str | None
+    labels: dict[str, str]
+    #: decode: add the SHA-256 of the result tensor to the request's output JSON
+    result_sha256: bool
+
+    @classmethod
+    def parse(cls, raw: Any) -> QueueConfig:
+        """Parse ``disagg_config.queue``; raises ``ConfigError`` naming the bad key."""
+        if not isinstance(raw, Mapping):
+            raise ConfigError(
+                'disagg_config.queue must be an object: {"orchestrator": "tcp://host:port", '
+                '"credits": 1}'
+            )
+        unknown = sorted(set(raw) - _QUEUE_KEYS)
+        if unknown:
+            raise ConfigError(
+                f"disagg_config.queue: unknown keys {unknown} (known: {sorted(_QUEUE_KEYS)})"
+            )
+        address = raw.get("orchestrator")
+        if not isinstance(address, str) or not address.startswith("tcp://"):
+            raise ConfigError(
+                "disagg_config.queue.orchestrator must be the orchestrator's worker "
+                f"endpoint, tcp://host:port, got {address!r}"
+            )
+        labels = raw.get("labels", {})
+        if not isinstance(labels, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in labels.items()
+        ):
+            raise ConfigError("disagg_config.queue.labels must map strings to strings")
+        for key in ("token", "worker_id"):
+            if raw.get(key) is not None and not isinstance(raw[key], str):
+                raise ConfigError(f"disagg_config.queue.{key} must be a string")
+        return cls(
+            orchestrator=address,
+            credits=_number(raw, "credits", 1, int, "disagg_config.queue"),
+            token=raw.get("token"),
+            worker_id=raw.get("worker_id"),
+            labels=dict(labels),
+            result_sha256=bool(raw.get("result_sha256", False)),
+        )
 
 
 @dataclass(frozen=True)
@@ -59,6 +120,8 @@ class AdapterConfig:
     timeout_s: float
     ttl_s: float
     receive_pool_bytes: int
+    #: queue mode (``disagg_config.queue``); ``None``: LightX2V's rooms
+    queue: QueueConfig | None = None
 
     @classmethod
     def from_runner_config(cls, config: Mapping[str, Any]) -> AdapterConfig:
@@ -72,9 +135,12 @@ class AdapterConfig:
             )
         if disagg.get("decentralized_queue"):
             raise ConfigError(
-                "disagg_config.decentralized_queue is not supported with transfer_backend "
-                f"{BACKEND!r} yet (queue mode through the orchestrator is coming)"
+                "disagg_config.decentralized_queue (LightX2V's RDMA-ring queue) is not "
+                f"supported with transfer_backend {BACKEND!r}: use the adapter's queue mode, "
+                '"queue": {"orchestrator": "tcp://host:port", "credits": 1} in disagg_config, '
+                "which makes the roles mooncake-diffusion orchestrator workers"
             )
+        queue = QueueConfig.parse(disagg["queue"]) if disagg.get("queue") is not None else None
         transfer_mode = disagg.get("transfer_mode", "auto")
         if transfer_mode not in _MODES:
             raise ConfigError(f"disagg_config.transfer_mode must be one of {_MODES}")
@@ -98,12 +164,15 @@ class AdapterConfig:
             settings=settings,
             transfer_mode=transfer_mode,
             channel=channel,
-            sends_phase2=mode == "transformer" and disagg.get("decoder_engine_rank") is not None,
+            # queue mode: the orchestrator's stage graph always has a decode stage
+            sends_phase2=mode == "transformer"
+            and (queue is not None or disagg.get("decoder_engine_rank") is not None),
             latent_chunks=_number(disagg, "latent_chunks", 4, int),
             verify=verify in (True, "crc32"),
             timeout_s=_number(disagg, "timeout_s", 600.0),
             ttl_s=_number(disagg, "ttl_s", 600.0),
             receive_pool_bytes=_number(disagg, "receive_pool_mb", 256, int) << 20,
+            queue=queue,
         )
 
     @staticmethod

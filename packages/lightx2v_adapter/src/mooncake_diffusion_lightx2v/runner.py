@@ -24,6 +24,12 @@ Blocking: sends return once the bytes are consumable (store: in the store;
 p2p: held by this process until the receiver has pulled them, or until
 ``ttl_s``); receives block until the payload has landed, up to ``timeout_s``.
 Not thread-safe per runner (LightX2V calls a runner from one thread).
+
+Queue mode (``disagg_config.queue``, see ``queue_mode.py``): ``init_disagg``
+also starts a ``StageWorker`` for the role; the send/receive methods then act on
+the orchestrator item being run (receive: consume its input handle; send: hand
+the payload to the worker, which publishes it with lease ``retained``) instead
+of on the mailbox rooms.
 """
 
 from __future__ import annotations
@@ -127,6 +133,8 @@ class AdapterState:
         #: "store"), ``num_chunks``, ``nbytes`` (observability; tests read it)
         self.last_received: dict[str, Any] = {}
         self._closed = False
+        #: queue mode: the role's StageWorker (``queue_mode.QueueRole``), else ``None``
+        self.queue: Any = None
         # LightX2V (f8aee98b) never calls release_disagg: close at exit instead
         atexit.register(self.close)
 
@@ -204,6 +212,8 @@ class AdapterState:
         self._closed = True
         atexit.unregister(self.close)
         try:
+            if self.queue is not None:
+                self.queue.close()
             for name in self.posted_p2p:
                 self.mailbox.discard(name)
             self.posted_p2p.clear()
@@ -222,6 +232,14 @@ def init_disagg(self: Any, config: Any) -> None:
     ``MasterUnavailableError`` when it is not there) and set LightX2V's attributes."""
     cfg = AdapterConfig.from_runner_config(config)
     state = AdapterState(cfg)
+    if cfg.queue is not None:
+        from mooncake_diffusion_lightx2v.queue_mode import QueueRole
+
+        try:
+            state.queue = QueueRole(self, state)
+        except BaseException:
+            state.close()
+            raise
     self._mcd = state
     self._disagg_mode = cfg.disagg_mode
     self._disagg_cfg = config.get("disagg_config", {})
@@ -240,11 +258,11 @@ def init_disagg(self: Any, config: Any) -> None:
     else:
         self._disagg_p2_receiver = state.p2
     logger.info(
-        "[Disagg] mooncake_diffusion %s: master %s, transfer_mode %s, channel %r",
+        "[Disagg] mooncake_diffusion %s: master %s, transfer_mode %s, %s",
         cfg.disagg_mode,
         cfg.settings.master,
         cfg.transfer_mode,
-        cfg.channel,
+        f"channel {cfg.channel!r}" if cfg.queue is None else "queue mode",
     )
 
 
@@ -255,12 +273,32 @@ def _state(self: Any, what: str) -> AdapterState:
     return state
 
 
+def _incoming(state: AdapterState, config: Any, phase: int, what: str) -> bytes:
+    """The handle to receive: the queue item's input, or the room's next one."""
+    if state.queue is not None:
+        handle = state.queue.current(what).item.input
+        if not handle:
+            raise ValueError(f"[Disagg] {what}: the orchestrator item has no input")
+        return handle
+    return state.take(phase, state.cfg.room(config, phase))
+
+
 def send_encoder_outputs(self: Any, inputs: dict, latent_shape: list) -> None:
     """Publish the encoder outputs of one request (Phase 1)."""
     state = _state(self, "send_encoder_outputs")
     tensors, meta = payloads.pack_phase1(self.config, inputs, latent_shape, lightx2v_dtype())
     if state.cfg.verify:
         meta["crc32"] = payloads.checksums(tensors)
+    if state.queue is not None:
+        current = state.queue.current("send_encoder_outputs")
+        current.output = StagePayload(
+            request_id=current.item.request_id,
+            kind="embedding",
+            tensors=tensors,
+            meta=meta,
+            lease="retained",
+        )
+        return
     state.publish(
         1,
         state.cfg.room(self.config, 1),
@@ -274,7 +312,7 @@ def send_encoder_outputs(self: Any, inputs: dict, latent_shape: list) -> None:
 def receive_encoder_outputs(self: Any) -> dict:
     """Wait for the next Phase 1 payload; LightX2V's dict, tensors on ``AI_DEVICE``."""
     state = _state(self, "receive_encoder_outputs")
-    handle = state.take(1, state.cfg.room(self.config, 1))
+    handle = _incoming(state, self.config, 1, "receive_encoder_outputs")
     dtype = lightx2v_dtype() or torch.bfloat16
     with state.connector.consume(handle) as got:
         meta = got.meta
@@ -297,6 +335,18 @@ def send_transformer_outputs(self: Any, latents: torch.Tensor) -> None:
         meta["crc32"] = payloads.checksums({"latents": out})
     chunk_dim = out.dim() - 3 if out.dim() >= 4 else None  # T of [C, T, H, W] / [B, C, T, H, W]
     chunks = min(state.cfg.latent_chunks, out.shape[chunk_dim]) if chunk_dim is not None else 1
+    if state.queue is not None:
+        current = state.queue.current("send_transformer_outputs")
+        current.output = StagePayload(
+            request_id=current.item.request_id,
+            kind="latent",
+            tensors={"latents": out},
+            meta=meta,
+            chunk_dim=chunk_dim if chunks > 1 else None,
+            num_chunks=chunks,
+            lease="retained",
+        )
+        return
     state.publish(
         2,
         state.cfg.room(self.config, 2),
@@ -317,7 +367,7 @@ def receive_transformer_outputs(self: Any) -> torch.Tensor:
     """Wait for the next Phase 2 payload; the latents on ``AI_DEVICE``, each
     temporal chunk copied there as soon as it lands. Sets ``_p2_receive_meta``."""
     state = _state(self, "receive_transformer_outputs")
-    handle = state.take(2, state.cfg.room(self.config, 2))
+    handle = _incoming(state, self.config, 2, "receive_transformer_outputs")
     with state.connector.consume(handle) as got:
         spec = got.handle.tensors[0]
         out = torch.empty(spec.shape, dtype=getattr(torch, spec.dtype), device=lightx2v_device())

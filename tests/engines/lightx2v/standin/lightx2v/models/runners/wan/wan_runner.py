@@ -8,10 +8,16 @@ Shapes follow LightX2V's Wan I2V/T2V at the configured size: ``context`` and
 ``[z, T', H', W']`` in fp32 (the scheduler's dtype). Every value is a function
 of the request's seed (encoder) or of the received inputs (transformer), so a
 corrupted byte anywhere changes what the decoder returns.
+
+Test hook (a slow DiT): with ``standin_hold_until`` in the config (a request
+may set it through ``set_config``), ``run_segment`` reports progress, then waits
+until that file exists, so a test can kill a Transformer mid-item.
 """
 
 import hashlib
 import math
+import os
+import time
 
 import torch
 
@@ -43,6 +49,14 @@ class WanRunner(DisaggMixin):
         self.config = config
         self.input_info = None
         self.inputs = None
+        self.progress_callback = None
+
+    def set_config(self, config_modify):
+        """As ``DefaultRunner.set_config``: a server merges each request's task data."""
+        self.config.update(config_modify)
+
+    def set_progress_callback(self, callback):
+        self.progress_callback = callback
 
     def init_modules(self):
         if self.config.get("disagg_mode"):
@@ -72,6 +86,12 @@ class WanRunner(DisaggMixin):
         image = self.inputs.get("image_encoder_output") or {}
         seed = _digest_seed([text.get("context"), text.get("context_null"), *image.values()])
         g = torch.Generator().manual_seed(seed % (1 << 63))
+        hold = self.config.get("standin_hold_until")
+        if hold:
+            if self.progress_callback is not None:
+                self.progress_callback(1, 2)
+            while not os.path.exists(hold):
+                time.sleep(0.02)
         return torch.randn(tuple(self.input_info.latent_shape), generator=g)
 
     def run_vae_decoder(self, latents):
@@ -80,7 +100,8 @@ class WanRunner(DisaggMixin):
     # LightX2V's disaggregated control flow ----------------------------------
     def _run_pipeline_disagg_encoder(self):
         self.inputs = self.run_input_encoder()
-        latent_shape = list(self.input_info.latent_shape)
+        # LightX2V's encoder derives the latent shape from the configured video size
+        latent_shape = list(self.input_info.latent_shape or latent_dims(self.config))
         self.send_encoder_outputs(self.inputs, latent_shape)
         return None
 

@@ -1,0 +1,221 @@
+"""Queue mode: a LightX2V role serving the mooncake-diffusion orchestrator's queue.
+
+With ``disagg_config.queue`` set, ``init_disagg`` makes the role a core
+``StageWorker`` of its stage (Encoder: ``encode``, Transformer: ``denoise``,
+Decoder: ``decode``) on a background thread, instead of waiting on a room.
+Clients submit to the orchestrator (HTTP API ``POST /v1/requests``, ``params``
+= the body LightX2V's server takes: ``prompt``, ``negative_prompt``,
+``image_path``, ``seed``, ``save_result_path``, ...). Credits, priorities, SLO
+classes, failure re-queue and payload release are the orchestrator's; this
+module only runs the runner for an item:
+
+    StageWorker hands an item to serve(item, ctx)        (one at a time per runner)
+      task = params (+ "task" of the runner config)
+      runner.set_config(task); input_info = set_input_info(task)   as LightX2V's server
+      runner.run_pipeline(input_info)                     LightX2V's own role flow
+        receive_*_outputs()  -> consume item.input          (the upstream stage's output)
+        send_*_outputs(...)  -> the item's output payload   (lease "retained")
+    StageWorker publishes the output through core's connector, then acknowledges.
+
+The routed ``send_*`` / ``receive_*`` methods find the item they belong to
+through ``QueueRole.current()`` (a thread-local set around ``run_pipeline``).
+Outputs are ``retained`` (an item re-run after a worker death reads its input
+again); the orchestrator's ``Release`` drops them when the request finishes.
+The Decoder's output, the request's result, is small JSON: ``save_result_path``
+and a description of what ``run_pipeline`` returned (dtype, shape, and with
+``result_sha256`` the SHA-256 of its bytes).
+
+Obligations and limits: a LightX2V runner is not thread-safe, so items run one
+at a time (``credits`` > 1 only queues them on the role); the runner cannot stop
+mid-denoise, so cancel and preemption take effect between items; one process
+per role (``WORLD_SIZE`` > 1 is refused: every rank would pull its own items).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import logging
+import os
+import threading
+from typing import Any
+
+import msgspec
+import torch
+
+from mooncake_diffusion import StagePayload
+from mooncake_diffusion.errors import ConfigError
+from mooncake_diffusion.orchestrator.model import WorkItem
+from mooncake_diffusion.orchestrator.worker import StageContext, StageWorker
+
+__all__ = ["QueueItem", "QueueRole", "TaskData", "describe_result"]
+
+logger = logging.getLogger(__name__)
+
+#: request params a client may not set: they would re-route the role
+_FORBIDDEN = ("disagg_mode", "disagg_config", "model_cls", "model_path")
+_DRAIN_S = 60.0
+
+
+class TaskData(dict):
+    """The request's params as LightX2V's server hands them on (an ``EasyDict``):
+    keys are also attributes; a missing attribute reads as ``None``."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return self.get(name)
+
+
+class QueueItem:
+    """The item a runner is working on: its input handle, and the payload its
+    ``send_*`` call left for the worker to publish."""
+
+    def __init__(self, item: WorkItem, ctx: StageContext) -> None:
+        self.item = item
+        self.ctx = ctx
+        self.output: StagePayload | None = None
+
+
+def _digest(t: torch.Tensor) -> str:
+    flat = t.detach().contiguous().reshape(-1).view(torch.uint8).cpu()
+    return hashlib.sha256(flat.numpy().tobytes()).hexdigest()
+
+
+def describe_result(obj: Any, sha256: bool) -> Any:
+    """A JSON-able description of what ``run_pipeline`` returned: tensors as
+    ``{"dtype", "shape"[, "sha256"]}``, dicts and lists walked, scalars kept."""
+    if isinstance(obj, torch.Tensor):
+        out: dict[str, Any] = {"dtype": str(obj.dtype), "shape": list(obj.shape)}
+        if sha256:
+            out["sha256"] = _digest(obj)
+        return out
+    if isinstance(obj, dict):
+        return {str(k): describe_result(v, sha256) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [describe_result(v, sha256) for v in obj]
+    if obj is None or isinstance(obj, str | int | float | bool):
+        return obj
+    return type(obj).__name__
+
+
+def _set_input_info(task: TaskData) -> Any:
+    return importlib.import_module("lightx2v.utils.input_info").set_input_info(task)
+
+
+class QueueRole:
+    """One runner served as a ``StageWorker``; made by ``init_disagg``, ended by
+    ``close()`` (from ``release_disagg`` or the adapter's exit hook).
+
+    The worker thread is a daemon and is not joined at interpreter exit (LightX2V
+    never calls ``release_disagg``): the adapter's exit hook drains it instead."""
+
+    def __init__(self, runner: Any, state: Any) -> None:
+        cfg = state.cfg
+        q = cfg.queue
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise ConfigError(
+                "disagg_config.queue: one process per role (WORLD_SIZE > 1 would make "
+                "every rank pull its own items)"
+            )
+        self.runner = runner
+        self.stage = cfg.connector_role
+        self.sha256 = q.result_sha256
+        self.ttl_s = None  # the orchestrator releases outputs when the request finishes
+        self._run_lock = threading.Lock()
+        self._local = threading.local()
+        self.error: BaseException | None = None
+        self.worker = StageWorker(
+            self.stage,
+            self.serve,
+            q.orchestrator,
+            worker_id=q.worker_id,
+            credits=q.credits,
+            labels={"engine": "lightx2v", **q.labels},
+            connector=state.connector,
+            token=q.token,
+            publish_timeout_s=cfg.timeout_s,
+        )
+        self._thread = threading.Thread(
+            target=self._run, name=f"mcd-lightx2v-{self.stage}", daemon=True
+        )
+        self._thread.start()
+        logger.info(
+            "[Disagg] mooncake_diffusion queue mode: %s worker %s -> %s, credits %d",
+            self.stage,
+            self.worker.worker_id,
+            q.orchestrator,
+            q.credits,
+        )
+
+    def _run(self) -> None:
+        try:
+            self.worker.run(install_signal_handlers=False)
+        except BaseException as e:  # a refused Hello, an orchestrator that never answered
+            self.error = e
+            logger.error("[Disagg] queue worker %s stopped: %s", self.worker.worker_id, e)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def current(self, what: str) -> QueueItem:
+        """The item this thread is running; ``ConfigError`` outside one (a request
+        that came another way, e.g. a POST to LightX2V's own server)."""
+        item = getattr(self._local, "item", None)
+        if item is None:
+            raise ConfigError(
+                f"[Disagg] {what}: this role is in queue mode; its work comes from the "
+                f"orchestrator at {self.worker.orchestrator}, submit requests there"
+            )
+        return item
+
+    def task_data(self, params: Any) -> TaskData:
+        if not isinstance(params, dict):
+            raise ValueError("request params must be a JSON object")
+        bad = sorted(k for k in params if k in _FORBIDDEN)
+        if bad:
+            raise ValueError(f"request params may not set {bad}")
+        return TaskData({"task": self.runner.config.get("task"), **params})
+
+    def serve(self, item: WorkItem, ctx: StageContext) -> StagePayload | bytes:
+        """The stage function: run the runner's own pipeline for ``item``."""
+        task = self.task_data(ctx.params)
+        current = QueueItem(item, ctx)
+        with self._run_lock:
+            if ctx.cancelled:
+                raise RuntimeError("cancelled before it ran")
+            self._local.item = current
+            try:
+                runner = self.runner
+                if callable(getattr(runner, "set_config", None)):
+                    runner.set_config(task)
+                if callable(getattr(runner, "set_progress_callback", None)):
+                    runner.set_progress_callback(ctx.progress)
+                input_info = _set_input_info(task)
+                result = runner.run_pipeline(input_info)
+            finally:
+                self._local.item = None
+        if self.stage == "decode":
+            out = {
+                "request_id": item.request_id,
+                "save_result_path": getattr(input_info, "save_result_path", None) or None,
+                "result": describe_result(result, self.sha256),
+            }
+            return msgspec.json.encode(out)
+        if current.output is None:
+            raise RuntimeError(
+                f"[Disagg] {self.stage}: run_pipeline sent nothing for {item.request_id}"
+            )
+        return current.output
+
+    def close(self) -> None:
+        """Finish the running item, take no new one, say goodbye (up to 60 s; then
+        leave: the orchestrator re-queues what was left). Idempotent."""
+        if not self._thread.is_alive():
+            return
+        self.worker.drain()
+        self._thread.join(_DRAIN_S)
+        if self._thread.is_alive():
+            self.worker.stop()
+            self._thread.join(10)

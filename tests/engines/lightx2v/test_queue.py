@@ -1,0 +1,135 @@
+"""Queue mode: Encoder, Transformer and Decoder role processes (the stand-in runner,
+configured by their JSON alone) as workers of a real orchestrator process, over a
+real Mooncake master and store host. Requests are submitted to the orchestrator's
+HTTP API; the Decoder's output is the request's result."""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+
+import pytest
+from conftest import role_config
+from lightx2v.models.runners.wan.wan_runner import latent_dims
+from servicestack import ServiceStack
+from test_roles import expected_latents, ok
+
+pytestmark = [pytest.mark.engines, pytest.mark.integration]
+
+
+@pytest.fixture
+def stack(tmp_path, spawn_role, mooncake_cluster):
+    """An orchestrator process (stopped before the roles are released and checked)."""
+    s = ServiceStack(tmp_path, mooncake_cluster.settings.as_env(), heartbeat_timeout=2.0)
+    s.start_orchestrator()
+    yield s
+    assert s.close()["orchestrator"] == 0
+
+
+def queue_role(spawn_role, stack, cluster, mode: str, worker_id: str, **disagg):
+    queue = {"orchestrator": stack.worker_address, "worker_id": worker_id, "result_sha256": True}
+    return spawn_role(worker_id, role_config(mode, cluster, queue=queue, **disagg))
+
+
+def wait_workers(client, ids: set[str], timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if ids <= {w["worker_id"] for w in client.cluster()["workers"]}:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"workers {ids} never registered: {client.cluster()['workers']}")
+
+
+def result(st: dict) -> dict:
+    assert st["state"] == "completed", st
+    return json.loads(base64.b64decode(st["output"]))
+
+
+def wait_released(cluster, roles, timeout: float = 30) -> None:
+    """Until the orchestrator's Release has dropped every payload of finished requests."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        live = [ok(r.request(op="info"))["live_publications"] for r in roles]
+        if not cluster.keys() and not any(live):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"payloads left: keys {cluster.keys()}, live publications {live}")
+
+
+@pytest.mark.parametrize("mode", ["auto", "p2p"])
+def test_queue_mode_completes_requests_byte_for_byte_as_room_mode(
+    spawn_role, stack, mooncake_cluster, mode
+):
+    seeds = [31, 32, 33]
+    # room mode, the reference: the same stand-in roles on their rooms
+    enc, tra, dec = (
+        spawn_role(f"room-{m}", role_config(m, mooncake_cluster, transfer_mode=mode, **extra))
+        for m, extra in (
+            ("encoder", {}),
+            ("transformer", {"decoder_engine_rank": 2}),
+            ("decode", {}),
+        )
+    )
+    for s in seeds:
+        ok(enc.request(op="run", seed=s))
+        ok(tra.request(op="run", seed=s))
+    room = {s: ok(dec.request(op="run", seed=s))["output"] for s in seeds}
+
+    roles = [
+        queue_role(spawn_role, stack, mooncake_cluster, m, wid, transfer_mode=mode)
+        for m, wid in (("encoder", "enc-0"), ("transformer", "tra-0"), ("decode", "dec-0"))
+    ]
+    client = stack.client
+    wait_workers(client, {"enc-0", "tra-0", "dec-0"})
+    rids = {s: client.submit({"seed": s}, request_id=f"req-{s}") for s in seeds}  # all queued
+    config = role_config("transformer", mooncake_cluster)
+    for s, rid in rids.items():
+        st = client.wait(rid, timeout=120)
+        out = result(st)
+        assert out["result"] == {k: room[s][k] for k in ("dtype", "shape", "sha256")}
+        assert out["result"]["sha256"] == expected_latents(config, s)["sha256"]
+        assert out["result"]["shape"] == list(latent_dims(config))
+        assert out["request_id"] == rid
+        dispatched = [
+            (e["stage"], e["worker_id"]) for e in st["events"] if e["kind"] == "dispatched"
+        ]
+        assert dispatched == [("encode", "enc-0"), ("denoise", "tra-0"), ("decode", "dec-0")]
+    # a queue-mode role takes no work from LightX2V's own entry (a POST to its server)
+    direct = roles[1].request(op="run", seed=1)
+    assert direct["error"] == "ConfigError" and "orchestrator" in direct["message"], direct
+    wait_released(mooncake_cluster, roles)
+    assert ok(roles[2].request(op="info"))["pool_bytes_in_use"] == 0
+
+
+def test_a_transformer_killed_mid_item_leaves_the_request_to_another(
+    spawn_role, stack, mooncake_cluster, tmp_path
+):
+    gate = tmp_path / "go"
+    names = [("encoder", "enc-0"), ("transformer", "tra-0"), ("transformer", "tra-1")]
+    roles = {wid: queue_role(spawn_role, stack, mooncake_cluster, m, wid) for m, wid in names}
+    roles["dec-0"] = queue_role(spawn_role, stack, mooncake_cluster, "decode", "dec-0")
+    client = stack.client
+    wait_workers(client, set(roles))
+    # the stand-in's DiT holds every request until the gate file exists
+    rid = client.submit({"seed": 41, "standin_hold_until": str(gate)})
+    deadline = time.monotonic() + 60
+    while (st := client.status(rid)).get("stage") != "denoise" or st.get("step", 0) < 1:
+        assert st["state"] == "queued" or st["state"] == "running", st
+        assert time.monotonic() < deadline, st
+        time.sleep(0.05)
+    victim = st["worker_id"]
+    assert victim in ("tra-0", "tra-1")
+    roles.pop(victim).kill()  # SIGKILL mid-denoise: no goodbye, no cleanup
+    gate.touch()
+    out = result(st := client.wait(rid, timeout=120))
+    config = role_config("transformer", mooncake_cluster)
+    assert out["result"]["sha256"] == expected_latents(config, 41)["sha256"]
+    kinds = [(e["kind"], e.get("stage"), e.get("worker_id")) for e in st["events"]]
+    assert ("requeued", "denoise", None) in kinds, kinds
+    denoise = [w for k, s, w in kinds if k == "dispatched" and s == "denoise"]
+    assert denoise[0] == victim and denoise[-1] != victim, denoise
+    # and the survivors keep serving
+    out = result(client.wait(client.submit({"seed": 42}), timeout=120))
+    assert out["result"]["sha256"] == expected_latents(config, 42)["sha256"]
+    wait_released(mooncake_cluster, roles.values())
