@@ -14,6 +14,8 @@ registered with each engine, and times one ``transfer_sync`` per run (sglang's p
 
     sglang_engine       sglang's own engine: Transfer Engine write, loopback TCP
                         (``MC_FORCE_TCP=1``: these machines have no RDMA NIC)
+    sglang_engine_2     a second, identical sglang engine: the control. Its ratio is
+                        the noise floor of the run (two identical paths differ by it)
     adapter_net         the adapter with ``same_host: off``: Transfer Engine write
                         through core (retries, checks, stats): the remote-style path
     adapter_same_host   the adapter with ``same_host: auto``: both ends on one host,
@@ -45,7 +47,7 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != HERE]
 ROOT = os.path.dirname(HERE)
 VENV_PYTHON = os.path.join(ROOT, ".venvs", "sglang", "bin", "python")
 MIB = 1 << 20
-PATHS = ("sglang_engine", "adapter_net", "adapter_same_host")
+PATHS = ("sglang_engine", "sglang_engine_2", "adapter_net", "adapter_same_host")
 BASE = "sglang_engine"
 
 
@@ -151,6 +153,7 @@ class Sender:
         ptr = self.src.data_ptr()
         self.engines = {
             "sglang_engine": sglang_engine(),
+            "sglang_engine_2": sglang_engine(),
             "adapter_net": adapter_engine("off"),
             "adapter_same_host": adapter_engine("auto"),
         }
@@ -158,6 +161,7 @@ class Sender:
             e.register_buffer(ptr, nbytes)
         self.session = {
             "sglang_engine": sessions["sglang"],
+            "sglang_engine_2": sessions["sglang"],
             "adapter_net": sessions["adapter"],
             "adapter_same_host": sessions["adapter"],
         }
@@ -173,13 +177,13 @@ class Sender:
         return dt
 
     def paths_taken(self) -> dict[str, dict[str, int]]:
-        return {p: self.engines[p].stats().by_path for p in PATHS if p != BASE}
+        return {p: self.engines[p].stats().by_path for p in PATHS if p.startswith("adapter")}
 
     def close(self) -> None:
         ptr = self.src.data_ptr()
         for name, e in self.engines.items():
             e.deregister_buffer(ptr)
-            if name != BASE:
+            if name.startswith("adapter"):
                 e.close()
 
 
@@ -292,6 +296,9 @@ def main(argv: list[str] | None = None) -> int:
     summary = {
         "vs_sglang_engine_min": min_ratio("adapter_net"),
         "vs_sglang_engine_same_host_min": min_ratio("adapter_same_host"),
+        "control_vs_sglang_engine": [
+            round(r.ratio, 3) for r in rows if r.path == "sglang_engine_2" and r.ratio
+        ],
         "targets": {"vs_sglang_engine_min": 1.0, "vs_sglang_engine_same_host_min": 3.0},
         "adapter_paths_taken": taken,
         "wall_s": time.perf_counter() - t0,
@@ -301,7 +308,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"vs_sglang_engine_min {summary['vs_sglang_engine_min']:.2f} (target >= 1.0), "
         f"vs_sglang_engine_same_host_min {summary['vs_sglang_engine_same_host_min']:.2f} "
-        "(target >= 3.0)"
+        "(target >= 3.0); control (identical engine) "
+        + ", ".join(f"{x:.2f}" for x in summary["control_vs_sglang_engine"])
     )
     if args.json:
         out = {
