@@ -97,11 +97,15 @@ _ext_decoder = msgspec.msgpack.Decoder(tuple[str, str, tuple[int, ...], bytes | 
 
 
 # ------------------------------------------------------------------ object trees
-def pack(obj: Any, inline_bytes: int) -> tuple[bytes, list[tuple[str, Any]]]:
+def pack(
+    obj: Any, inline_bytes: int, *, to_host: bool = False
+) -> tuple[bytes, list[tuple[str, Any]]]:
     """``obj`` -> (skeleton, tensors to move); see the module docstring for the rules.
 
     Each tensor to move is ``(kind, t)``: kind ``torch``, ``numpy`` or ``bytes``, ``t`` a
     contiguous torch tensor or numpy array; the payload names index ``i`` ``f"t{i}.{kind}"``.
+    ``to_host`` copies device tensors to host memory first (for Mooncake builds that
+    cannot register device memory).
     """
     moved: list[tuple[str, Any]] = []
 
@@ -117,6 +121,8 @@ def pack(obj: Any, inline_bytes: int) -> tuple[bytes, list[tuple[str, Any]]]:
     def hook(o: Any) -> Any:
         if _is_torch(o):
             t = o.detach()
+            if to_host and t.device.type != "cpu":
+                t = t.cpu()
             if not t.is_contiguous():
                 t = t.contiguous()
             dtype = str(t.dtype).removeprefix("torch.")
@@ -196,7 +202,8 @@ class KeyedHandoff:
     tensors unchanged until then) or ``auto`` (store here: no consumer is named).
     Construction connects the mailbox's store client and raises
     ``MasterUnavailableError`` within ``settings.connect_timeout_s`` when no master
-    answers. ``device`` is where received tensors are allocated.
+    answers. ``device`` is where received tensors are allocated; ``to_host`` copies
+    device tensors to host memory before sending (see ``pack``).
     """
 
     def __init__(
@@ -211,6 +218,7 @@ class KeyedHandoff:
         timeout_s: float = 30.0,
         device: str = "cpu",
         keep_on_close: bool = False,
+        to_host: bool = False,
     ) -> None:
         if inline_bytes < 1:
             raise PayloadError(f"inline_bytes must be >= 1, got {inline_bytes}")
@@ -221,6 +229,7 @@ class KeyedHandoff:
         self.timeout_s = timeout_s
         self.device = device
         self.keep_on_close = keep_on_close
+        self.to_host = to_host
         self._lock = threading.Lock()
         # key -> request id of its payload ("" when inline): sent, not yet seen taken.
         # Holds no tensors: store payloads left them behind, p2p holds live in core.
@@ -246,7 +255,7 @@ class KeyedHandoff:
         ``DuplicatePublishError`` when ``key`` holds an untaken record, and the
         connector's errors; after an error nothing of ``obj`` is left in the store."""
         box, conn = self._open()
-        skeleton, moved = pack(obj, self.inline_bytes)
+        skeleton, moved = pack(obj, self.inline_bytes, to_host=self.to_host)
         tensors = {f"t{i}.{kind}": t for i, (kind, t) in enumerate(moved)}
         inline = len(skeleton) <= box.max_record // 2  # the rest of a record: the handle
         if not inline:

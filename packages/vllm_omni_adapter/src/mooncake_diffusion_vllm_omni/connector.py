@@ -45,10 +45,11 @@ class MooncakeDiffusionConnector(OmniConnectorBase):
     """A drop-in OmniConnector on Mooncake; select it with ``name: MooncakeDiffusionConnector``.
 
     ``supports_raw_data``: the KV manager may hand ``put`` raw ``bytes`` or a 1-D
-    uint8 tensor, on a GPU too; both move without serialisation. A device tensor
-    is copied to host first unless ``gpu_direct: true`` (a Mooncake build that
-    registers device memory). ``get`` returns raw bytes as a ``bytearray`` and a
-    raw tensor as a host uint8 tensor, byte for byte what was put.
+    uint8 tensor, on a GPU too; both move without serialisation. Device tensors
+    (raw or inside a payload) are copied to host first unless ``gpu_direct: true``
+    (a Mooncake build that registers device memory; untested here, no GPU). ``get``
+    returns raw bytes as a ``bytearray`` and a raw tensor as a host uint8 tensor,
+    byte for byte what was put.
 
     Construction raises (the factory turns it into ``ValueError``) when the
     master is not reachable within ``connect_timeout_s``, or on bad ``extra``.
@@ -85,6 +86,7 @@ class MooncakeDiffusionConnector(OmniConnectorBase):
             timeout_s=s.timeout_s,
             device=s.receive_device,
             keep_on_close=s.keep_on_close,
+            to_host=not s.gpu_direct,
         )
 
     # ------------------------------------------------------------ the contract
@@ -96,7 +98,7 @@ class MooncakeDiffusionConnector(OmniConnectorBase):
         counted in ``health()``), ``(False, 0, None)`` with nothing left behind."""
         key = self._make_key(put_key, from_stage, to_stage)
         try:
-            n = self._handoff.send(key, self._host_raw(data))
+            n = self._handoff.send(key, data)
         except Exception as e:
             self._fail(f"put {key}", e)
             return False, 0, None
@@ -192,13 +194,6 @@ class MooncakeDiffusionConnector(OmniConnectorBase):
             handoff.close()
 
     # ------------------------------------------------------------ helpers
-    def _host_raw(self, data: Any) -> Any:
-        """A raw device tensor goes to host memory unless ``gpu_direct``."""
-        if self.settings.gpu_direct:
-            return data
-        device = getattr(getattr(data, "device", None), "type", "cpu")
-        return data.cpu() if device not in ("cpu", None) and hasattr(data, "cpu") else data
-
     def _got(self, got: tuple[Any, int] | None) -> tuple[Any, int] | None:
         if got is None:
             self._count(misses=1)
