@@ -62,6 +62,27 @@ def _reexec() -> None:
     os.execv(VENV_PYTHON, [VENV_PYTHON, os.path.abspath(__file__), *sys.argv[1:]])
 
 
+def _light_sglang() -> None:
+    """Make ``sglang`` importable without running ``sglang/__init__.py``.
+
+    That file imports sglang's whole LLM runtime (30-45 s on this machine); the
+    transfer modules measured here (``multimodal_gen.runtime.disaggregation.
+    transport.engine`` and the srt Mooncake wrapper it uses) do not need it. The
+    classes and everything they import are sglang's own, unchanged.
+    """
+    import importlib.util
+    import types
+
+    if "sglang" in sys.modules:
+        return
+    spec = importlib.util.find_spec("sglang")
+    assert spec is not None and spec.submodule_search_locations is not None
+    package = types.ModuleType("sglang")
+    package.__path__ = list(spec.submodule_search_locations)
+    package.__spec__ = spec
+    sys.modules["sglang"] = package
+
+
 def _common() -> Any:
     """``bench/_common.py``, loaded by path (this folder is not on the import path)."""
     import importlib.util
@@ -261,8 +282,10 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("MC_FORCE_TCP", "1")  # sglang's engine defaults to RDMA
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     if args.peer:
+        _light_sglang()
         return peer_main(args.max_bytes)
     _reexec()
+    _light_sglang()
     PeerClient = _common().PeerClient
 
     sizes = [int(float(s) * MIB) for s in args.sizes_mb.split(",")]
@@ -270,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     warmup = 1 if args.quick else 2
     max_bytes = max(sizes)
     t0 = time.perf_counter()
-    log("starting the receiver process and the engines (sglang's import takes a while)")
+    log("starting the receiver process and the engines")
     peer = PeerClient(
         [sys.executable, os.path.abspath(__file__), "--peer", f"--max-bytes={max_bytes}"]
     )
