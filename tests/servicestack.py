@@ -104,6 +104,8 @@ class ServiceStack:
         self.client: OrchestratorClient | None = None
         #: names (worker ids, "orchestrator") whose exit code must be 0 at close
         self.clean_exit: tuple[str, ...] = ()
+        #: called with the cluster after the processes stopped, before the leak check
+        self.after_close: list = []
 
     @property
     def worker_address(self) -> str:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import base64
 import json
-import threading
 import time
 
 import pytest
@@ -17,34 +16,22 @@ from mooncake_diffusion.caches.embedding import EmbeddingCache
 from mooncake_diffusion.pipeline.params import GenerationParams
 from mooncake_diffusion.pipeline.reference import ReferencePipeline
 from mooncake_diffusion.pipeline.stages import frames_digest
-from mooncake_diffusion.testing import assert_no_leaks
 
 pytestmark = pytest.mark.faults
 
 STAGES = "mooncake_diffusion.pipeline.stages"
 
 
-@pytest.fixture
-def stack(tmp_path, mooncake_cluster):
-    baseline = {f"{t.name}#{t.ident}" for t in threading.enumerate()}
-    s = ServiceStack(tmp_path, mooncake_cluster.settings.as_env(), heartbeat_timeout=2.0)
-    yield s
-    deadline = time.monotonic() + 15
-    while mooncake_cluster.keys() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    rcs = s.close()
-    assert all(rc == 0 for name, rc in rcs.items() if name in s.clean_exit), rcs
-    # the negative-prompt embeddings are meant to stay cached: only they may remain
-    cache = EmbeddingCache(
-        mooncake_cluster.settings, encoder_id=ReferencePipeline().encoder_id, encoder_version="1"
-    )
+def clear_embeddings(cluster) -> None:
+    """The negative-prompt embeddings are meant to stay cached: only they may remain."""
+    left = cluster.keys()
+    assert all(k.startswith("mcd-cache/emb/") for k in left), left
+    enc = ReferencePipeline().encoder_id
+    cache = EmbeddingCache(cluster.settings, encoder_id=enc, encoder_version="1")
     try:
-        left = mooncake_cluster.keys()
-        assert all(k.startswith("mcd-cache/emb/") for k in left), left
         cache.clear()
     finally:
         cache.close()
-    assert_no_leaks(mooncake_cluster, baseline)
 
 
 def colocated(p: dict) -> str:
@@ -56,6 +43,7 @@ def result(st: dict) -> dict:
 
 
 def start(stack: ServiceStack, denoise: int = 1, *extra: str) -> None:
+    stack.after_close.append(clear_embeddings)
     stack.start_orchestrator(*extra)
     stack.start_worker("encode", "enc-0", fn=f"{STAGES}:encode")
     for i in range(denoise):

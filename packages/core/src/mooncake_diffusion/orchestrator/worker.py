@@ -249,15 +249,7 @@ class StageWorker:
         def send(msg: Any) -> None:  # a message, or a frame already encoded
             sock.send(msg if isinstance(msg, bytes) else encode(msg))
 
-        hello = Hello(
-            self.worker_id,
-            self.stage,
-            self.credits,
-            self.labels,
-            self.heartbeat_timeout,
-            self.token,
-            fresh=True,
-        )
+        hello = self._hello(fresh=True)
         send(hello)
         started = time.monotonic()
         interval = 1.0
@@ -308,6 +300,17 @@ class StageWorker:
                     send(hello)  # the orchestrator may not have been up yet
                 next_beat = time.monotonic() + interval
 
+    def _hello(self, *, fresh: bool) -> Hello:
+        return Hello(
+            self.worker_id,
+            self.stage,
+            self.credits,
+            self.labels,
+            self.heartbeat_timeout,
+            self.token,
+            fresh=fresh,
+        )
+
     def _refs(self) -> tuple[ItemRef, ...]:
         return tuple(self._running)
 
@@ -343,15 +346,7 @@ class StageWorker:
     def _on_refused(self, msg: Refused) -> Any:
         if msg.code in ("unknown_worker", "unauthorized") and msg.about != "Hello":
             # the orchestrator forgot us (restarted without a journal, or re-auth needed)
-            return Hello(
-                self.worker_id,
-                self.stage,
-                self.credits,
-                self.labels,
-                self.heartbeat_timeout,
-                self.token,
-                fresh=False,
-            )
+            return self._hello(fresh=False)
         if msg.about in ("Hello", "RegisterWorker"):
             self._stop.set()
             raise OrchestratorError(f"the orchestrator refused {self.worker_id}: {msg.reason}")
