@@ -253,6 +253,10 @@ class Orchestrator:
             raise
         return out
 
+    def live_workers(self) -> list[str]:
+        """Ids of the live workers, in registration order (O(workers), no copy of state)."""
+        return list(self._pools.workers)
+
     def next_deadline(self) -> float | None:
         """The next time at which the core acts on its own (a heartbeat deadline), or
         ``None``. A driver with no other event before then calls ``handle(Tick())``."""

@@ -361,6 +361,9 @@ class JournaledOrchestrator:
     def snapshot(self) -> CoreSnapshot:
         return self.core.snapshot()
 
+    def live_workers(self) -> list[str]:
+        return self.core.live_workers()
+
     def close(self) -> None:
         """Close the journal (idempotent). Every returned action's event is committed."""
         self.journal.close()

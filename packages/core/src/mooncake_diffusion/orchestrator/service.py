@@ -195,6 +195,7 @@ class OrchestratorService:
         self._closed = False
         self._core: Orchestrator | JournaledOrchestrator | None = None
         self._outstanding: dict[ItemRef, _Outstanding] = {}
+        self._outstanding_of: dict[str, set[ItemRef]] = {}  # the same, by worker
         self._producers: dict[str, set[str]] = {}
         self._authed: set[bytes] = set()
         self._counters: Counter[str] = Counter()
@@ -252,8 +253,8 @@ class OrchestratorService:
             # Workers could not reach us while we were down: give each recovered one a
             # fresh heartbeat deadline from now, or the downtime alone would declare
             # them dead and re-queue (and count as failed) everything they run.
-            for w in self._core.snapshot().workers:
-                self._core.handle(Heartbeat(w.worker_id))
+            for wid in self._core.live_workers():
+                self._core.handle(Heartbeat(wid))
             for d in self._core.recovered_dispatches:
                 self._send_work(d)
         else:
@@ -502,7 +503,7 @@ class OrchestratorService:
             self._send_work(a)
         elif isinstance(a, Revoke):
             ref = ItemRef(a.request_id, a.stage, a.attempt)
-            self._outstanding.pop(ref, None)
+            self._forget(ref)
             self._send(a.worker_id.encode(), Drop(ref, a.reason))
         elif isinstance(a, Preempt):
             ref = ItemRef(a.request_id, a.stage, a.attempt)
@@ -511,7 +512,7 @@ class OrchestratorService:
             self._send(a.worker_id.encode(), Yield(ref, a.reason))
         elif isinstance(a, Requeued):
             self._counters[f"requeued:{a.stage}"] += 1
-            self._outstanding.pop(ItemRef(a.request_id, a.stage, a.attempt), None)
+            self._forget(ItemRef(a.request_id, a.stage, a.attempt))
         elif isinstance(a, ReleasePayloads):
             self._release(a.request_id)
         elif isinstance(a, RequestCompleted):
@@ -522,6 +523,8 @@ class OrchestratorService:
         elif isinstance(a, RequestCancelled):
             self._counters["cancelled"] += 1
         elif isinstance(a, WorkerRemoved):
+            for ref in list(self._outstanding_of.get(a.worker_id, ())):
+                self._forget(ref)  # re-queued (a new attempt) or failed: nothing to resend
             self._counters["workers_removed"] += 1
             log.warning("orchestrator: worker %s removed: %s", a.worker_id, a.reason)
         elif isinstance(a, Rejected):
@@ -538,7 +541,7 @@ class OrchestratorService:
         if not producers:
             return
         assert self._core is not None
-        live = {w.worker_id for w in self._core.snapshot().workers}
+        live = set(self._core.live_workers())
         targets = (producers & live) or set(sorted(live)[:1])
         for wid in targets:
             self._send(wid.encode(), Release(rid))
@@ -547,8 +550,18 @@ class OrchestratorService:
         it = d.item
         frame = encode(Work(it))
         ref = ItemRef(it.request_id, it.stage, it.attempt)
+        self._forget(ref)
         self._outstanding[ref] = _Outstanding(d.worker_id, frame, time.monotonic())
+        self._outstanding_of.setdefault(d.worker_id, set()).add(ref)
         self._send_frame(d.worker_id.encode(), frame)
+
+    def _forget(self, ref: ItemRef) -> None:
+        out = self._outstanding.pop(ref, None)
+        if out is not None:
+            refs = self._outstanding_of[out.worker_id]
+            refs.discard(ref)
+            if not refs:
+                del self._outstanding_of[out.worker_id]
 
     def _send(self, ident: bytes, msg: Any) -> None:
         self._send_frame(ident, encode(msg))
@@ -589,7 +602,7 @@ class OrchestratorService:
                 self.table.done(r, wid, msg.info)
             acts = self._feed(ItemDone(wid, r.request_id, r.stage, r.attempt, msg.output), ident)
             if not _rejected(acts, "ItemDone"):
-                self._outstanding.pop(r, None)
+                self._forget(r)
                 st = self.table.status(r.request_id)
                 if msg.output and st is not None and st.state not in TERMINAL:
                     # an intermediate output: its producer drops it when the request ends
@@ -598,12 +611,12 @@ class OrchestratorService:
             r = msg.item
             ev = ItemFailed(wid, r.request_id, r.stage, r.attempt, msg.reason, msg.retryable)
             if not _rejected(self._feed(ev, ident), "ItemFailed"):
-                self._outstanding.pop(r, None)
+                self._forget(r)
         elif isinstance(msg, Yielded):
             r = msg.item
             ev = ItemYielded(wid, r.request_id, r.stage, r.attempt)
             if not _rejected(self._feed(ev, ident), "ItemYielded"):
-                self._outstanding.pop(r, None)
+                self._forget(r)
                 self.table.yielded(r, wid)
         elif isinstance(msg, Progress):
             self.table.progress(msg.item, wid, msg.step, msg.total)
@@ -619,7 +632,7 @@ class OrchestratorService:
             return
         self._authed.add(ident)
         assert self._core is not None
-        known = any(w.worker_id == msg.worker_id for w in self._core.snapshot().workers)
+        known = msg.worker_id in self._core.live_workers()
         if known and msg.fresh:  # a new process under an old id: its items go back
             self._feed(WorkerLost(msg.worker_id, "worker restarted"), ident)
             known = False
@@ -637,9 +650,9 @@ class OrchestratorService:
 
     def _resend_missing(self, wid: str, running: set[ItemRef]) -> None:
         now = time.monotonic()
-        for ref, out in self._outstanding.items():
-            stale = now - out.sent_at >= self.config.resend_after_s
-            if out.worker_id == wid and ref not in running and stale:
+        for ref in self._outstanding_of.get(wid, ()):
+            out = self._outstanding[ref]
+            if ref not in running and now - out.sent_at >= self.config.resend_after_s:
                 out.sent_at = now
                 self._counters["resent"] += 1
                 self._send_frame(wid.encode(), out.frame)
