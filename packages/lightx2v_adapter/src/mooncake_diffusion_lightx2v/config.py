@@ -22,7 +22,15 @@ __all__ = ["BACKEND", "AdapterConfig", "QueueConfig", "selects_adapter"]
 BACKEND = "mooncake_diffusion"
 _MODES = ("p2p", "store", "auto")
 _ROLES = {"encoder": "encode", "transformer": "denoise", "decode": "decode"}
-_QUEUE_KEYS = {"orchestrator", "credits", "token", "worker_id", "labels", "result_sha256"}
+_QUEUE_KEYS = {
+    "orchestrator",
+    "credits",
+    "token",
+    "worker_id",
+    "labels",
+    "result_sha256",
+    "connect_timeout_s",
+}
 
 
 def selects_adapter(config: Mapping[str, Any] | None) -> bool:
@@ -66,6 +74,8 @@ class QueueConfig:
     labels: dict[str, str]
     #: decode: add the SHA-256 of the result tensor to the request's output JSON
     result_sha256: bool
+    #: how long the worker keeps saying Hello before it gives up
+    connect_timeout_s: float
 
     @classmethod
     def parse(cls, raw: Any) -> QueueConfig:
@@ -101,6 +111,9 @@ class QueueConfig:
             worker_id=raw.get("worker_id"),
             labels=dict(labels),
             result_sha256=bool(raw.get("result_sha256", False)),
+            connect_timeout_s=_number(
+                raw, "connect_timeout_s", 300.0, float, "disagg_config.queue"
+            ),
         )
 
 

@@ -135,6 +135,7 @@ class QueueRole:
             connector=state.connector,
             token=q.token,
             publish_timeout_s=cfg.timeout_s,
+            connect_timeout_s=q.connect_timeout_s,
         )
         self._thread = threading.Thread(
             target=self._run, name=f"mcd-lightx2v-{self.stage}", daemon=True
