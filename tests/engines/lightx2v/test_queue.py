@@ -27,8 +27,9 @@ def stack(tmp_path, spawn_role, mooncake_cluster):
     assert s.close()["orchestrator"] == 0
 
 
-def queue_role(spawn_role, stack, cluster, mode: str, worker_id: str, **disagg):
+def queue_role(spawn_role, stack, cluster, mode: str, worker_id: str, credits=1, **disagg):
     queue = {"orchestrator": stack.worker_address, "worker_id": worker_id, "result_sha256": True}
+    queue["credits"] = credits
     return spawn_role(worker_id, role_config(mode, cluster, queue=queue, **disagg))
 
 
@@ -63,8 +64,9 @@ def test_queue_mode_completes_requests_byte_for_byte_as_room_mode(
 ):
     seeds = [31, 32, 33]
     stack.start_orchestrator()
+    credits = 1 if mode == "auto" else 2  # 2: the next item's input moves during this one
     roles = [
-        queue_role(spawn_role, stack, mooncake_cluster, m, wid, transfer_mode=mode)
+        queue_role(spawn_role, stack, mooncake_cluster, m, wid, credits, transfer_mode=mode)
         for m, wid in (("encoder", "enc-0"), ("transformer", "tra-0"), ("decode", "dec-0"))
     ]
     config = role_config("transformer", mooncake_cluster)

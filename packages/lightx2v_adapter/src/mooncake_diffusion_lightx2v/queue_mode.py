@@ -26,7 +26,8 @@ and a description of what ``run_pipeline`` returned (dtype, shape, and with
 ``result_sha256`` the SHA-256 of its bytes).
 
 Obligations and limits: a LightX2V runner is not thread-safe, so items run one
-at a time (``credits`` > 1 only queues them on the role); the runner cannot stop
+at a time; with ``credits`` > 1 the next items' inputs are received (copied to
+``AI_DEVICE``) while the runner is busy, so transfer overlaps compute; the runner cannot stop
 mid-denoise, so cancel and preemption take effect between items; one process
 per role (``WORLD_SIZE`` > 1 is refused: every rank would pull its own items).
 """
@@ -47,6 +48,7 @@ from mooncake_diffusion import StagePayload
 from mooncake_diffusion.errors import ConfigError
 from mooncake_diffusion.orchestrator.model import WorkItem
 from mooncake_diffusion.orchestrator.worker import StageContext, StageWorker
+from mooncake_diffusion_lightx2v import runner as runner_methods
 
 __all__ = ["QueueItem", "QueueRole", "TaskData", "describe_result"]
 
@@ -74,6 +76,8 @@ class QueueItem:
     def __init__(self, item: WorkItem, ctx: StageContext) -> None:
         self.item = item
         self.ctx = ctx
+        #: the input, received before the runner was free (what ``receive_*`` returns)
+        self.prefetched: Any = None
         self.output: StagePayload | None = None
 
 
@@ -119,6 +123,7 @@ class QueueRole:
                 "every rank pull its own items)"
             )
         self.runner = runner
+        self.state = state
         self.stage = cfg.connector_role
         self.sha256 = q.result_sha256
         self.ttl_s = None  # the orchestrator releases outputs when the request finishes
@@ -183,6 +188,13 @@ class QueueRole:
         """The stage function: run the runner's own pipeline for ``item``."""
         task = self.task_data(ctx.params)
         current = QueueItem(item, ctx)
+        # the input moves while the runner may still be busy with the previous item
+        if self.stage == "denoise" and item.input:
+            current.prefetched = runner_methods.fetch_phase1(
+                self.state, self.runner.config, item.input
+            )
+        elif self.stage == "decode" and item.input:
+            current.prefetched = runner_methods.fetch_phase2(self.state, item.input)
         with self._run_lock:
             if ctx.cancelled:
                 raise RuntimeError("cancelled before it ran")

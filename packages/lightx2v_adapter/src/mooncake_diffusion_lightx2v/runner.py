@@ -273,14 +273,11 @@ def _state(self: Any, what: str) -> AdapterState:
     return state
 
 
-def _incoming(state: AdapterState, config: Any, phase: int, what: str) -> bytes:
-    """The handle to receive: the queue item's input, or the room's next one."""
-    if state.queue is not None:
-        handle = state.queue.current(what).item.input
-        if not handle:
-            raise ValueError(f"[Disagg] {what}: the orchestrator item has no input")
-        return handle
-    return state.take(phase, state.cfg.room(config, phase))
+def _item_input(current: Any) -> bytes:
+    handle = current.item.input
+    if not handle:
+        raise ValueError(f"[Disagg] {current.item.stage}: the orchestrator item has no input")
+    return handle
 
 
 def send_encoder_outputs(self: Any, inputs: dict, latent_shape: list) -> None:
@@ -312,14 +309,24 @@ def send_encoder_outputs(self: Any, inputs: dict, latent_shape: list) -> None:
 def receive_encoder_outputs(self: Any) -> dict:
     """Wait for the next Phase 1 payload; LightX2V's dict, tensors on ``AI_DEVICE``."""
     state = _state(self, "receive_encoder_outputs")
-    handle = _incoming(state, self.config, 1, "receive_encoder_outputs")
+    if state.queue is not None:
+        current = state.queue.current("receive_encoder_outputs")
+        if current.prefetched is None:
+            current.prefetched = fetch_phase1(state, self.config, _item_input(current))
+        got, current.prefetched = current.prefetched, None
+        return got
+    return fetch_phase1(state, self.config, state.take(1, state.cfg.room(self.config, 1)))
+
+
+def fetch_phase1(state: AdapterState, config: Any, handle: bytes) -> dict:
+    """Consume a Phase 1 payload into LightX2V's dict (tensors copied to ``AI_DEVICE``)."""
     dtype = lightx2v_dtype() or torch.bfloat16
     with state.connector.consume(handle) as got:
         meta = got.meta
         if "crc32" in meta:
             payloads.verify(got.tensors, meta["crc32"])
         state.received(got)
-        return payloads.unpack_phase1(self.config, got.tensors, meta, dtype, lightx2v_device())
+        return payloads.unpack_phase1(config, got.tensors, meta, dtype, lightx2v_device())
 
 
 def send_transformer_outputs(self: Any, latents: torch.Tensor) -> None:
@@ -367,7 +374,20 @@ def receive_transformer_outputs(self: Any) -> torch.Tensor:
     """Wait for the next Phase 2 payload; the latents on ``AI_DEVICE``, each
     temporal chunk copied there as soon as it lands. Sets ``_p2_receive_meta``."""
     state = _state(self, "receive_transformer_outputs")
-    handle = _incoming(state, self.config, 2, "receive_transformer_outputs")
+    if state.queue is not None:
+        current = state.queue.current("receive_transformer_outputs")
+        if current.prefetched is None:
+            current.prefetched = fetch_phase2(state, _item_input(current))
+        (out, meta), current.prefetched = current.prefetched, None
+    else:
+        out, meta = fetch_phase2(state, state.take(2, state.cfg.room(self.config, 2)))
+    self._p2_receive_meta = meta
+    return out
+
+
+def fetch_phase2(state: AdapterState, handle: bytes) -> tuple[torch.Tensor, dict]:
+    """Consume a Phase 2 payload: the latents on ``AI_DEVICE`` (each temporal chunk
+    copied there as it lands) and their meta."""
     with state.connector.consume(handle) as got:
         spec = got.handle.tensors[0]
         out = torch.empty(spec.shape, dtype=getattr(torch, spec.dtype), device=lightx2v_device())
@@ -384,8 +404,7 @@ def receive_transformer_outputs(self: Any) -> torch.Tensor:
         if "crc32" in meta:
             payloads.verify(got.tensors, meta["crc32"])
         state.received(got)
-    self._p2_receive_meta = meta
-    return out
+    return out, meta
 
 
 def release_disagg(self: Any) -> None:
