@@ -108,4 +108,6 @@ def test_verification_script_passes_on_the_standin():
     assert out.returncode == 0, out.stdout + out.stderr
     assert "ok    routed by the plugin: 6 of 6" in out.stdout
     assert "ok    WanRunner inherits DisaggMixin" in out.stdout
+    assert "ok    WanRunner has ['set_config', 'run_pipeline'] (queue mode)" in out.stdout
+    assert "ok    lightx2v.utils.input_info.set_input_info('args',)" in out.stdout
     assert "FAIL" not in out.stdout

@@ -5,7 +5,9 @@ Checks, in order: ``import lightx2v`` works (with ``SKIP_PLATFORM_CHECK=1`` set
 when unset, so it runs on a machine without a GPU); this package's entry point
 is in ``lightx2v.platform_plugins``; ``DisaggMixin`` has the six methods with
 the parameters the adapter expects, and all six are routed by the plugin;
-the Wan and Qwen runners inherit them; which git commit the checkout is at
+the Wan and Qwen runners inherit them; for queue mode, that the runners have
+``set_config`` and ``run_pipeline(input_info)`` and that
+``lightx2v.utils.input_info.set_input_info(args)`` exists; which git commit the checkout is at
 (``f8aee98b`` is the one the adapter targets). Prints one line per check and
 exits 1 if any failed.
 """
@@ -93,6 +95,25 @@ def run_checks() -> list[tuple[bool, str]]:
             results.append((False, f"{cls}: {type(e).__name__}: {e}"))
             continue
         results.append((issubclass(runner, mixin), f"{cls} inherits DisaggMixin"))
+        queue_surface = [
+            n for n in ("set_config", "run_pipeline") if callable(getattr(runner, n, None))
+        ]
+        results.append(
+            (
+                queue_surface == ["set_config", "run_pipeline"],
+                f"{cls} has {queue_surface} (queue mode)",
+            )
+        )
+    try:
+        set_input_info = importlib.import_module("lightx2v.utils.input_info").set_input_info
+        params = list(inspect.signature(set_input_info).parameters)
+        results.append(
+            (len(params) == 1, f"lightx2v.utils.input_info.set_input_info{tuple(params)}")
+        )
+    except Exception as e:
+        results.append(
+            (False, f"lightx2v.utils.input_info.set_input_info: {type(e).__name__}: {e}")
+        )
     commit = _commit(Path(lightx2v.__file__).resolve().parent)
     if commit is None:
         results.append((True, "checkout commit: unknown (not a git checkout)"))
