@@ -97,6 +97,9 @@ def main() -> None:
             "live_publications": None if stats is None else stats.live_publications,
             "pool_bytes_in_use": None if stats is None else stats.pool_bytes_in_use,
             "last_received": None if state is None else state.last_received,
+            "queue": None
+            if state is None or state.queue is None
+            else {"alive": state.queue.alive, "error": str(state.queue.error or "")},
         }
 
     def release(cmd: dict) -> dict:

@@ -15,6 +15,8 @@ from lightx2v.models.runners.wan.wan_runner import latent_dims
 from servicestack import ServiceStack
 from test_roles import expected_latents, ok
 
+from mooncake_diffusion.orchestrator.client import OrchestratorClient
+
 pytestmark = [pytest.mark.engines, pytest.mark.integration]
 
 
@@ -139,3 +141,60 @@ def test_a_transformer_killed_mid_item_leaves_the_request_to_another(
     out = result(client.wait(client.submit({"seed": 42}), timeout=120))
     assert out["result"]["sha256"] == expected_latents(config, 42)["sha256"]
     wait_released(mooncake_cluster, roles.values())
+
+
+def test_priorities_come_from_the_orchestrator_and_a_wrong_token_is_refused(
+    spawn_role, stack, mooncake_cluster, tmp_path
+):
+    gate = tmp_path / "go"
+    stack.start_orchestrator("--token", "s3cret")
+    client = OrchestratorClient(f"http://127.0.0.1:{stack.api_port}", token="s3cret")
+    good = {"orchestrator": stack.worker_address, "token": "s3cret", "result_sha256": True}
+    roles = [
+        spawn_role(wid, role_config(m, mooncake_cluster, queue={**good, "worker_id": wid}))
+        for m, wid in (("encoder", "enc-0"), ("transformer", "tra-0"), ("decode", "dec-0"))
+    ]
+    intruder = spawn_role(
+        "tra-x",
+        role_config(
+            "transformer",
+            mooncake_cluster,
+            queue={"orchestrator": stack.worker_address, "worker_id": "tra-x", "token": "guess"},
+        ),
+    )
+    try:
+        wait_workers(client, {"enc-0", "tra-0", "dec-0"})
+        # the one Transformer is held on a first request while two more queue behind it
+        first = client.submit({"seed": 50, "standin_hold_until": str(gate)}, slo_class="batch")
+        deadline = time.monotonic() + 60
+        while client.status(first).get("stage") != "denoise":
+            assert time.monotonic() < deadline, client.status(first)
+            time.sleep(0.05)
+        batch = client.submit({"seed": 51}, slo_class="batch")
+        urgent = client.submit({"seed": 52}, slo_class="interactive")
+        while set(client.cluster()["queued"].get("denoise", [])) != {batch, urgent}:
+            assert time.monotonic() < deadline, client.cluster()
+            time.sleep(0.05)
+        gate.touch()
+        done = {rid: client.wait(rid, timeout=120) for rid in (first, batch, urgent)}
+        config = role_config("transformer", mooncake_cluster)
+        for rid, seed in ((first, 50), (batch, 51), (urgent, 52)):
+            assert result(done[rid])["result"]["sha256"] == expected_latents(config, seed)["sha256"]
+
+        def denoise_at(rid: str) -> float:
+            return next(
+                e["t"]
+                for e in done[rid]["events"]
+                if e["kind"] == "dispatched" and e["stage"] == "denoise"
+            )
+
+        assert denoise_at(urgent) < denoise_at(batch)  # submitted later, served first
+        # the wrong token: refused at Hello, the worker ends; the role itself stays up
+        while (info := ok(intruder.request(op="info")))["queue"]["alive"]:
+            assert time.monotonic() < deadline + 60, info
+            time.sleep(0.05)
+        assert "refused" in info["queue"]["error"], info
+        assert "tra-x" not in {w["worker_id"] for w in client.cluster()["workers"]}
+        wait_released(mooncake_cluster, roles)
+    finally:
+        client.close()
