@@ -101,6 +101,13 @@ def test_queue_mode_completes_requests_byte_for_byte_as_room_mode(
             (e["stage"], e["worker_id"]) for e in st["events"] if e["kind"] == "dispatched"
         ]
         assert dispatched == [("encode", "enc-0"), ("denoise", "tra-0"), ("decode", "dec-0")]
+    # a request's config overrides (as LightX2V's server applies them) are its own
+    short = client.wait(client.submit({"seed": 34, "target_video_length": 9}), timeout=120)
+    after = client.wait(client.submit({"seed": 35}), timeout=120)
+    expect = expected_latents({**config, "target_video_length": 9}, 34)
+    assert result(short)["result"]["sha256"] == expect["sha256"]
+    assert result(short)["result"]["shape"] == [16, 3, 8, 12]
+    assert result(after)["result"]["sha256"] == expected_latents(config, 35)["sha256"]
     # a queue-mode role takes no work from LightX2V's own entry (a POST to its server)
     direct = roles[1].request(op="run", seed=1)
     assert direct["error"] == "ConfigError" and "orchestrator" in direct["message"], direct

@@ -12,6 +12,7 @@ module only runs the runner for an item:
     StageWorker hands an item to serve(item, ctx)        (one at a time per runner)
       task = params (+ "task" of the runner config)
       runner.set_config(task); input_info = set_input_info(task)   as LightX2V's server
+      (afterwards the role's own values of the keys it overrode are set back)
       runner.run_pipeline(input_info)                     LightX2V's own role flow
         receive_*_outputs()  -> consume item.input          (the upstream stage's output)
         send_*_outputs(...)  -> the item's output payload   (lease "retained")
@@ -199,8 +200,11 @@ class QueueRole:
             if ctx.cancelled:
                 raise RuntimeError("cancelled before it ran")
             self._local.item = current
+            runner = self.runner
+            config = runner.config
+            # the role's own values of what this request overrides, put back after it
+            before = {k: config[k] for k in task if k in config and config[k] != task[k]}
             try:
-                runner = self.runner
                 if callable(getattr(runner, "set_config", None)):
                     runner.set_config(task)
                 if callable(getattr(runner, "set_progress_callback", None)):
@@ -209,6 +213,8 @@ class QueueRole:
                 result = runner.run_pipeline(input_info)
             finally:
                 self._local.item = None
+                if before:
+                    runner.set_config(before)
         if self.stage == "decode":
             out = {
                 "request_id": item.request_id,
