@@ -29,7 +29,8 @@ and a description of what ``run_pipeline`` returned (dtype, shape, and with
 Obligations and limits: a LightX2V runner is not thread-safe, so items run one
 at a time; with ``credits`` > 1 the next items' inputs are received (copied to
 ``AI_DEVICE``) while the runner is busy, so transfer overlaps compute; the runner cannot stop
-mid-denoise, so cancel and preemption take effect between items; one process
+mid-item, so a cancel drops an item before it starts or its output after it ends,
+and preemption (``ctx.should_yield``) is not honoured; one process
 per role (``WORLD_SIZE`` > 1 is refused: every rank would pull its own items).
 """
 
