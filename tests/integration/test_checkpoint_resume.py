@@ -19,6 +19,7 @@ from mooncake_diffusion.pipeline import (
     GenerationParams,
     PipelineConfig,
     ReferencePipeline,
+    SamplerState,
     denoise_with_checkpoints,
 )
 from mooncake_diffusion.pipeline.checkpointing import checkpoint_job_of
@@ -142,6 +143,34 @@ def test_preempted_job_resumes_from_its_checkpoint(mooncake_cluster, make_cache,
     assert digest(res.latent) == digest(full)
     assert job_keys(mooncake_cluster, res.job) == []
     assert cache.stats().errors == 0
+
+
+def test_edit_and_resume_continues_another_prompt_from_a_mid_trajectory_checkpoint(
+    mooncake_cluster, make_cache, pipe
+):
+    """Edit-and-resume: a mid-trajectory state of request A, read back from the store,
+    continued under an edited prompt B. Deterministic, and neither A's output nor B's
+    from scratch (the first steps were A's)."""
+    cache = make_cache(every=3)
+    with pytest.raises(DenoisePreempted):
+        denoise_with_checkpoints(
+            pipe, cache, pipe.condition(PARAMS), PARAMS, should_stop=lambda k: k == 4
+        )
+    job = checkpoint_job_of(cache, pipe, PARAMS)
+    step, _ = cache.latest(job)
+    assert step == 3
+    edited = msgspec.structs.replace(PARAMS, prompt="a grey wolf in the snow")
+    cond = pipe.condition(edited)
+
+    def resume() -> torch.Tensor:
+        state = SamplerState.from_tensors(cache.load(job, step))
+        return pipe.denoise(cond, edited, resume=state)
+
+    first, again = resume(), resume()
+    assert digest(first) == digest(again)
+    assert digest(first) != digest(pipe.denoise(cond, edited))
+    assert digest(first) != digest(pipe.denoise(pipe.condition(PARAMS), PARAMS))
+    assert cache.finish(job) >= 1
 
 
 def test_save_load_latest_keep_and_finish(mooncake_cluster, make_cache, pipe):
