@@ -153,14 +153,17 @@ def test_a_transformer_killed_mid_item_leaves_the_request_to_another(
 def test_priorities_come_from_the_orchestrator_and_a_wrong_token_is_refused(
     spawn_role, stack, mooncake_cluster, tmp_path
 ):
-    gate = tmp_path / "go"
+    gate, loaded = tmp_path / "go", tmp_path / "loaded"
     stack.start_orchestrator("--token", "s3cret")
     client = OrchestratorClient(f"http://127.0.0.1:{stack.api_port}", token="s3cret")
     good = {"orchestrator": stack.worker_address, "token": "s3cret", "result_sha256": True}
     roles = [
         spawn_role(wid, role_config(m, mooncake_cluster, queue={**good, "worker_id": wid}))
-        for m, wid in (("encoder", "enc-0"), ("transformer", "tra-0"), ("decode", "dec-0"))
+        for m, wid in (("encoder", "enc-0"), ("decode", "dec-0"))
     ]
+    # the Transformer's models load (after init_disagg) until `loaded` exists
+    tra = role_config("transformer", mooncake_cluster, queue={**good, "worker_id": "tra-0"})
+    roles.append(spawn_role("tra-0", {**tra, "standin_load_until": str(loaded)}))
     intruder = spawn_role(
         "tra-x",
         role_config(
@@ -170,12 +173,18 @@ def test_priorities_come_from_the_orchestrator_and_a_wrong_token_is_refused(
         ),
     )
     try:
-        wait_workers(client, {"enc-0", "tra-0", "dec-0"})
+        wait_workers(client, {"enc-0", "dec-0"})
         # the one Transformer is held on a first request while two more queue behind it
         first = client.submit({"seed": 50, "standin_hold_until": str(gate)}, slo_class="batch")
         deadline = time.monotonic() + 60
-        while client.status(first).get("stage") != "denoise":
+        while first not in client.cluster()["queued"].get("denoise", []):
             assert time.monotonic() < deadline, client.status(first)
+            time.sleep(0.05)
+        # a role whose models are still loading has not joined: the item waits for it
+        assert "tra-0" not in {w["worker_id"] for w in client.cluster()["workers"]}
+        loaded.touch()
+        while (st := client.status(first))["state"] != "running" or st["stage"] != "denoise":
+            assert time.monotonic() < deadline, st
             time.sleep(0.05)
         batch = client.submit({"seed": 51}, slo_class="batch")
         urgent = client.submit({"seed": 52}, slo_class="interactive")
@@ -196,6 +205,8 @@ def test_priorities_come_from_the_orchestrator_and_a_wrong_token_is_refused(
             )
 
         assert denoise_at(urgent) < denoise_at(batch)  # submitted later, served first
+        for st in done.values():  # nothing ran before its role was ready, nothing failed
+            assert not st.get("reasons") and "requeued" not in [e["kind"] for e in st["events"]]
         # the wrong token: refused at Hello, the worker ends; the role itself stays up
         while (info := ok(intruder.request(op="info")))["queue"]["alive"]:
             assert time.monotonic() < deadline + 60, info
@@ -204,4 +215,6 @@ def test_priorities_come_from_the_orchestrator_and_a_wrong_token_is_refused(
         assert "tra-x" not in {w["worker_id"] for w in client.cluster()["workers"]}
         wait_released(mooncake_cluster, roles)
     finally:
+        loaded.touch()  # so that teardown can release every role, even after a failure
+        gate.touch()
         client.close()

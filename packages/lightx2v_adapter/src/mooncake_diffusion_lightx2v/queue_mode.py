@@ -40,7 +40,9 @@ import hashlib
 import importlib
 import logging
 import os
+import sys
 import threading
+from types import FrameType
 from typing import Any
 
 import msgspec
@@ -105,6 +107,18 @@ def describe_result(obj: Any, sha256: bool) -> Any:
     return type(obj).__name__
 
 
+def _loading_frame(runner: Any) -> FrameType | None:
+    """The outermost ``init_modules`` of ``runner`` on this thread's stack: LightX2V
+    calls ``init_disagg`` first in it and loads the models after."""
+    outer = None
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "init_modules" and frame.f_locals.get("self") is runner:
+            outer = frame
+        frame = frame.f_back
+    return outer
+
+
 def _set_input_info(task: TaskData) -> Any:
     return importlib.import_module("lightx2v.utils.input_info").set_input_info(task)
 
@@ -113,8 +127,10 @@ class QueueRole:
     """One runner served as a ``StageWorker``; made by ``init_disagg``, ended by
     ``close()`` (from ``release_disagg`` or the adapter's exit hook).
 
-    The worker thread is a daemon and is not joined at interpreter exit (LightX2V
-    never calls ``release_disagg``): the adapter's exit hook drains it instead."""
+    The worker thread waits until the ``init_modules`` that called ``init_disagg``
+    has returned (LightX2V loads the models after ``init_disagg``), then says
+    Hello. It is a daemon and is not joined at interpreter exit (LightX2V never
+    calls ``release_disagg``): the adapter's exit hook drains it instead."""
 
     def __init__(self, runner: Any, state: Any) -> None:
         cfg = state.cfg
@@ -132,6 +148,10 @@ class QueueRole:
         self._run_lock = threading.Lock()
         self._local = threading.local()
         self.error: BaseException | None = None
+        # say Hello only once the runner's init_modules (model loading) has returned
+        self._loading = _loading_frame(runner)
+        self._loader = threading.get_ident()
+        self._closing = threading.Event()
         self.worker = StageWorker(
             self.stage,
             self.serve,
@@ -156,7 +176,19 @@ class QueueRole:
             q.credits,
         )
 
+    def _still_loading(self) -> bool:
+        top = sys._current_frames().get(self._loader)
+        while top is not None:
+            if top is self._loading:
+                return True
+            top = top.f_back
+        return False
+
     def _run(self) -> None:
+        while self._loading is not None and self._still_loading():
+            if self._closing.wait(0.05):
+                return
+        self._loading = None  # do not keep init_modules' locals alive
         try:
             self.worker.run(install_signal_handlers=False)
         except BaseException as e:  # a refused Hello, an orchestrator that never answered
@@ -232,6 +264,7 @@ class QueueRole:
     def close(self) -> None:
         """Finish the running item, take no new one, say goodbye (up to 60 s; then
         leave: the orchestrator re-queues what was left). Idempotent."""
+        self._closing.set()
         if not self._thread.is_alive():
             return
         self.worker.drain()

@@ -9,9 +9,10 @@ Shapes follow LightX2V's Wan I2V/T2V at the configured size: ``context`` and
 of the request's seed (encoder) or of the received inputs (transformer), so a
 corrupted byte anywhere changes what the decoder returns.
 
-Test hook (a slow DiT): with ``standin_hold_until`` in the config (a request
-may set it through ``set_config``), ``run_segment`` reports progress, then waits
-until that file exists, so a test can kill a Transformer mid-item.
+Test hooks: ``standin_load_until`` (see ``load_model``); and a slow DiT: with
+``standin_hold_until`` in the config (a request may set it through
+``set_config``), ``run_segment`` reports progress, then waits until that file
+exists, so a test can kill a Transformer mid-item.
 """
 
 import hashlib
@@ -61,6 +62,15 @@ class WanRunner(DisaggMixin):
     def init_modules(self):
         if self.config.get("disagg_mode"):
             self.init_disagg(self.config)
+        self.load_model()
+
+    def load_model(self):
+        """Models load after ``init_disagg``, as in LightX2V. Test hook (a slow load):
+        with ``standin_load_until`` in the config, wait until that file exists."""
+        hold = self.config.get("standin_load_until")
+        while hold and not os.path.exists(hold):
+            time.sleep(0.02)
+        self.loaded = True
 
     # fake models ------------------------------------------------------------
     def run_input_encoder(self) -> dict:
@@ -122,6 +132,8 @@ class WanRunner(DisaggMixin):
         return self.gen_video
 
     def run_pipeline(self, input_info):
+        if not getattr(self, "loaded", False):
+            raise RuntimeError("run_pipeline before the models were loaded")
         self.input_info = input_info
         mode = self.config.get("disagg_mode")
         if mode == "encoder":
