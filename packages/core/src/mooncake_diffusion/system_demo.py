@@ -35,19 +35,22 @@ PROMPTS = [
 
 
 def _batch(images: int, videos: int, steps: int) -> list[tuple[str, str, dict[str, Any]]]:
+    """Batch videos first (17 frames, four times the steps), then interactive images."""
     out = []
-    for i in range(images):
-        p = {"prompt": PROMPTS[i % len(PROMPTS)], "negative_prompt": NEGATIVE, "seed": i}
-        out.append((f"img-{i}", "interactive", {**p, "steps": steps, "height": 64, "width": 64}))
     for i in range(videos):
         neg = NEGATIVE if i % 2 == 0 else "static, jpeg artifacts"
         p = {"prompt": PROMPTS[(i + 3) % len(PROMPTS)], "negative_prompt": neg, "seed": 100 + i}
-        video = {**p, "steps": steps, "frames": 9, "height": 48, "width": 64, "chunks": 3}
+        video = {**p, "steps": 4 * steps, "frames": 17, "height": 64, "width": 96, "chunks": 3}
         out.append((f"vid-{i}", "batch", video))
+    for i in range(images):
+        p = {"prompt": PROMPTS[i % len(PROMPTS)], "negative_prompt": NEGATIVE, "seed": i}
+        out.append((f"img-{i}", "interactive", {**p, "steps": steps, "height": 64, "width": 64}))
     return out
 
 
-def _spawn(stage: str, wid: str, address: str, env: dict[str, str], log: Path) -> Any:
+def _spawn(
+    stage: str, wid: str, address: str, env: dict[str, str], log: Path, credits: int = 1
+) -> Any:
     argv = [
         sys.executable,
         "-m",
@@ -63,11 +66,29 @@ def _spawn(stage: str, wid: str, address: str, env: dict[str, str], log: Path) -
         wid,
         "--label",
         "node=local",
+        "--credits",
+        str(credits),
     ]
     f = open(log, "w")  # noqa: SIM115 (closed with the process)
     p = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **env})
     p.log = f  # type: ignore[attr-defined]
     return p
+
+
+def _until_denoising(svc: Any, rids: list[str], timeout: float) -> None:
+    """Wait until every request of ``rids`` has done a denoise step (or is done)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        sts = [svc.status(r) for r in rids]
+        far = [
+            s.stage == "decode"
+            or s.finished_at is not None
+            or (s.stage == "denoise" and (s.step or 0) >= 2)
+            for s in sts
+        ]
+        if all(far):
+            return
+        time.sleep(0.05)
 
 
 def _live_line(view: dict[str, Any], done: int, total: int) -> str:
@@ -107,15 +128,21 @@ def run_system_demo(
     """The demo; 0 when every request completed (and matched colocated, with ``verify``)."""
     out = Path(out_dir or tempfile.mkdtemp(prefix="mooncake-diffusion-demo-"))
     batch = _batch(images, videos, steps)
-    sts, wall, stats = serve_batch(batch, denoise_workers, out)
+    sts, wall, stats = serve_batch(batch, denoise_workers, out, stagger=True)
     return _report(sts, batch, out, wall, stats, verify)
 
 
 def serve_batch(
-    batch: list[tuple[str, str, dict[str, Any]]], denoise_workers: int, out: Path
+    batch: list[tuple[str, str, dict[str, Any]]],
+    denoise_workers: int,
+    out: Path,
+    *,
+    stagger: bool = False,
 ) -> tuple[list[Any], float, dict[str, int]]:
     """Run ``batch`` ((request id, class, params) each) on a fresh embedded system; the
-    final statuses, seconds from first submit to last outcome, service counters."""
+    final statuses, seconds from first submit to last outcome, service counters.
+    ``stagger``: submit the interactive requests only once the batch ones are
+    denoising (so they arrive at a busy pool, as in production, and preempt)."""
     from mooncake_diffusion._mooncake.cluster import LocalCluster
     from mooncake_diffusion.orchestrator.api import ApiServer
     from mooncake_diffusion.orchestrator.model import OrchestratorConfig
@@ -143,17 +170,20 @@ def serve_batch(
         )
         try:
             env = cluster.settings.as_env()
-            plan = [("encode", "enc-0"), ("decode", "dec-0")] + [
-                ("denoise", f"den-{i}") for i in range(denoise_workers)
+            # decode credits are latent receive slots: a denoise job is admitted only
+            # when one can be reserved, so give every denoise worker one, and a spare
+            plan = [("encode", "enc-0", 1), ("decode", "dec-0", denoise_workers + 1)] + [
+                ("denoise", f"den-{i}", 1) for i in range(denoise_workers)
             ]
-            for stage, wid in plan:
-                procs.append(_spawn(stage, wid, svc.worker_address, env, logs / f"{wid}.log"))
+            for stage, wid, credits in plan:
+                log = logs / f"{wid}.log"
+                procs.append(_spawn(stage, wid, svc.worker_address, env, log, credits))
             deadline = time.monotonic() + 120
             while len(svc.cluster()["workers"]) < len(plan):
                 if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
                     raise RuntimeError(f"workers did not come up; see {logs}")
                 time.sleep(0.1)
-            print(f"workers up: {', '.join(w for _, w in plan)} (logs in {logs})")
+            print(f"workers up: {', '.join(w for _, w, _ in plan)} (logs in {logs})")
             # the first item a worker runs imports torch and builds the model: warm each up
             warm = [
                 svc.submit({"prompt": "warm up", "steps": 1}, request_id=f"warmup-{i}")
@@ -166,6 +196,9 @@ def serve_batch(
             t_submit = time.time()
             rids = []
             for rid, cls, params in batch:
+                if stagger and cls == "interactive" and rids:
+                    _until_denoising(svc, rids, timeout=30)
+                    stagger = False
                 rids.append(
                     svc.submit({**params, "out_dir": str(out)}, request_id=rid, slo_class=cls)
                 )
@@ -252,7 +285,7 @@ def _report(sts: list[Any], batch: list, out: Path, wall: float, stats: dict, ve
         f"\nsummary: {sum(s.state == 'completed' for s in sts)}/{len(sts)} completed in "
         f"{wall:.1f}s ({len(sts) / wall:.2f} req/s); interactive TTFF median "
         f"{inter[len(inter) // 2] if inter else float('nan'):.2f}s; negative-prompt cache hits "
-        f"{hits}/{len(sts)}; requeues {requeues}"
+        f"{hits}/{len(sts)}; preemptions {stats.get('preemptions', 0)}; requeues {requeues}"
     )
     print(f"outputs: {out}  (PNG for images, GIF for videos; orchestrator journal and logs there)")
     if verify:
