@@ -73,10 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", metavar="PATH", help="also write results as JSON here")
     ap.add_argument("--denoise-workers", type=int, default=2)
     a = ap.parse_args(argv)
-    from mooncake_diffusion.system_demo import _batch
+    from mooncake_diffusion.system_demo import demo_batch
 
     images, videos, steps = (4, 2, 6) if a.quick else (12, 4, 12)
-    batch = _batch(images, videos, steps)
+    batch = demo_batch(images, videos, steps)
     classes = {rid: cls for rid, cls, _ in batch}
     print(f"batch: {images} interactive images, {videos} batch videos, {steps} steps", flush=True)
     col = colocated(batch)

@@ -75,7 +75,6 @@ EXT_TENSOR = 1
 _SKELETON = "skeleton"
 _ALIGN = 64
 _LEDGER_MAX = 65536
-_POLL_MIN_S, _POLL_MAX_S = 0.001, 0.02
 _HUGE_MIN = 4 << 20  # receive buffers from here up are huge-page backed (host only)
 
 
@@ -289,7 +288,7 @@ class KeyedHandoff:
         return nbytes
 
     # ------------------------------------------------------------ consumer
-    def receive(self, key: str) -> tuple[Any, int] | None:
+    def receive(self, key: str, *, deadline: float | None = None) -> tuple[Any, int] | None:
         """Take ``key``'s object: ``(obj, nbytes)``, or ``None`` at once when nothing is
         posted under ``key`` (or what is there expired). Once taken, a key is gone for
         every other consumer. Raises ``PayloadGoneError`` when the record was there but
@@ -297,9 +296,10 @@ class KeyedHandoff:
         for a foreign or corrupt record, and the connector's transfer errors. After a
         retryable error of a store payload (e.g. ``TransferError`` for a read lease that
         expired under load) the record is posted back, so a later receive retries;
-        after any other error the payload is removed."""
+        after any other error the payload is removed. ``deadline``: wait for the record
+        until then (``time.monotonic()``) instead of answering ``None`` at once."""
         box, conn = self._open()
-        raw = box.take(key)
+        raw = box.take(key) if deadline is None else box.take_until(key, deadline)
         if raw is None:
             return None
         record = _decode_record(raw, key)
@@ -328,14 +328,10 @@ class KeyedHandoff:
     def receive_until(self, key: str, deadline: float) -> tuple[Any, int] | None:
         """``receive`` polled with bounded backoff until ``deadline`` (``time.monotonic``);
         ``None`` when nothing arrived by then."""
-        delay = _POLL_MIN_S
-        while True:
-            got = self.receive(key)
-            left = deadline - time.monotonic()
-            if got is not None or left <= 0:
+        while True:  # an expired record reads as absent: keep waiting for a fresh one
+            got = self.receive(key, deadline=deadline)
+            if got is not None or time.monotonic() >= deadline:
                 return got
-            time.sleep(min(delay, left))
-            delay = min(delay * 2, _POLL_MAX_S)
 
     # ------------------------------------------------------------ cleanup
     def discard(self, key: str) -> None:

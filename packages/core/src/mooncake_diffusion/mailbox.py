@@ -11,6 +11,7 @@ Call sequence:
     box = Mailbox(settings)                  # connects; fails fast without a master
     box.post(name, record)                   # producer: once per name
     record = box.take(name)                  # consumer: the bytes, or None at once
+    record = box.take_until(name, deadline)  # the same, waiting until deadline (monotonic)
     box.discard(name); box.discard_prefix(p) # cleanup from either side
     box.close()
 
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 
 import numpy as np
 
@@ -120,6 +122,18 @@ class Mailbox:
         record = self.peek(name)
         if record is not None:
             self._client.remove_many([self.key_of(name)])
+        return record
+
+    def take_until(self, name: str, deadline: float) -> bytes | None:
+        """``take`` polled with bounded backoff (0.5 ms doubling to 20 ms) until
+        ``deadline`` (``time.monotonic()``); ``None`` if nothing came by then."""
+        delay = 0.0005
+        while (record := self.take(name)) is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            time.sleep(min(delay, left))
+            delay = min(delay * 2, 0.02)
         return record
 
     def discard(self, name: str) -> None:

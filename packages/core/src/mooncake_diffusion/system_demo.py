@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["run_system_demo"]
+__all__ = ["demo_batch", "run_system_demo", "serve_batch"]
 
 STAGES = "mooncake_diffusion.pipeline.stages"
 NEGATIVE = "blurry, low quality, watermark"
@@ -34,7 +34,7 @@ PROMPTS = [
 ]
 
 
-def _batch(images: int, videos: int, steps: int) -> list[tuple[str, str, dict[str, Any]]]:
+def demo_batch(images: int, videos: int, steps: int) -> list[tuple[str, str, dict[str, Any]]]:
     """Batch videos first (17 frames, four times the steps), then interactive images."""
     out = []
     for i in range(videos):
@@ -127,7 +127,7 @@ def run_system_demo(
 ) -> int:
     """The demo; 0 when every request completed (and matched colocated, with ``verify``)."""
     out = Path(out_dir or tempfile.mkdtemp(prefix="mooncake-diffusion-demo-"))
-    batch = _batch(images, videos, steps)
+    batch = demo_batch(images, videos, steps)
     sts, wall, stats = serve_batch(batch, denoise_workers, out, stagger=True)
     return _report(sts, batch, out, wall, stats, verify)
 

@@ -84,8 +84,6 @@ def lightx2v_dtype() -> torch.dtype | None:
 
 
 _MAX_HANDLE = 64 << 10  # a handle is ~200 B plus its meta (at most 8 KiB)
-_POLL_MIN_S = 0.0005  # mailbox polling: bounded backoff while the handle is not there
-_POLL_MAX_S = 0.02
 _MAX_REMEMBERED = 4096  # p2p handle names kept for discard at release
 
 
@@ -180,17 +178,13 @@ class AdapterState:
         """The next handle of (phase, room), waiting up to ``timeout_s``."""
         channel = self.p1 if phase == 1 else self.p2
         name = self.cfg.mailbox_name(phase, room, channel.next_seq(room))
-        deadline = time.monotonic() + self.cfg.timeout_s
-        delay = _POLL_MIN_S
-        while (handle := self.mailbox.take(name)) is None:
-            if time.monotonic() + delay > deadline:
-                channel.sequence[room] -= 1  # nothing taken: the next call waits for it again
-                raise DeadlineExceededError(
-                    f"[Disagg] no Phase {phase} payload on room {room} within "
-                    f"{self.cfg.timeout_s}s (mailbox {name!r})"
-                )
-            time.sleep(delay)
-            delay = min(delay * 2, _POLL_MAX_S)
+        handle = self.mailbox.take_until(name, time.monotonic() + self.cfg.timeout_s)
+        if handle is None:
+            channel.sequence[room] -= 1  # nothing taken: the next call waits for it again
+            raise DeadlineExceededError(
+                f"[Disagg] no Phase {phase} payload on room {room} within "
+                f"{self.cfg.timeout_s}s (mailbox {name!r})"
+            )
         return handle
 
     def received(self, got: Any) -> None:

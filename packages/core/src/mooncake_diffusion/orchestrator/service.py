@@ -34,10 +34,8 @@ not answering). Bad worker frames are logged and answered with ``Refused``.
 
 from __future__ import annotations
 
-import contextlib
 import hmac
 import logging
-import os
 import queue
 import threading
 import time
@@ -55,6 +53,7 @@ import zmq
 from mooncake_diffusion.orchestrator.clock import Clock, MonotonicClock
 from mooncake_diffusion.orchestrator.core import Orchestrator
 from mooncake_diffusion.orchestrator.errors import OrchestratorError
+from mooncake_diffusion.orchestrator.inbox import Inbox
 from mooncake_diffusion.orchestrator.journal import JournaledOrchestrator, JournalError
 from mooncake_diffusion.orchestrator.model import (
     STAGES,
@@ -185,9 +184,7 @@ class OrchestratorService:
         self._clock = clock or MonotonicClock()
         self._policy = policy
         self.table = RequestTable(self.config.max_finished)
-        self._mail: queue.SimpleQueue[tuple[Callable[[], Any], Future]] = queue.SimpleQueue()
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
+        self._mail: Inbox[tuple[Callable[[], Any], Future]] = Inbox()
         self._ctx: zmq.Context | None = None
         self._router: zmq.Socket | None = None
         self._thread: threading.Thread | None = None
@@ -234,8 +231,7 @@ class OrchestratorService:
             self._closed = True
             router.close()
             self._ctx.term()
-            os.close(self._wake_r)
-            os.close(self._wake_w)
+            self._mail.close()
             raise
         return self
 
@@ -267,15 +263,14 @@ class OrchestratorService:
         self._closed = True
         if self._thread is not None:
             self._stopping = True
-            os.write(self._wake_w, b"x")
+            self._mail.wake()
             self._thread.join(timeout=10)
         if self._router is not None:
             self._router.close()
         if self._ctx is not None:
             self._ctx.term()
         self.table.close_streams()
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+        self._mail.close()
 
     def __enter__(self) -> OrchestratorService:
         return self.start() if self._thread is None else self
@@ -374,7 +369,6 @@ class OrchestratorService:
             raise ServiceUnavailable(f"the orchestrator service is not running ({self.failure})")
         fut: Future = Future()
         self._mail.put((fn, fut))
-        os.write(self._wake_w, b"x")
         try:
             return fut.result(timeout=self.config.call_timeout_s)
         except FutureTimeout:
@@ -401,11 +395,7 @@ class OrchestratorService:
             if isinstance(self._core, JournaledOrchestrator):
                 self._core.close()
             self.stopped.set()
-            while True:  # nobody will answer these now
-                try:
-                    _, fut = self._mail.get_nowait()
-                except queue.Empty:
-                    break
+            for _, fut in self._mail.drain():  # nobody will answer these now
                 fut.set_exception(ServiceUnavailable(f"the orchestrator stopped: {self.failure}"))
 
     def _loop(self) -> None:
@@ -413,7 +403,7 @@ class OrchestratorService:
         assert router is not None and self._core is not None
         poller = zmq.Poller()
         poller.register(router, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
+        poller.register(self._mail.fileno(), zmq.POLLIN)
         while not self._stopping:
             deadline = self._core.next_deadline()
             timeout = None if deadline is None else max(0.0, deadline - self._now()) * 1000 + 1
@@ -431,14 +421,7 @@ class OrchestratorService:
                         self._counters["wire_errors"] += 1
                         continue
                     self._guard(self._on_frame, ident, frame)
-            if self._wake_r in ready:
-                with contextlib.suppress(BlockingIOError):
-                    os.read(self._wake_r, 4096)
-            while True:
-                try:
-                    fn, fut = self._mail.get_nowait()
-                except queue.Empty:
-                    break
+            for fn, fut in self._mail.drain():
                 if fut.set_running_or_notify_cancel():
                     try:
                         fut.set_result(fn())

@@ -36,7 +36,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import queue
 import signal
 import socket
 import threading
@@ -52,6 +51,7 @@ import zmq
 from mooncake_diffusion.connector import DiffusionConnector
 from mooncake_diffusion.errors import PayloadError
 from mooncake_diffusion.orchestrator.errors import OrchestratorError
+from mooncake_diffusion.orchestrator.inbox import Inbox
 from mooncake_diffusion.orchestrator.model import WorkItem
 from mooncake_diffusion.orchestrator.wire import (
     Beat,
@@ -166,9 +166,7 @@ class StageWorker:
         self.heartbeat_timeout = heartbeat_timeout
         self.publish_timeout_s = publish_timeout_s
         self.connect_timeout_s = connect_timeout_s
-        self._mail: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
+        self._mail: Inbox[tuple[Any, ...]] = Inbox()
         self._running: dict[ItemRef, StageContext] = {}
         self._done: OrderedDict[ItemRef, bytes] = OrderedDict()
         self._draining = threading.Event()
@@ -197,12 +195,12 @@ class StageWorker:
     def drain(self) -> None:
         """Finish what is running, take nothing new, leave (thread- and signal-safe)."""
         self._draining.set()
-        self._kick()
+        self._mail.wake()
 
     def stop(self, timeout: float = 30.0) -> None:
         """Leave now (running items are abandoned: the orchestrator re-queues them)."""
         self._stop.set()
-        self._kick()
+        self._mail.wake()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
 
@@ -210,13 +208,8 @@ class StageWorker:
         if self._thread is not None:
             self._thread.join(timeout)
 
-    def _kick(self) -> None:
-        with contextlib.suppress(OSError):
-            os.write(self._wake_w, b"x")
-
     def _post(self, msg: tuple[Any, ...]) -> None:
         self._mail.put(msg)
-        self._kick()
 
     # ------------------------------------------------------------------ the loop
     def run(self, *, install_signal_handlers: bool = True) -> None:
@@ -242,8 +235,7 @@ class StageWorker:
             ctx.term()
             if self._own_connector:
                 self.connector.close()
-            os.close(self._wake_r)
-            os.close(self._wake_w)
+            self._mail.close()
 
     def _serve(self, sock: zmq.Socket, pool: ThreadPoolExecutor) -> None:
         def send(msg: Any) -> None:  # a message, or a frame already encoded
@@ -257,7 +249,7 @@ class StageWorker:
         drain_announced = False
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
+        poller.register(self._mail.fileno(), zmq.POLLIN)
         while not self._stop.is_set():
             now = time.monotonic()
             if not self._welcomed.is_set() and now - started > self.connect_timeout_s:
@@ -277,14 +269,7 @@ class StageWorker:
                         interval = reply.heartbeat_interval
                     elif reply is not None:
                         send(reply)
-            if self._wake_r in ready:
-                with contextlib.suppress(BlockingIOError):
-                    os.read(self._wake_r, 4096)
-            while True:
-                try:
-                    msg = self._mail.get_nowait()
-                except queue.Empty:
-                    break
+            for msg in self._mail.drain():
                 self._on_mail(msg, send)
             if self._draining.is_set() and not drain_announced and self._welcomed.is_set():
                 send(Beat(self.worker_id, self._refs(), credits=0))
