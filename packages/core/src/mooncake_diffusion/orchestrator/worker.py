@@ -94,6 +94,7 @@ class StageContext:
         self._worker = worker
         self._cancelled = threading.Event()
         self._yield = threading.Event()
+        self._superseded = False
         self._params: Any = None
 
     @property
@@ -346,10 +347,34 @@ class StageWorker:
             return self._done[ref]  # a copy of what we finished: say Done again
         if self._draining.is_set():
             return Failed(self.worker_id, ref, "worker is draining", retryable=True)
+        self._supersede(ref)
         ctx = StageContext(self, item)
         self._running[ref] = ctx
         pool.submit(self._execute, ctx)
         return None
+
+    def _supersede(self, ref: ItemRef) -> None:
+        """A newer attempt of a (request, stage) this worker already ran or runs: the
+        orchestrator gave up on the older one (e.g. this worker was cut off past its
+        heartbeat deadline) and will refuse its result. Drop what the older attempt
+        published (its connector publication would collide with the new attempt's
+        output) and stop an older attempt that still runs; it publishes nothing."""
+        older = [
+            r
+            for r in (*self._done, *self._running)
+            if r.request_id == ref.request_id and r.stage == ref.stage and r.attempt < ref.attempt
+        ]
+        if not older:
+            return
+        for r in older:
+            self._done.pop(r, None)
+            ctx = self._running.get(r)
+            if ctx is not None:
+                ctx._superseded = True
+                ctx._cancelled.set()
+        log.info("worker %s: %s supersedes %s", self.worker_id, ref, older)
+        if not any(r.request_id == ref.request_id for r in self._running):
+            self.connector.cleanup(ref.request_id)
 
     def _execute(self, ctx: StageContext) -> None:
         ref = _ref(ctx.item)
@@ -357,6 +382,9 @@ class StageWorker:
             out = self.fn(ctx.item, ctx)
             if out is None and ctx.should_yield:
                 self._post(("yielded", ref))
+                return
+            if ctx._superseded:  # a newer attempt runs: its output is the one that counts
+                self._post(("superseded", ref))
                 return
             if isinstance(out, StagePayload):
                 pub = self.connector.publish(out)
@@ -380,7 +408,7 @@ class StageWorker:
                 send(Progress(self.worker_id, ref, msg[2], msg[3]))
             return
         ctx = self._running.pop(ref, None)
-        if ctx is None:
+        if ctx is None or ctx._superseded:
             return
         if ctx.cancelled:  # revoked: nobody wants the output
             self.connector.cleanup(ref.request_id)

@@ -1,0 +1,92 @@
+"""A worker handed a newer attempt of a (request, stage) it already ran: the orchestrator
+gave up on the older attempt (the worker was cut off past its heartbeat deadline, as in
+the chaos tier's denoise partition) and re-dispatched it, possibly to this same worker
+once it is back. The new attempt must run and publish; the older attempt's publication
+must not block it (it used to: ``DuplicatePublishError``, and the request failed)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+import zmq
+
+from mooncake_diffusion.connector import DiffusionConnector
+from mooncake_diffusion.orchestrator.model import WorkItem
+from mooncake_diffusion.orchestrator.wire import (
+    Done,
+    Failed,
+    Hello,
+    Release,
+    Welcome,
+    Work,
+    decode_from_worker,
+    encode,
+)
+from mooncake_diffusion.orchestrator.worker import StageWorker
+from mooncake_diffusion.payload import StagePayload
+from mooncake_diffusion.settings import MooncakeSettings
+from mooncake_diffusion.transports.memory import fabric_keys
+
+pytestmark = pytest.mark.integration
+
+
+def _item(attempt: int) -> WorkItem:
+    return WorkItem("r1", "denoise", attempt, "standard", 0.0, b"{}", b"", {})
+
+
+def _recv(sock: zmq.Socket, kinds: tuple[type, ...]) -> object:
+    """The next message of one of ``kinds`` (beats and progress are skipped)."""
+    assert sock.poll(20_000), "the worker said nothing"
+    while True:
+        ident, frame = sock.recv_multipart()
+        msg = decode_from_worker(frame)
+        if isinstance(msg, kinds):
+            return ident, msg
+        assert sock.poll(20_000), "the worker said nothing"
+
+
+@pytest.mark.parametrize("older", ["finished", "running"])
+def test_a_newer_attempt_replaces_what_the_older_one_published(older):
+    gate = threading.Event()
+    calls: list[int] = []
+
+    def fn(item: WorkItem, ctx) -> StagePayload:
+        calls.append(item.attempt)
+        if older == "running" and item.attempt == 1:
+            gate.wait(20)  # still running when attempt 2 arrives
+        x = torch.full((4, 4), float(item.attempt))
+        return StagePayload(item.request_id, "latent", tensor=x, lease="retained")
+
+    ctx = zmq.Context()
+    svc = ctx.socket(zmq.ROUTER)
+    svc.setsockopt(zmq.LINGER, 0)
+    port = svc.bind_to_random_port("tcp://127.0.0.1")
+    conn = DiffusionConnector("denoise", "memory", MooncakeSettings())
+    w = StageWorker("denoise", fn, f"tcp://127.0.0.1:{port}", worker_id="w", connector=conn)
+    t = threading.Thread(target=w._run_safely)
+    t.start()
+    try:
+        ident, _hello = _recv(svc, (Hello,))
+        svc.send_multipart([ident, encode(Welcome("w", 0.5))])
+        svc.send_multipart([ident, encode(Work(_item(1)))])
+        if older == "finished":
+            _, done1 = _recv(svc, (Done, Failed))
+            assert isinstance(done1, Done), done1  # its result: refused as stale upstream
+        svc.send_multipart([ident, encode(Work(_item(2)))])
+        gate.set()
+        _, res = _recv(svc, (Done, Failed))
+        assert isinstance(res, Done) and res.item.attempt == 2, res
+        assert calls[-1] == 2
+        assert fabric_keys(), "attempt 2 published nothing"
+        svc.send_multipart([ident, encode(Release("r1"))])
+    finally:
+        w.drain()
+        t.join(30)
+        svc.close()
+        ctx.term()
+    assert not t.is_alive()
+    assert conn.stats().live_publications == 0
+    conn.close()
+    assert fabric_keys() == []
