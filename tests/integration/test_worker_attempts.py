@@ -7,6 +7,7 @@ must not block it (it used to: ``DuplicatePublishError``, and the request failed
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -81,6 +82,10 @@ def test_a_newer_attempt_replaces_what_the_older_one_published(older):
         assert calls[-1] == 2
         assert fabric_keys(), "attempt 2 published nothing"
         svc.send_multipart([ident, encode(Release("r1"))])
+        deadline = time.monotonic() + 10
+        while fabric_keys() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert fabric_keys() == []  # the request's end drops attempt 2's output
     finally:
         w.drain()
         t.join(30)
@@ -89,4 +94,57 @@ def test_a_newer_attempt_replaces_what_the_older_one_published(older):
     assert not t.is_alive()
     assert conn.stats().live_publications == 0
     conn.close()
+    assert fabric_keys() == []
+
+
+def test_a_stale_result_is_released_not_orphaned():
+    """A worker's result for an attempt the service re-queued (it went silent past its
+    heartbeat deadline) is refused; what it published has no consumer, so the service
+    has it dropped: at the request's end, or at once when the request already ended."""
+    from mooncake_diffusion.orchestrator import OrchestratorConfig, toy
+    from mooncake_diffusion.orchestrator.service import OrchestratorService, ServiceConfig
+    from mooncake_diffusion.orchestrator.wire import ItemRef, Refused, decode_from_service
+
+    cfg = ServiceConfig(
+        orchestrator=OrchestratorConfig(heartbeat_timeout=0.5), worker_bind="tcp://127.0.0.1:0"
+    )
+    svc = OrchestratorService(cfg).start()
+    ctx = zmq.Context()
+    rogue = ctx.socket(zmq.DEALER)
+    rogue.setsockopt(zmq.ROUTING_ID, b"slow")
+    rogue.setsockopt(zmq.LINGER, 0)
+    rogue.connect(svc.worker_address)
+    conns, workers = [], []
+    try:
+        rogue.send(encode(Hello("slow", "encode", heartbeat_timeout=0.5)))
+        assert rogue.poll(10_000) and isinstance(decode_from_service(rogue.recv()), Welcome)
+        rid = svc.submit({"prompt": "late", "steps": 1})
+        assert rogue.poll(10_000)
+        work = decode_from_service(rogue.recv())
+        assert isinstance(work, Work) and work.item.attempt == 1, work
+        # silent past the deadline: attempt 1 is re-queued; real workers finish the request
+        for stage in ("encode", "denoise", "decode"):
+            conn = DiffusionConnector(stage, "memory", MooncakeSettings())
+            conns.append(conn)
+            w = StageWorker(stage, getattr(toy, stage), svc.worker_address, connector=conn)
+            workers.append(w.start())
+        assert svc.wait(rid, timeout=60).state == "completed"
+        rogue.send(encode(Done("slow", ItemRef(rid, "encode", 1), b"orphan-handle")))
+        got = []
+        deadline = time.monotonic() + 10
+        while not any(isinstance(m, Release) for m in got) and time.monotonic() < deadline:
+            if rogue.poll(200):
+                got.append(decode_from_service(rogue.recv()))
+        assert any(isinstance(m, Refused) and m.code == "stale_attempt" for m in got), got
+        assert Release(rid) in got, got
+    finally:
+        rogue.close()
+        ctx.term()
+        for w in workers:
+            w.drain()
+        for w in workers:
+            w.join(10)
+        svc.close()
+        for c in conns:
+            c.close()
     assert fabric_keys() == []

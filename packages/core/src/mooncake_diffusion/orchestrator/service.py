@@ -516,6 +516,16 @@ class OrchestratorService:
             if ident is not None:
                 self._send(ident, Refused(a.code, a.reason, a.event))
 
+    def _orphaned(self, rid: str, wid: str) -> None:
+        """``wid`` published an output whose result was refused (a stale attempt, or a
+        worker the service had given up on): nobody will consume it. Have it dropped
+        when the request ends, or now if it already has."""
+        st = self.table.status(rid)
+        if st is not None and st.state not in TERMINAL:
+            self._producers.setdefault(rid, set()).add(wid)
+        else:
+            self._send(wid.encode(), Release(rid))
+
     def _release(self, rid: str) -> None:
         """Ask the producers of ``rid``'s outputs to drop them. If none is alive, any
         live worker will do: in store mode its ``cleanup`` removes the request's
@@ -584,7 +594,10 @@ class OrchestratorService:
             if out is not None and out.worker_id == wid:  # first copy: tell the client
                 self.table.done(r, wid, msg.info)
             acts = self._feed(ItemDone(wid, r.request_id, r.stage, r.attempt, msg.output), ident)
-            if not _rejected(acts, "ItemDone"):
+            refused = _rejected_code(acts, "ItemDone")
+            if refused in _ORPHANING and msg.output:
+                self._orphaned(r.request_id, wid)
+            if refused is None:
                 self._forget(r)
                 st = self.table.status(r.request_id)
                 if msg.output and st is not None and st.state not in TERMINAL:
@@ -752,4 +765,12 @@ class OrchestratorService:
 
 
 def _rejected(actions: list[Action], event: str) -> bool:
-    return any(isinstance(a, Rejected) and a.event == event for a in actions)
+    return _rejected_code(actions, event) is not None
+
+
+def _rejected_code(actions: list[Action], event: str) -> str | None:
+    return next((a.code for a in actions if isinstance(a, Rejected) and a.event == event), None)
+
+
+#: refusals of a Done that leave its published output without a consumer
+_ORPHANING = frozenset({"stale_attempt", "unknown_worker"})

@@ -170,6 +170,7 @@ class StageWorker:
         self._mail: Inbox[tuple[Any, ...]] = Inbox()
         self._running: dict[ItemRef, StageContext] = {}
         self._done: OrderedDict[ItemRef, bytes] = OrderedDict()
+        self._publish_lock = threading.Lock()
         self._draining = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -366,15 +367,17 @@ class StageWorker:
         ]
         if not older:
             return
-        for r in older:
-            self._done.pop(r, None)
-            ctx = self._running.get(r)
-            if ctx is not None:
-                ctx._superseded = True
-                ctx._cancelled.set()
         log.info("worker %s: %s supersedes %s", self.worker_id, ref, older)
-        if not any(r.request_id == ref.request_id for r in self._running):
-            self.connector.cleanup(ref.request_id)
+        with self._publish_lock:  # an older attempt publishes before this, or never
+            for r in older:
+                self._done.pop(r, None)
+                ctx = self._running.get(r)
+                if ctx is not None:
+                    ctx._superseded = True
+                    ctx._cancelled.set()
+            others = [r for r in self._running if r.request_id == ref.request_id]
+            if all(r in older for r in others):
+                self.connector.cleanup(ref.request_id)
 
     def _execute(self, ctx: StageContext) -> None:
         ref = _ref(ctx.item)
@@ -383,11 +386,12 @@ class StageWorker:
             if out is None and ctx.should_yield:
                 self._post(("yielded", ref))
                 return
-            if ctx._superseded:  # a newer attempt runs: its output is the one that counts
-                self._post(("superseded", ref))
-                return
             if isinstance(out, StagePayload):
-                pub = self.connector.publish(out)
+                with self._publish_lock:
+                    if ctx._superseded:  # a newer attempt runs: its output is the one
+                        self._post(("superseded", ref))
+                        return
+                    pub = self.connector.publish(out)
                 pub.wait(self.publish_timeout_s)
                 output = pub.encode()
             else:
