@@ -308,3 +308,21 @@ def test_library_mode_wait_and_events_agree(stack):
     t.join(10)
     assert st.state == "completed"
     assert [e.kind for e in seen if e.kind != "progress"] == [e.kind for e in st.events]
+
+
+def test_an_unread_body_never_becomes_the_next_request(stack):
+    """Found by fuzzing: a refused request whose body the route never read (an unknown
+    route, a wrong method) left that body in the kept-alive stream, where it was parsed
+    as the next request (a 501 HTML page instead of that request's answer)."""
+    conn = http.client.HTTPConnection(stack.api.host, stack.api.port, timeout=10)
+    try:
+        for method, path in (("POST", "/v1/nope"), ("PUT", "/v1/requests"), ("POST", "/healthz")):
+            conn.request(method, path, body=b'{"a": 1}', headers={"Content-Type": "text/plain"})
+            resp = conn.getresponse()
+            assert resp.status in (404, 405), resp.status
+            assert "error" in json.loads(resp.read())
+            conn.request("GET", "/healthz")
+            resp = conn.getresponse()
+            assert (resp.status, json.loads(resp.read())) == (200, {"status": "ok"})
+    finally:
+        conn.close()

@@ -84,3 +84,26 @@ def test_a_skeleton_naming_a_tensor_that_did_not_arrive_is_rejected():
     skeleton, _ = pack({"big": torch.randn(64, 64)}, 1024)
     with pytest.raises(HandleError, match="did not arrive"):
         unpack(skeleton, {})
+
+
+@pytest.mark.parametrize(
+    "ext",
+    [
+        ("torch", "gloat32", (2, 2), b"\0" * 16),  # no such dtype
+        ("torch", "float32", (2, 2), b"\0" * 15),  # bytes do not fill the shape
+        ("torch", "float32", (-1, 2), b""),  # negative dim
+        ("numpy", "O", (1,), b"\0" * 8),  # objects cannot travel
+        ("numpy", "not-a-dtype", (1,), b"\0"),
+        ("pickle", "float32", (1,), b"\0" * 4),  # unknown kind
+    ],
+)
+def test_a_corrupt_inline_tensor_is_a_handle_error(ext):
+    """Found by fuzzing (tests/chaos/fuzz.py): these raised AttributeError, TypeError,
+    ValueError or RuntimeError out of ``unpack`` instead of its typed error."""
+    from mooncake_diffusion.keyed import EXT_TENSOR
+
+    skeleton = msgspec.msgpack.encode(
+        {"x": msgspec.msgpack.Ext(EXT_TENSOR, msgspec.msgpack.encode(ext))}
+    )
+    with pytest.raises(HandleError, match="keyed record"):
+        unpack(skeleton, {})

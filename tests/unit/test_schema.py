@@ -124,3 +124,13 @@ def test_side_channel_messages_roundtrip_and_handles_are_not_messages():
 def test_zero_size_tensor_has_no_byte_ranges():
     s = spec(shape=(0, 4), dtype="float32")
     assert s.nbytes == 0 and s.ranges == ()
+
+
+@pytest.mark.parametrize("meta", [b'{"fps":1x}', b"[1,2,3,45]", b"[[[[[[[[[["])
+def test_a_handle_whose_meta_is_not_a_json_object_is_refused(meta):
+    """Found by fuzzing: such a handle decoded fine and its ``meta`` raised later, in
+    whichever consumer read it first."""
+    good = b'{"fps":16}'
+    assert len(meta) == len(good)
+    with pytest.raises(HandleError, match="meta_json"):
+        decode_handle(handle().encode().replace(good, meta))

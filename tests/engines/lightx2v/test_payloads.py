@@ -189,3 +189,25 @@ def test_rooms_follow_lightx2v_defaults_and_overrides():
 def test_bad_disagg_config_fails_naming_the_key(config, match):
     with pytest.raises(ConfigError, match=match):
         AdapterConfig.from_runner_config(config)
+
+
+@pytest.mark.parametrize(
+    "meta",
+    [
+        None,
+        {"version": 2, "latent_shape": [16, 1, 2, 2]},
+        {"version": 1, "latent_shape": None},
+        {"version": 1, "latent_shape": [16, -1, 2, 2]},
+        {"version": 1, "latent_shape": [16, 1, 2, 2], "zeros": "clip_encoder_out"},
+        {"version": 1, "latent_shape": [16, 1, 2, 2], "zeros": ["junk"]},
+        {"version": 1, "latent_shape": [16, 1, 2, 2], "task": ["i2v"]},
+    ],
+)
+def test_a_malformed_phase1_meta_is_a_payload_error(meta):
+    """Found by fuzzing (tests/chaos/fuzz.py): such metas raised KeyError, TypeError,
+    IndexError or RuntimeError from deep inside the unpacking."""
+    tensors = {"context": torch.zeros(2, 3)}
+    with pytest.raises(PayloadError, match="Phase 1 payload"):
+        payloads.unpack_phase1({"task": "i2v"}, tensors, meta, torch.float32, "cpu")
+    with pytest.raises(PayloadError, match="crc32"):
+        payloads.verify(tensors, [1, 2])

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import mmap
 import re
 import threading
@@ -174,16 +175,35 @@ def unpack(skeleton: bytes | memoryview, moved: dict[int, Any]) -> Any:
 
 
 def _from_raw(kind: str, dtype: str, shape: tuple[int, ...], raw: bytes) -> Any:
+    """An inline tensor; raises ``HandleError`` when kind, dtype, shape and byte count
+    do not describe one (a corrupt or foreign record)."""
+    if kind == "bytes":
+        return bytearray(raw)
+    what = f"keyed record: inline {kind} tensor {dtype}{list(shape)}"
+    if kind not in ("torch", "numpy") or len(shape) > 32 or any(d < 0 for d in shape):
+        raise HandleError(f"{what} is not a tensor this build reads")
     if kind == "torch":
         import torch
 
-        if not raw:
-            return torch.empty(shape, dtype=getattr(torch, dtype))
-        flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-        return flat.view(getattr(torch, dtype)).reshape(shape)
-    if kind == "bytes":
-        return bytearray(raw)
-    return np.frombuffer(raw, dtype=dtype).reshape(shape).copy()
+        tdt = getattr(torch, dtype, None)
+        if not isinstance(tdt, torch.dtype):
+            raise HandleError(f"{what}: unknown torch dtype")
+        itemsize = tdt.itemsize
+    else:
+        try:
+            ndt = np.dtype(dtype)
+        except (TypeError, ValueError, SyntaxError):
+            raise HandleError(f"{what}: unknown numpy dtype") from None
+        if ndt.kind in "OV":
+            raise HandleError(f"{what}: numpy dtype of kind {ndt.kind!r} cannot travel")
+        itemsize = ndt.itemsize
+    if math.prod(shape) * itemsize != len(raw):
+        raise HandleError(f"{what} comes with {len(raw)} bytes")
+    if kind == "numpy":
+        return np.frombuffer(raw, dtype=ndt).reshape(shape).copy()
+    if not raw:
+        return torch.empty(shape, dtype=tdt)
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(tdt).reshape(shape)
 
 
 # ------------------------------------------------------------------ the handoff

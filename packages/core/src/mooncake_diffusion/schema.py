@@ -85,6 +85,13 @@ def _check(cond: bool, msg: str) -> None:
         raise ValueError(msg)
 
 
+def _is_json_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
+        return False
+
+
 class TensorSpec(msgspec.Struct, frozen=True, array_like=True):
     """One tensor of a payload: layout plus the byte ranges that hold its data.
 
@@ -197,6 +204,7 @@ class PayloadHandle(msgspec.Struct, frozen=True, array_like=True):
         names = [t.name for t in self.tensors]
         _check(len(set(names)) == len(names), f"duplicate tensor names in {names}")
         _check(len(self.meta_json) <= MAX_META_BYTES, "meta is larger than 8 KiB")
+        _check(_is_json_object(self.meta_json), "meta_json must be a JSON object")
         _check(self.ttl_s is None or self.ttl_s > 0, "ttl_s must be positive")
         check_chunking(self.tensors, self.chunk_dim, self.num_chunks)
         kinds = {"p2p": P2PSource, "store": StoreSource, "memory": MemorySource}

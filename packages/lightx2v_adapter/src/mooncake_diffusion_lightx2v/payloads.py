@@ -29,6 +29,7 @@ from mooncake_diffusion.errors import PayloadError
 
 __all__ = [
     "IMAGE_TASKS",
+    "check_phase1",
     "checksums",
     "pack_phase1",
     "pack_phase2",
@@ -129,6 +130,46 @@ def _zeros_for(name: str, config: Mapping[str, Any], dtype: torch.dtype, meta: M
     return torch.zeros((z + 4, *latent[1:4]), dtype=dtype)
 
 
+_IMAGE_SLOTS = ("clip_encoder_out", "vae_encoder_out")
+
+
+def check_phase1(tensors: Mapping[str, Any], meta: Any) -> None:
+    """Raise ``PayloadError`` unless ``meta`` (from the wire) is a Phase 1 meta this
+    build reads and ``tensors`` holds its context: version 1, ``latent_shape`` a
+    list of 1..8 non-negative ints,
+    ``zeros`` a list of image slot names, ``task`` text or null, ``image_info`` an
+    object or null, ``crc32`` an object of integers."""
+
+    def bad(why: str) -> PayloadError:
+        return PayloadError(f"LightX2V Phase 1 payload: {why}")
+
+    if not isinstance(meta, Mapping):
+        raise bad(f"meta is a {type(meta).__name__}, not an object")
+    if meta.get("version") != 1 or isinstance(meta.get("version"), bool):
+        raise bad(f"meta version {meta.get('version')!r}; this build reads version 1")
+    shape = meta.get("latent_shape")
+    if not (
+        isinstance(shape, list)
+        and 1 <= len(shape) <= 8
+        and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+    ):
+        raise bad(f"latent_shape {shape!r} is not a list of 1..8 non-negative ints")
+    zeros = meta.get("zeros", [])
+    if not isinstance(zeros, list) or any(z not in _IMAGE_SLOTS for z in zeros):
+        raise bad(f"zeros {zeros!r} names slots other than {list(_IMAGE_SLOTS)}")
+    if not isinstance(meta.get("task"), str | None):
+        raise bad(f"task {meta.get('task')!r} is not text")
+    if not isinstance(meta.get("image_info"), Mapping | None):
+        raise bad("image_info is not an object")
+    crc = meta.get("crc32", {})
+    if not isinstance(crc, Mapping) or not all(
+        isinstance(v, int) and not isinstance(v, bool) for v in crc.values()
+    ):
+        raise bad("crc32 is not an object of integers")
+    if not isinstance(tensors.get("context"), torch.Tensor):
+        raise bad("no 'context' tensor")
+
+
 def unpack_phase1(
     config: Mapping[str, Any],
     tensors: Mapping[str, torch.Tensor],
@@ -138,7 +179,9 @@ def unpack_phase1(
 ) -> dict[str, Any]:
     """The transformer's ``receive_encoder_outputs()`` dict from received
     tensors; each tensor is copied to ``device`` (the received views may be
-    released afterwards)."""
+    released afterwards). Raises ``PayloadError`` on a malformed payload
+    (``check_phase1``)."""
+    check_phase1(tensors, meta)
     task = meta.get("task") or config.get("task", "i2v")
     got = {k: v.to(device, copy=True) for k, v in tensors.items()}
     for name in meta.get("zeros", []):
@@ -203,7 +246,12 @@ def checksums(tensors: Mapping[str, torch.Tensor]) -> dict[str, int]:
 
 def verify(tensors: Mapping[str, torch.Tensor], expected: Mapping[str, int]) -> None:
     """Raise ``ValueError`` (as LightX2V does on a hash mismatch) when a received
-    tensor's CRC-32 differs from the sender's."""
+    tensor's CRC-32 differs from the sender's; ``PayloadError`` (a ``ValueError``)
+    when ``expected`` is not an object of integers."""
+    if not isinstance(expected, Mapping) or not all(
+        isinstance(v, int) and not isinstance(v, bool) for v in expected.values()
+    ):
+        raise PayloadError("LightX2V payload: crc32 is not an object of integers")
     for name, want in expected.items():
         if name not in tensors:
             raise ValueError(f"Disagg: {name} missing from the received payload")

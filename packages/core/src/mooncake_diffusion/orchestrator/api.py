@@ -165,6 +165,7 @@ class _Handler(BaseHTTPRequestHandler):
         self._route("DELETE")
 
     def _route(self, method: str) -> None:
+        self._consumed = False
         try:
             url = urlsplit(self.path)
             parts = [p for p in url.path.split("/") if p]
@@ -197,12 +198,18 @@ class _Handler(BaseHTTPRequestHandler):
                 return self._events(parts[2], follow)
             raise _ApiError(HTTPStatus.NOT_FOUND, "not_found", f"no route {url.path}")
         except _ApiError as e:
-            self._json(e.status, {"error": e.code, "message": e.message})
+            self._error(e.status, e.code, e.message)
         except RequestRejected as e:
-            status = _CODES.get(e.code, HTTPStatus.BAD_REQUEST)
-            self._json(status, {"error": e.code, "message": e.reason})
+            self._error(_CODES.get(e.code, HTTPStatus.BAD_REQUEST), e.code, e.reason)
         except ServiceUnavailable as e:
-            self._json(HTTPStatus.SERVICE_UNAVAILABLE, {"error": "unavailable", "message": str(e)})
+            self._error(HTTPStatus.SERVICE_UNAVAILABLE, "unavailable", str(e))
+
+    def _error(self, status: int, code: str, message: str) -> None:
+        """Answer an error. A body the route never read is read first (or the connection
+        closed): left in the stream, it would be parsed as the next request."""
+        if not self._consumed:
+            self._drain_body()
+        self._json(status, {"error": code, "message": message})
 
     def _only(self, method: str, allowed: str) -> None:
         if method != allowed:
@@ -221,6 +228,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     # ------------------------------------------------------------------ bodies
     def _drain_body(self) -> None:
+        self._consumed = True
         n = self.headers.get("Content-Length")
         if n and n.isdigit() and int(n) <= MAX_BODY:
             self.rfile.read(int(n))
@@ -228,6 +236,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
 
     def _body(self, *, required: bool = True) -> dict[str, Any] | None:
+        self._consumed = True
         n = self.headers.get("Content-Length")
         if n is None:
             if self.headers.get("Transfer-Encoding"):
