@@ -1,0 +1,195 @@
+"""Chaos: faults on network-namespace hosts, fuzzing, a service soak, mailbox races.
+
+    python bench/chaos.py --quick --json /tmp/chaos.json
+
+Runs, in one process and one report:
+1. the chaos scenarios of ``tests/chaos/scenarios.py`` (the reference pipeline on
+   namespaced hosts: partitions, SIGKILL/SIGSTOP of master, store host, orchestrator
+   and workers, a full pool, a p2p producer cut off mid-transfer), one row each;
+2. the Hypothesis fuzz targets of ``tests/chaos/fuzz.py`` (cases run, crashes);
+3. the service soak of ``tests/chaos/soak.py`` (1,000 requests; 200 with --quick)
+   with random cancels and worker SIGKILLs;
+4. concurrent takers of one mailbox key across processes (keys taken twice).
+
+``--quick`` runs the same configurations with fewer fuzz cases, soak requests and
+race keys (the scenarios are the same). Without root (``ip netns``) the scenarios
+are reported as not run, with the reason; the rest still runs.
+Summary: scenarios, lost_requests, duplicate_completions, leaked_keys, leaked_fds,
+leaked_threads, fuzz_cases, fuzz_crashes, max_detect_s (<= 2x heartbeat_timeout_s),
+mailbox_double_takes, soak_*.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT / "tests" / "chaos"), str(ROOT / "tests")]
+
+import fuzz  # noqa: E402
+import mailbox_race  # noqa: E402
+import scenarios  # noqa: E402
+from deploy import HEARTBEAT_S, HOSTS, Deployment  # noqa: E402
+from hosts import Hosts, available  # noqa: E402
+from soak import soak  # noqa: E402
+
+from mooncake_diffusion._mooncake.cluster import LocalCluster  # noqa: E402
+
+
+def run_scenarios(work: Path) -> tuple[list[dict[str, Any]], str | None]:
+    why = available()
+    if why is not None:
+        return [], why
+    rows = []
+    with Hosts(HOSTS, str(work)) as net:
+        d = Deployment(net, work, heartbeat_timeout=HEARTBEAT_S)
+        try:
+            d.up()
+            scenarios.warm_up(d)
+            for fn in scenarios.SCENARIOS:
+                print(f"[chaos] scenario {fn.__name__[9:]} ...", file=sys.stderr, flush=True)
+                try:
+                    rows.append(fn(d).row())
+                except Exception as e:  # a scenario that breaks is a result, not a crash
+                    traceback.print_exc()
+                    rows.append({"name": fn.__name__[9:], "error": f"{type(e).__name__}: {e}"})
+        finally:
+            d.down()
+    after = net.leftovers()
+    if after:
+        print(f"[chaos] namespaces left behind: {after}", file=sys.stderr)
+    return rows, None
+
+
+def run_fuzz(total: int) -> list[dict[str, Any]]:
+    per = math.ceil(total / len(fuzz.NAMES))
+    rows = []
+    for name in fuzz.NAMES:
+        t = time.monotonic()
+        try:
+            n, crash = fuzz.run(name, per), None
+        except Exception as e:
+            n, crash = per, f"{type(e).__name__}: {str(e)[:300]}"
+        rows.append(
+            {"target": name, "cases": n, "crash": crash, "wall_s": round(time.monotonic() - t, 2)}
+        )
+        print(f"[chaos] fuzz {name}: {n} cases, crash {crash}", file=sys.stderr, flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="fewer fuzz cases, soak requests, keys")
+    ap.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
+    ap.add_argument(
+        "--skip", action="append", default=[], choices=["scenarios", "fuzz", "soak", "race"]
+    )
+    ap.add_argument("--table-from", metavar="PATH", help="only print the table of a JSON result")
+    a = ap.parse_args(argv)
+    if a.table_from:
+        print(table(json.loads(Path(a.table_from).read_text())))
+        return 0
+    fuzz_total = 21_000 if a.quick else 80_000
+    soak_n = 200 if a.quick else 1000
+    race_keys = 100 if a.quick else 500
+    t0 = time.monotonic()
+    work = Path(tempfile.mkdtemp(prefix="mcd-chaos-"))
+    out: dict[str, Any] = {
+        "bench": "chaos",
+        "machine": {
+            "cpu_count": os.cpu_count(),
+            "platform": platform.platform(),
+            "loadavg_start": os.getloadavg(),
+        },
+        "rows": [],
+    }
+    scen, not_run = ([], "skipped") if "scenarios" in a.skip else run_scenarios(work / "net")
+    fz = [] if "fuzz" in a.skip else run_fuzz(fuzz_total)
+    sk: dict[str, Any] = {}
+    race: dict[str, Any] = {}
+    if not {"soak", "race"} <= set(a.skip):
+        with LocalCluster(pool_bytes=256 << 20) as cluster:
+            if "soak" not in a.skip:
+                print(f"[chaos] soak {soak_n} requests ...", file=sys.stderr, flush=True)
+                (work / "soak").mkdir()
+                sk = soak(cluster, work / "soak", soak_n, seed=1, kills=max(3, soak_n // 100))
+            if "race" not in a.skip:
+                race = mailbox_race.race(cluster.settings, 4, race_keys)
+    out["rows"] = (
+        [{"part": "scenario", **r} for r in scen]
+        + [{"part": "fuzz", **r} for r in fz]
+        + ([{"part": "soak", **sk}] if sk else [])
+        + ([{"part": "mailbox_race", **race}] if race else [])
+    )
+    ok = [r for r in scen if "error" not in r]
+    detect = [r["detect_s"] for r in ok if r.get("detect_s") is not None]
+    out["summary"] = {
+        "scenarios": len(ok),
+        "scenarios_not_run": not_run,
+        "scenario_errors": [r["name"] for r in scen if "error" in r],
+        "requests_accepted": sum(r["accepted"] for r in ok),
+        "requests_completed": sum(r["completed"] for r in ok),
+        "requests_failed_with_reason": sum(r["failed"] for r in ok),
+        "lost_requests": sum(r["lost"] for r in ok) + sk.get("lost", 0),
+        "duplicate_completions": sum(r["duplicates"] for r in ok) + sk.get("duplicates", 0),
+        "leaked_keys": sum(r["leaked_keys"] for r in ok) + sk.get("leaked_keys", 0),
+        "leaked_fds": sum(r["leaked_fds"] for r in ok) + sk.get("leaked_fds", 0),
+        "leaked_threads": sum(r["leaked_threads"] for r in ok) + sk.get("leaked_threads", 0),
+        "heartbeat_timeout_s": HEARTBEAT_S,
+        "max_detect_s": round(max(detect), 3) if detect else None,
+        "fuzz_cases": sum(r["cases"] for r in fz),
+        "fuzz_crashes": sum(1 for r in fz if r["crash"]),
+        "mailbox_double_takes": race.get("double_takes"),
+        "mailbox_race_keys": race.get("keys"),
+        "soak_requests": sk.get("accepted"),
+        "soak_completed": sk.get("completed"),
+        "soak_cancelled": sk.get("cancelled"),
+        "soak_failed": sk.get("failed"),
+        "soak_worker_kills": sk.get("worker_kills"),
+        "soak_leaked_processes": sk.get("leaked_processes"),
+        "wall_s": round(time.monotonic() - t0, 1),
+    }
+    print(table(out))
+    if a.json:
+        Path(a.json).write_text(json.dumps(out, indent=2))
+    return 0
+
+
+def table(out: dict[str, Any]) -> str:
+    lines = [
+        "| scenario | accepted | completed | failed (reason) | lost | dup | detect s | "
+        "keys | fds | threads | note |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in out["rows"]:
+        if r["part"] != "scenario":
+            continue
+        if "error" in r:
+            lines.append(f"| {r['name']} | error: {r['error'][:80]} |||||||||")
+            continue
+        det = "-" if r["detect_s"] is None else f"{r['detect_s']:.2f}"
+        why = "; ".join(x.split(": ", 1)[-1][:60] for x in r["reasons"][:1])
+        lines.append(
+            f"| {r['name']} | {r['accepted']} | {r['completed']} | {r['failed']}"
+            f"{' (' + why + ')' if why else ''} | {r['lost']} | {r['duplicates']} | {det} | "
+            f"{r['leaked_keys']} | {r['leaked_fds']} | {r['leaked_threads']} | {r['notes']} |"
+        )
+    lines.append("")
+    lines.append("| summary | value |")
+    lines.append("|---|---|")
+    lines += [f"| {k} | {v} |" for k, v in out["summary"].items()]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,406 @@
+"""The chaos scenarios: each lands one fault on a running deployment (``deploy``) at a
+point where work is held (``gated``), then accounts for every request it accepted.
+
+Each ``scenario_*(d)`` returns an ``Outcome`` and leaves the deployment whole again
+(what it killed is restarted). ``SCENARIOS`` lists them in run order; the tests in
+this folder and ``bench/chaos.py`` run the same functions.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import sys
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from deploy import WORKERS, Deployment
+
+from mooncake_diffusion.orchestrator.errors import OrchestratorError
+
+TERMINAL = ("completed", "failed", "cancelled")
+#: what a finished request's payloads need to go (release follows completion closely)
+SETTLE_S = 8.0
+
+
+@dataclass
+class Outcome:
+    """One scenario's account. ``lost``: accepted but unknown or unfinished at the end;
+    ``duplicates``: a stage reported done twice for one request, or a request
+    completed twice; ``detect_s``: fault to the orchestrator acting on it (None when
+    the fault is not meant to be detected); ``leaked_*``: left over after the
+    scenario against the baseline taken before it."""
+
+    name: str
+    accepted: int = 0
+    completed: int = 0
+    failed: int = 0
+    reasons: list[str] = field(default_factory=list)
+    lost: int = 0
+    duplicates: int = 0
+    detect_s: float | None = None
+    leaked_keys: int = 0
+    leaked_fds: int = 0
+    leaked_threads: int = 0
+    wall_s: float = 0.0
+    notes: str = ""
+
+    def row(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# ------------------------------------------------------------------ accounting
+def _proc_counts(pid: int) -> tuple[int, int]:
+    try:
+        return len(os.listdir(f"/proc/{pid}/fd")), len(os.listdir(f"/proc/{pid}/task"))
+    except OSError:
+        return 0, 0
+
+
+def resources(d: Deployment) -> dict[str, tuple[int, int]]:
+    """(open fds, threads) of each live process, by host."""
+    return {h: _proc_counts(p.pid) for h, p in d.procs.items() if p.popen.poll() is None}
+
+
+def _status(d: Deployment, rid: str) -> dict[str, Any] | None:
+    assert d.client is not None
+    try:
+        return d.client.status(rid)
+    except OrchestratorError as e:  # unknown request: lost
+        if "unknown" in str(e):
+            return None
+        raise
+
+
+def settle(d: Deployment, rids: list[str], timeout: float = 240.0) -> dict[str, dict | None]:
+    """Wait until every request is finished (or ``timeout``); their last statuses."""
+    out: dict[str, dict | None] = {}
+    deadline = time.monotonic() + timeout
+    for rid in rids:
+        while True:
+            try:
+                st = _status(d, rid)
+            except Exception:  # the orchestrator is restarting: ask again
+                st = {"state": "unreachable"}
+            if st is None or st["state"] in TERMINAL or time.monotonic() > deadline:
+                out[rid] = st
+                break
+            time.sleep(0.1)
+    return out
+
+
+def account(
+    o: Outcome,
+    d: Deployment,
+    rids: list[str],
+    base: dict[str, tuple[int, int]],
+    fault_t: float | None,
+    expected: dict[str, str] | None = None,
+) -> Outcome:
+    """Fill ``o`` from the requests' final statuses and the leftovers against ``base``."""
+    sts = settle(d, rids)
+    o.accepted = len(rids)
+    for rid, st in sts.items():
+        if st is None or st["state"] not in TERMINAL:
+            o.lost += 1
+            o.reasons.append(f"{rid}: lost ({None if st is None else st['state']})")
+            continue
+        kinds = Counter((e["kind"], e.get("stage")) for e in st["events"])
+        o.duplicates += sum(n - 1 for (k, _), n in kinds.items() if k == "done" and n > 1)
+        o.duplicates += max(0, kinds[("completed", None)] - 1)
+        if st["state"] == "completed":
+            o.completed += 1
+            if expected and rid in expected:
+                got = _digest(st)
+                if got != expected[rid]:
+                    o.duplicates += 1  # a wrong result surfaced: count it as a bad completion
+                    o.reasons.append(f"{rid}: output differs from the colocated run")
+        else:
+            o.failed += 1
+            o.reasons.extend(f"{rid}: {r}" for r in st.get("reasons", [])[-1:])
+        if fault_t is not None:
+            acted = [
+                e["t"]
+                for e in st["events"]
+                if e["kind"] in ("requeued", "failed") and e["t"] >= fault_t
+            ]
+            if acted:
+                dt = min(acted) - fault_t
+                o.detect_s = dt if o.detect_s is None else min(o.detect_s, dt)
+    o.leaked_keys, o.leaked_fds, o.leaked_threads = leftovers(d, base)
+    return o
+
+
+def leftovers(d: Deployment, base: dict[str, tuple[int, int]]) -> tuple[int, int, int]:
+    """(store keys, extra fds, extra threads) once the deployment settles (up to
+    ``SETTLE_S``); a restarted process is compared with its predecessor's baseline."""
+    deadline = time.monotonic() + SETTLE_S
+    while True:
+        keys = [k for k in d.store_keys() if not k.startswith("mcd-cache/emb/")]
+        now = resources(d)
+        fds = sum(max(0, now[h][0] - base[h][0]) for h in now if h in base)
+        thr = sum(max(0, now[h][1] - base[h][1]) for h in now if h in base)
+        if (not keys and not fds and not thr) or time.monotonic() > deadline:
+            if keys:
+                print(f"chaos: store keys left over: {keys[:5]}", file=sys.stderr)
+            if fds or thr:
+                print(f"chaos: fds/threads now {now}, before {base}", file=sys.stderr)
+            return len(keys), fds, thr
+        time.sleep(0.25)
+
+
+def _digest(st: dict) -> str:
+    import base64
+    import json
+
+    return json.loads(base64.b64decode(st["output"]))["sha256"]
+
+
+_COLOCATED: dict[str, str] = {}
+_RUNS = itertools.count()
+
+
+def colocated(params: dict[str, Any]) -> str:
+    """The digest of the same request run colocated in this process (the ground truth)."""
+    from mooncake_diffusion.pipeline.params import GenerationParams
+    from mooncake_diffusion.pipeline.reference import ReferencePipeline
+    from mooncake_diffusion.pipeline.stages import frames_digest
+
+    key = repr(sorted(params.items()))
+    if key not in _COLOCATED:
+        fields = {k: v for k, v in params.items() if k not in ("chunks", "out_dir")}
+        _COLOCATED[key] = frames_digest(
+            ReferencePipeline().run_colocated(GenerationParams(**fields))
+        )
+    return _COLOCATED[key]
+
+
+class Run:
+    """A scenario's requests: submit with a hold, remember the ground truth."""
+
+    def __init__(self, d: Deployment, name: str) -> None:
+        self.d, self.name = d, name
+        self.prefix = f"{name}{next(_RUNS)}"  # request ids stay unique when a scenario repeats
+        self.rids: list[str] = []
+        self.expected: dict[str, str] = {}
+        self.t0 = time.monotonic()
+        self.base = resources(d)
+
+    def submit(self, tag: str, hold: dict[str, int] | None = None, **params: Any) -> str:
+        rid = f"{self.prefix}-{tag}"
+        p = {"prompt": f"chaos {rid}", "seed": len(self.rids) + 1, "steps": 4, "guidance": 1.0}
+        p.update(params)
+        self.expected[rid] = colocated(p)
+        self.d.submit(rid, hold, **p)
+        self.rids.append(rid)
+        return rid
+
+    def finish(self, fault_t: float | None, notes: str = "") -> Outcome:
+        o = account(
+            Outcome(self.name, notes=notes), self.d, self.rids, self.base, fault_t, self.expected
+        )
+        o.wall_s = round(time.monotonic() - self.t0, 2)
+        return o
+
+
+def _holder(d: Deployment, rid: str) -> str:
+    """The worker (= host) running ``rid`` now."""
+    assert d.client is not None
+    wid = d.client.status(rid)["worker_id"]
+    assert wid in WORKERS, wid
+    return wid
+
+
+# ------------------------------------------------------------------ scenarios
+def warm_up(d: Deployment) -> Outcome:
+    """Two requests held at every stage so that each worker runs one (credits are 1):
+    every process has made its connections and threads before baselines are taken."""
+    r = Run(d, "warm")
+    rids = [r.submit(f"w{i}", {"denoise": 1, "decode": 0}) for i in range(2)]
+    for stage in ("denoise", "decode"):
+        holders = set()
+        for rid in rids:
+            d.reached(rid, stage)
+            holders.add(_holder(d, rid))
+        for rid in rids:
+            d.release(rid, stage)
+        assert len(holders) == 2, (stage, holders)
+    return r.finish(None)
+
+
+def scenario_denoise_partition(d: Deployment) -> Outcome:
+    """A denoise host is cut off mid-job (held at step 1 of 3) and healed after the
+    orchestrator re-queued its job: the job resumes on the other denoise host, the
+    late result of the cut-off one is dropped."""
+    r = Run(d, "den-partition")
+    a = r.submit("a", {"denoise": 1}, steps=3)
+    r.submit("b")
+    d.reached(a, "denoise")
+    victim = _holder(d, a)
+    fault_t = time.time()
+    d.net.partition(victim)
+    d.release(a, "denoise")
+    _wait_event(d, a, "requeued")
+    d.net.heal(victim)
+    return r.finish(fault_t, notes=f"partitioned {victim}")
+
+
+def scenario_store_kill(d: Deployment) -> Outcome:
+    """The store host is SIGKILLed while a denoise job holds at step 1 (its embeddings
+    and first checkpoint are in the pool) and restarted with an empty pool."""
+    r = Run(d, "store-kill")
+    a = r.submit("a", {"denoise": 1}, steps=3)
+    r.submit("b")
+    d.reached(a, "denoise")
+    fault_t = time.time()
+    d.procs["store"].kill()
+    d.start_store()
+    d.release(a, "denoise")
+    return r.finish(fault_t, notes="store host killed and restarted")
+
+
+def scenario_master_kill(d: Deployment) -> Outcome:
+    """The Mooncake master is SIGKILLed while a job holds mid-denoise, then restarted
+    on its address (metadata is gone: the store host re-mounts its pool)."""
+    r = Run(d, "master-kill")
+    a = r.submit("a", {"denoise": 1}, steps=3)
+    r.submit("b")
+    d.reached(a, "denoise")
+    fault_t = time.time()
+    d.procs["master"].kill()
+    d.start_master()
+    d.procs["store"].stop()  # its segment died with the master's metadata
+    d.start_store()
+    d.release(a, "denoise")
+    return r.finish(fault_t, notes="master killed and restarted; store host restarted")
+
+
+def scenario_decode_stopped(d: Deployment) -> Outcome:
+    """A decode worker is SIGSTOPped holding a job past its heartbeat deadline; the other
+    decode worker finishes it; SIGCONT lets the stopped one finish its stale attempt,
+    whose result is dropped."""
+    r = Run(d, "dec-stop")
+    a = r.submit("a", {"decode": 0}, frames=5, chunks=2)
+    d.reached(a, "decode")
+    victim = _holder(d, a)
+    fault_t = time.time()
+    d.procs[victim].signal(signal.SIGSTOP)
+    _wait_event(d, a, "requeued")
+    st = d.client.wait(a, timeout=180)  # type: ignore[union-attr]
+    d.procs[victim].signal(signal.SIGCONT)
+    d.release(a, "decode")
+    _restart_if_gone(d, victim)
+    o = r.finish(fault_t, notes=f"stopped {victim}; completed while stopped: {st['state']}")
+    return o
+
+
+def scenario_full_pool(d: Deployment) -> Outcome:
+    """Another tenant fills the store pool; requests meanwhile fail with a reason (or
+    wait); once the tenant leaves, new requests complete."""
+    r = Run(d, "full-pool")
+    filler = d.net.spawn(
+        "orch", [sys.executable, str(Path(__file__).with_name("filler.py"))], d.env("orch")
+    )
+    filler.wait_for("full ", timeout=120)
+    fault_t = time.time()
+    for i in range(2):
+        r.submit(f"during{i}")
+    settle(d, list(r.rids))
+    filler.stop()
+    r.submit("after")
+    return r.finish(fault_t, notes=filler.output().strip().splitlines()[0])
+
+
+def scenario_orchestrator_restart(d: Deployment) -> Outcome:
+    """The orchestrator is SIGKILLed with four requests in flight (one held mid-denoise)
+    and restarted on its journal: every accepted request is still there and finishes."""
+    r = Run(d, "orch-restart")
+    a = r.submit("a", {"denoise": 1}, steps=3)
+    for i in range(3):
+        r.submit(f"b{i}")
+    d.reached(a, "denoise")
+    d.procs["orch"].kill()
+    d.start_orchestrator()
+    d.release(a, "denoise")
+    return r.finish(None, notes="orchestrator killed and restarted on its journal")
+
+
+def scenario_link_flap(d: Deployment) -> Outcome:
+    """A decode host's link goes down and up again well inside the heartbeat timeout
+    while it holds a job: nothing is re-queued and the job completes once."""
+    r = Run(d, "link-flap")
+    a = r.submit("a", {"decode": 0}, frames=5, chunks=2)
+    d.reached(a, "decode")
+    victim = _holder(d, a)
+    d.net.partition(victim)
+    time.sleep(min(0.5, d.heartbeat_timeout / 4))
+    d.net.heal(victim)
+    d.release(a, "decode")
+    return r.finish(None, notes=f"flapped {victim}")
+
+
+def scenario_p2p_partition(d: Deployment) -> Outcome:
+    """Denoise workers publish peer to peer; the producer host of a latent is cut off
+    after the decode worker received its first chunk, and healed once the orchestrator
+    acted: the request completes or fails with a reason, never vanishes."""
+    for h in ("den0", "den1"):
+        d.procs[h].stop()
+    d.transfer_mode = "p2p"
+    try:
+        for h in ("den0", "den1"):
+            d.start_worker(h, wait=False)
+        for h in ("den0", "den1"):
+            d.procs[h].wait_for("worker ready", timeout=120)
+        r = Run(d, "p2p-partition")
+        a = r.submit("a", {"decode": 1}, frames=9, chunks=3)
+        d.reached(a, "decode")
+        st = d.client.status(a)  # type: ignore[union-attr]
+        producer = next(
+            e["worker_id"] for e in st["events"] if e["kind"] == "done" and e["stage"] == "denoise"
+        )
+        fault_t = time.time()
+        d.net.partition(producer)
+        d.release(a, "decode")
+        _wait_event(d, a, ("requeued", "failed", "completed"))
+        d.net.heal(producer)
+        return r.finish(fault_t, notes=f"partitioned producer {producer}")
+    finally:
+        d.transfer_mode = "store"
+
+
+def _wait_event(
+    d: Deployment, rid: str, kinds: str | tuple[str, ...], timeout: float = 120.0
+) -> None:
+    kinds = (kinds,) if isinstance(kinds, str) else kinds
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        st = d.client.status(rid)  # type: ignore[union-attr]
+        if any(e["kind"] in kinds for e in st["events"]) or st["state"] in kinds:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{rid}: no {kinds} event within {timeout}s")
+
+
+def _restart_if_gone(d: Deployment, host: str, grace: float = 5.0) -> None:
+    p = d.procs[host]
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and p.popen.poll() is None:
+        time.sleep(0.1)
+    if p.popen.poll() is not None:
+        d.start_worker(host)
+
+
+SCENARIOS = [
+    scenario_denoise_partition,
+    scenario_decode_stopped,
+    scenario_link_flap,
+    scenario_orchestrator_restart,
+    scenario_full_pool,
+    scenario_store_kill,
+    scenario_master_kill,
+    scenario_p2p_partition,
+]
