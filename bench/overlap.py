@@ -40,11 +40,11 @@ consumer and the consume call, as a real handoff through a queue would.
                  store that is after the delete-on-consume remove, as a caller sees it).
     decode       the sum of the measured per-chunk decode times of the end-to-end run.
     unchunked    end-to-end of the same latent and path sent whole (the 1-chunk row).
-    overlap eff  max(whole transfer, whole decode) / end-to-end, where the whole transfer
-                 is the 1-chunk row's transfer: 1.0 is perfect overlap; with equal
-                 transfer and decode and n chunks an ideal pipeline gives n / (n + 1).
-                 Chunking that makes the transfer slower cannot raise it (the numerator
-                 does not see the chunked transfer); only a shorter end-to-end can.
+    overlap eff  max(whole transfer, whole decode) / end-to-end, both wholes from the
+                 1-chunk row: 1.0 is perfect overlap; with equal transfer and decode
+                 and n chunks an ideal pipeline gives n / (n + 1). Chunking that makes
+                 the transfer or the decode slower cannot raise it (the numerator does
+                 not see the chunked run); only a shorter end-to-end can.
                  Transfer and end-to-end come from different runs, so run-to-run noise
                  can push it a little above 1.
     TTFF ratio   TTFF with n chunks / TTFF of the whole-tensor handoff (same path, size).
@@ -421,10 +421,10 @@ def make_row(latent: str, path: str, chunks: int, transfer: list[Sample], e2e: l
 def fill_ratios(rows: list[Row]) -> None:
     """TTFF ratio and overlap efficiency against the same latent and path sent whole.
 
-    Overlap efficiency = max(whole transfer, whole decode) / end to end, where the
-    whole transfer is the unchunked (1-chunk) row's: the floor a perfect overlap could
-    reach. Chunking that slows the transfer down cannot raise it (only a shorter end to
-    end can), and the unchunked end to end sits beside it in the table.
+    Overlap efficiency = max(whole transfer, whole decode) / end to end, where both
+    wholes are the unchunked (1-chunk) row's: the floor a perfect overlap could reach.
+    Chunking that slows the transfer or the decode down cannot raise it (only a shorter
+    end to end can), and the unchunked end to end sits beside it in the table.
     """
     base = {(r.latent, r.path): r for r in rows if r.chunks == 1}
     for r in rows:
@@ -433,7 +433,7 @@ def fill_ratios(rows: list[Row]) -> None:
             continue
         r.ttff_ratio = r.ttff_ms / b.ttff_ms
         r.unchunked_e2e_ms = b.e2e_ms
-        r.overlap_efficiency = max(b.transfer_ms, r.decode_ms) / r.e2e_ms
+        r.overlap_efficiency = max(b.transfer_ms, b.decode_ms) / r.e2e_ms
 
 
 def calibrate(bench: Bench, cfg: Config, runs: int) -> tuple[Decoder, dict[str, float]]:
