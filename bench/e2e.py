@@ -54,7 +54,7 @@ def colocated(batch: list[tuple[str, str, dict[str, Any]]]) -> dict[str, Any]:
 
 
 def disaggregated(batch: list, denoise_workers: int, out: Path) -> dict[str, Any]:
-    from mooncake_diffusion.system_demo import serve_batch
+    from mooncake_diffusion.demo import serve_batch
 
     sts, wall, _stats = serve_batch(batch, denoise_workers, out)
     first = min(st.submitted_at for st in sts)
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", metavar="PATH", help="also write results as JSON here")
     ap.add_argument("--denoise-workers", type=int, default=2)
     a = ap.parse_args(argv)
-    from mooncake_diffusion.system_demo import demo_batch
+    from mooncake_diffusion.demo import demo_batch
 
     images, videos, steps = (4, 2, 6) if a.quick else (12, 4, 12)
     batch = demo_batch(images, videos, steps)

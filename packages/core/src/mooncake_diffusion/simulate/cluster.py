@@ -49,7 +49,6 @@ contention, sequence parallelism (every denoise worker is one GPU), failures.
 
 from __future__ import annotations
 
-import heapq
 import math
 import random
 from collections import deque
@@ -77,6 +76,7 @@ from mooncake_diffusion.orchestrator.model import (
 )
 from mooncake_diffusion.orchestrator.policy import WorkerView
 from mooncake_diffusion.simulate.costs import TRANSFER_S, RequestKind
+from mooncake_diffusion.simulate.events import EventQueue
 
 __all__ = [
     "Layout",
@@ -270,8 +270,7 @@ class _Sim:
         self.o = o
         self.clock = VirtualClock()
         self.rng = random.Random(o.seed)
-        self.heap: list[tuple[float, int, str, object]] = []
-        self.seq = 0
+        self.queue = EventQueue(self.clock)
         self.token = 0
         self.events = 0
         self.rejected = 0
@@ -354,8 +353,7 @@ class _Sim:
 
     # ------------------------------------------------------------ events
     def _at(self, t: float, kind: str, arg: object) -> None:
-        self.seq += 1
-        heapq.heappush(self.heap, (t, self.seq, kind, arg))
+        self.queue.at(t, kind, arg)
 
     def _feed(self, cell: _Cell, ev: Event) -> None:
         self.events += 1
@@ -557,10 +555,7 @@ class _Sim:
             "finish": self._ev_finish,
             "preempt": self._ev_preempt,
         }
-        while self.heap:
-            t, _, kind, arg = heapq.heappop(self.heap)
-            self.clock.set(max(t, self.clock.now()))
-            handlers[kind](arg)
+        self.queue.run(handlers)
         busy: dict[str, float] = {}
         pool_gpus: dict[str, int] = {}
         for g in self.gpus:
