@@ -280,3 +280,17 @@ def test_a_payload_past_its_ttl_is_gone_consumed_or_not(pair):
     assert prod.stats().live_publications == 0
     with pytest.raises(PayloadError, match="ttl_s"):
         StagePayload("r2", "latent", tensor=x, ttl_s=0)
+
+
+def test_wait_delivered_returns_once_the_payload_no_longer_needs_its_producer(pair):
+    """p2p: only after the consumer has taken the bytes (until then it times out);
+    store and the fake: as soon as the payload is committed."""
+    prod, cons = pair
+    pub = publish(prod)
+    handle = pub.wait(10)
+    if handle.transport == "p2p":
+        with pytest.raises(DeadlineExceededError, match="not taken"):
+            pub.wait_delivered(0.2)  # nobody consumes: the producer still holds the bytes
+    with cons.consume(handle.encode()) as got:
+        got.wait()
+    assert pub.wait_delivered(10) is handle

@@ -134,3 +134,34 @@ def test_mailbox_records_round_trip(mooncake_cluster):
         assert box.take("n1") == b"hello"
         assert box.take("n1") is None
     assert mooncake_cluster.keys() == []
+
+
+def test_mailbox_take_is_exactly_once_across_processes(mooncake_cluster):
+    """Four taker processes poll one name as the record lands, twenty times: each
+    record goes to exactly one of them (a take that read it but lost the removal
+    gets None)."""
+    import sys
+    import time
+    from pathlib import Path
+
+    from mooncake_diffusion.childproc import JsonLinesChild
+
+    taker = [sys.executable, str(Path(__file__).with_name("mailbox_taker.py"))]
+    children = [JsonLinesChild(taker, mooncake_cluster.settings, f"taker {i}") for i in range(4)]
+    try:
+        with Mailbox(mooncake_cluster.settings, max_record=4096) as box:
+            for trial in range(20):
+                name = f"once-{trial}"
+                for child in children:
+                    assert child.request(op="go", name=name)["ok"]
+                record = f"record {trial}".encode()
+                box.post(name, record)
+                hang_guard = time.monotonic() + 120
+                while mooncake_cluster.keys() and time.monotonic() < hang_guard:
+                    time.sleep(0.01)
+                got = [child.request(op="stop")["got"] for child in children]
+                assert [g for g in got if g is not None] == [record.hex()], (trial, got)
+    finally:
+        for child in children:
+            child.close()
+    assert mooncake_cluster.keys() == []

@@ -1,19 +1,23 @@
 """One LightX2V role in its own process, driven by JSON lines (test driver).
 
-    python role_worker.py --model_cls wan2.1 --task i2v --config_json encoder.json
+    python role_worker.py --model_cls wan2.1 --task i2v --model_path DIR --config_json role.json
 
-It does what ``python -m lightx2v.server`` does up to serving: ``import
-lightx2v`` (which loads the installed ``lightx2v.platform_plugins``, i.e. the
-adapter), ``set_config``, ``init_runner``; then runs one request per ``run``
-line. Replies describe tensors by dtype, shape and SHA-256 (``describe``), so
-the test compares every byte without moving tensors over the pipe.
-Ops: ``run`` (seed), ``info``, ``release``.
+It runs LightX2V's own server worker (``lightx2v.server.services.inference.
+worker.TorchrunInferenceWorker``): ``init(args)`` (``set_config``,
+``init_runner``: ``init_modules`` -> ``init_disagg``, model loading) and, per
+``run`` line, ``process_request(task_data)`` (input info, ``set_reuse``,
+``set_config``, ``run_pipeline``). ``import lightx2v`` loads the installed
+``lightx2v.platform_plugins``: the adapter and the test CPU platform. Only the
+model loaders are replaced (``fakes.install``). Replies describe tensors by
+dtype, shape and SHA-256, so the test compares every byte without moving
+tensors over the pipe. Ops: ``run``, ``info``, ``release``. Exits 1 when the
+worker's ``init`` fails (LightX2V logs why and returns False).
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
+import asyncio
 import sys
 from typing import Any
 
@@ -21,15 +25,10 @@ import torch
 
 
 def describe(obj: Any) -> Any:
-    """A JSON-able description of nested dicts/lists of tensors, every byte hashed."""
+    from fakes import digest
+
     if isinstance(obj, torch.Tensor):
-        t = obj.detach().contiguous().reshape(-1).view(torch.uint8)
-        return {
-            "dtype": str(obj.dtype),
-            "shape": list(obj.shape),
-            "device": obj.device.type,
-            "sha256": hashlib.sha256(t.numpy().tobytes()).hexdigest(),
-        }
+        return digest(obj)
     if isinstance(obj, dict):
         return {k: describe(v) for k, v in obj.items()}
     if isinstance(obj, list | tuple):
@@ -37,47 +36,44 @@ def describe(obj: Any) -> Any:
     return obj
 
 
-class InputInfo:
-    """The part of LightX2V's per-request input info the roles read."""
-
-    def __init__(self, seed: int, latent_shape: list[int] | None) -> None:
-        self.seed = seed
-        self.latent_shape = latent_shape
-        self.auto_height = None
-        self.auto_width = None
-
-
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model_cls", default="wan2.1")
     p.add_argument("--task", default="i2v")
+    p.add_argument("--model_path", required=True)
     p.add_argument("--config_json", required=True)
     args = p.parse_args()
+    args.lora_dir = None
+    args.warmup = False
+    replies, sys.stdout = sys.stdout, sys.stderr  # LightX2V prints to stdout at import
 
-    import lightx2v  # noqa: F401  (loads the platform plugins, then the runners)
+    import fakes
+    import lightx2v
     from lightx2v.disagg import disagg_mixin
-    from lightx2v.infer import init_runner
-    from lightx2v.models.runners.wan.wan_runner import latent_dims
-    from lightx2v.utils.set_config import set_config
-    from lightx2v_platform import set_ai_device
-    from mooncake_diffusion_lightx2v.plugin import patched
+    from lightx2v.server.services.inference.worker import TorchrunInferenceWorker
+    from lightx2v_platform.base import global_var
+    from mooncake_diffusion_lightx2v import plugin
 
-    from mooncake_diffusion.childproc import serve_json_lines
+    fakes.install()
+    worker = TorchrunInferenceWorker()
+    if not worker.init(args):
+        sys.exit(1)
+    from mooncake_diffusion.childproc import serve_json_lines  # after init: see test_plugin
 
-    config = set_config(args)
-    runner = init_runner(config)
+    runner = worker.runner
 
     def run(cmd: dict) -> dict:
-        mode = config.get("disagg_mode")
-        shape = list(latent_dims(config)) if mode == "encoder" else None
-        out = runner.run_pipeline(InputInfo(int(cmd["seed"]), shape))
-        reply = {"ok": True, "output": describe(out)}
-        if mode in ("encoder", "transformer"):
+        fakes.SEEN.clear()
+        task = {"task_id": f"t-{cmd['seed']}", "_return_pipeline_result": True, **cmd["task"]}
+        out = asyncio.run(worker.process_request(task))
+        reply = {"ok": True, "status": out["status"], "error": out.get("error")}
+        reply["error_type"] = out.get("error_type")
+        reply["seen"] = dict(fakes.SEEN)
+        reply["output"] = describe(out.get("pipeline_return"))
+        if runner.config.get("disagg_mode") == "encoder" and hasattr(runner, "inputs"):
             reply["inputs"] = describe(runner.inputs)
-        if mode == "encoder":
-            reply["latent_shape"] = shape
-        if mode == "decode":
-            reply["p2_meta"] = runner._p2_receive_meta
+        meta = getattr(runner, "_p2_receive_meta", None)
+        reply["p2_meta"] = meta
         return reply
 
     def info(cmd: dict) -> dict:
@@ -85,15 +81,16 @@ def main() -> None:
         stats = state.connector.stats() if state is not None else None
         return {
             "ok": True,
-            "patched": patched(disagg_mixin.DisaggMixin),
-            "plugins": set_ai_device.LOADED_PLUGINS,
-            "device_at_import": disagg_mixin.DEVICE_AT_IMPORT,
-            "builtin_calls": runner.__dict__.get("builtin_calls", []),
-            "p2_sender": repr(getattr(runner, "_disagg_p2_sender", None)),
+            "lightx2v": lightx2v.__file__,
+            "ai_device": global_var.AI_DEVICE,
+            "platform": global_var.PLATFORM,
+            "mixin_device": disagg_mixin.AI_DEVICE,  # bound when LightX2V imported the mixin
+            "runner": type(runner).__name__,
+            "config_locked": bool(getattr(runner.config, "_locked", False)),
+            "patched": plugin.patched(disagg_mixin.DisaggMixin),
             "adapter": state is not None,
-            "settings": None
-            if state is None
-            else [state.cfg.settings.master, state.cfg.transfer_mode],
+            "p2_sender": repr(getattr(runner, "_disagg_p2_sender", None)),
+            "seen": dict(fakes.SEEN),  # queue mode: what the last item's fakes were given
             "live_publications": None if stats is None else stats.live_publications,
             "pool_bytes_in_use": None if stats is None else stats.pool_bytes_in_use,
             "last_received": None if state is None else state.last_received,
@@ -103,10 +100,11 @@ def main() -> None:
         }
 
     def release(cmd: dict) -> dict:
-        runner.release_disagg()
-        return {"ok": True, "builtin_calls": runner.__dict__.get("builtin_calls", [])}
+        if runner.config.get("disagg_mode"):  # LightX2V's own fails on a colocated runner
+            runner.release_disagg()
+        return {"ok": True}
 
-    serve_json_lines({"run": run, "info": info, "release": release}, sys.stdin, sys.stdout)
+    serve_json_lines({"run": run, "info": info, "release": release}, sys.stdin, replies)
 
 
 if __name__ == "__main__":

@@ -202,7 +202,11 @@ class _Publisher:
             # consumer gets chunk 0 first instead of several chunks landing together
             self._submit(live, range(len(chunk_plan)))
         return Publication(
-            handle, live.future, lambda: self.release(live), lambda i: self.chunk_ready(live, i)
+            handle,
+            live.future,
+            lambda: self.release(live),
+            lambda i: self.chunk_ready(live, i),
+            held=lambda: _holds(live),
         )
 
     def chunk_ready(self, live: _Live, index: int) -> None:

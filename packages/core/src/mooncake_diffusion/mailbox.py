@@ -16,9 +16,10 @@ Call sequence:
     box.close()
 
 ``take`` reads the record in one round trip (no size query: the record lands
-in a registered scratch of ``max_record`` bytes) and then removes it with force,
-so a record is consumed once. Two consumers racing on one name may both read
-it before the first removes it; give each name one consumer. A name is posted
+in a registered scratch of ``max_record`` bytes) and then claims it by removing
+it with force: the master removes an object once, so of any number of takers
+racing on one name, in any processes, exactly one gets the record and the
+others get ``None`` (as if they had come after). A name is posted
 once: ``post`` of a name whose record is still there raises
 ``DuplicatePublishError`` (checked first: Mooncake's ``put`` of an existing key
 neither overwrites nor always fails). Records do not
@@ -118,10 +119,11 @@ class Mailbox:
             return None if n is None else self._in[:n].tobytes()
 
     def take(self, name: str) -> bytes | None:
-        """Read and remove the record under ``name``; ``None`` at once when absent."""
+        """Read and remove the record under ``name``; ``None`` at once when absent or
+        when a racing taker removed it first (exactly one taker gets each record)."""
         record = self.peek(name)
-        if record is not None:
-            self._client.remove_many([self.key_of(name)])
+        if record is None or not self._client.claim(self.key_of(name)):
+            return None
         return record
 
     def take_until(self, name: str, deadline: float) -> bytes | None:

@@ -90,7 +90,9 @@ class Publication:
 
     ``wait(timeout)`` blocks until every chunk can be consumed and re-raises any
     publish error; ``await publication`` does the same in asyncio. ``release()``
-    withdraws the payload wherever it is (idempotent). A streaming publication
+    withdraws the payload wherever it is (idempotent). ``wait_delivered(timeout)``
+    blocks until the payload no longer needs this process: in the store (as
+    ``wait``), or for p2p, taken by its consumer. A streaming publication
     (``publish(..., stream=True)``) moves chunk ``i`` only after
     ``chunk_ready(i)``: call it as soon as the producer has written that slice.
     """
@@ -101,11 +103,13 @@ class Publication:
         future: Future[None],
         release: Callable[[], None],
         chunk_ready: Callable[[int], None],
+        held: Callable[[], bool] | None = None,
     ) -> None:
         self.handle = handle
         self._future = future
         self._release = release
         self._chunk_ready = chunk_ready
+        self._held = held
 
     def chunk_ready(self, index: int) -> None:
         """Chunk ``index`` of a streaming publication is written: start moving it.
@@ -119,6 +123,25 @@ class Publication:
             raise DeadlineExceededError(
                 f"publish of {self.handle.payload_id} not done within {timeout}s"
             ) from None
+        return self.handle
+
+    def wait_delivered(self, timeout: float) -> PayloadHandle:
+        """Block until the payload is safe without this process: committed where it
+        outlives the producer (the store), or, when the producer itself holds the
+        bytes (p2p), until its consumer has taken them. Raises
+        ``DeadlineExceededError`` after ``timeout`` seconds (the payload stays
+        published: release it to give up) and any publish error, as ``wait``."""
+        deadline = time.monotonic() + timeout
+        self.wait(timeout)
+        delay = 0.0005
+        while self._held is not None and self._held():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise DeadlineExceededError(
+                    f"{self.handle.payload_id} not taken by its consumer within {timeout}s"
+                )
+            time.sleep(min(delay, left))
+            delay = min(delay * 2, 0.02)
         return self.handle
 
     def done(self) -> bool:

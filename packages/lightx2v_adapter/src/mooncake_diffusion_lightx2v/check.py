@@ -7,7 +7,9 @@ is in ``lightx2v.platform_plugins``; ``DisaggMixin`` has the six methods with
 the parameters the adapter expects, and all six are routed by the plugin;
 the Wan and Qwen runners inherit them; for queue mode, that the runners have
 ``set_config`` and ``run_pipeline(input_info)`` and that
-``lightx2v.utils.input_info.set_input_info(args)`` exists; which git commit the checkout is at
+``lightx2v.utils.input_info`` has ``init_empty_input_info(task, ...)`` and
+``update_input_info_from_dict(input_info, data)`` (how LightX2V's server builds
+a request's input info); which git commit the checkout is at
 (``f8aee98b`` is the one the adapter targets). Prints one line per check and
 exits 1 if any failed.
 """
@@ -53,6 +55,32 @@ def _commit(package_dir: Path) -> str | None:
     except (OSError, subprocess.TimeoutExpired):
         return None
     return out.stdout.strip() if out.returncode == 0 else None
+
+
+#: What queue mode calls to build a request's input info (as LightX2V's server
+#: worker does), with the leading parameters it passes.
+INPUT_INFO_CALLS = {
+    "init_empty_input_info": ["task"],
+    "update_input_info_from_dict": ["input_info", "data"],
+}
+
+
+def _input_info_checks() -> list[tuple[bool, str]]:
+    where = "lightx2v.utils.input_info"
+    try:
+        module = importlib.import_module(where)
+    except Exception as e:
+        return [(False, f"{where}: {type(e).__name__}: {e}")]
+    results = []
+    for name, want in INPUT_INFO_CALLS.items():
+        fn = getattr(module, name, None)
+        if not callable(fn):
+            results.append((False, f"{where}.{name}: missing (queue mode needs it)"))
+            continue
+        got = list(inspect.signature(fn).parameters)
+        ok = got[: len(want)] == want
+        results.append((ok, f"{where}.{name}{tuple(got)} (expected {tuple(want)} first)"))
+    return results
 
 
 def run_checks() -> list[tuple[bool, str]]:
@@ -104,16 +132,7 @@ def run_checks() -> list[tuple[bool, str]]:
                 f"{cls} has {queue_surface} (queue mode)",
             )
         )
-    try:
-        set_input_info = importlib.import_module("lightx2v.utils.input_info").set_input_info
-        params = list(inspect.signature(set_input_info).parameters)
-        results.append(
-            (len(params) == 1, f"lightx2v.utils.input_info.set_input_info{tuple(params)}")
-        )
-    except Exception as e:
-        results.append(
-            (False, f"lightx2v.utils.input_info.set_input_info: {type(e).__name__}: {e}")
-        )
+    results.extend(_input_info_checks())
     commit = _commit(Path(lightx2v.__file__).resolve().parent)
     if commit is None:
         results.append((True, "checkout commit: unknown (not a git checkout)"))

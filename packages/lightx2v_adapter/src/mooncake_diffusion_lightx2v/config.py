@@ -15,11 +15,10 @@ from typing import Any
 
 from mooncake_diffusion.errors import ConfigError
 from mooncake_diffusion.settings import MooncakeSettings
+from mooncake_diffusion_lightx2v.selection import BACKEND, selects_adapter
 
 __all__ = ["BACKEND", "AdapterConfig", "QueueConfig", "selects_adapter"]
 
-#: The ``disagg_config.transfer_backend`` value that routes a runner through the adapter.
-BACKEND = "mooncake_diffusion"
 _MODES = ("p2p", "store", "auto")
 _ROLES = {"encoder": "encode", "transformer": "denoise", "decode": "decode"}
 _QUEUE_KEYS = {
@@ -31,14 +30,6 @@ _QUEUE_KEYS = {
     "result_sha256",
     "connect_timeout_s",
 }
-
-
-def selects_adapter(config: Mapping[str, Any] | None) -> bool:
-    """Whether a runner ``config`` names this adapter (any other value: LightX2V's path)."""
-    if not config:
-        return False
-    disagg = config.get("disagg_config") or {}
-    return isinstance(disagg, Mapping) and disagg.get("transfer_backend") == BACKEND
 
 
 def _number(

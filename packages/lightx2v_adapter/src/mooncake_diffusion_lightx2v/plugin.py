@@ -18,21 +18,41 @@ Routing: ``init_disagg(config)`` decides by its ``config`` argument, the other
 five by ``self.config``: ``disagg_config.transfer_backend == "mooncake_diffusion"``
 goes to ``runner.py``; anything else calls LightX2V's original, unchanged.
 ``patch`` is idempotent; ``unpatch`` restores the originals.
+
+Failing loudly: LightX2V only logs a plugin that fails to load, and its own
+``init_disagg`` ignores ``transfer_backend``, so a role configured for
+``mooncake_diffusion`` would silently run LightX2V's built-in transfer. This
+module therefore imports only the standard library at load time; ``register``
+imports the adapter (and with it core and Mooncake) itself, and when that
+fails it still patches ``init_disagg``, so that such a role raises at start-up
+naming the cause (other roles are untouched). Only a failure to import this
+very module (the package not installed, a broken Python path) cannot be
+caught: no code of the adapter runs then.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 import importlib.abc
 import importlib.machinery
+import logging
 import sys
 from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
-from mooncake_diffusion_lightx2v.config import selects_adapter
+from mooncake_diffusion_lightx2v.selection import BACKEND, selects_adapter
 
-__all__ = ["MIXIN_MODULE", "PATCHED", "patch", "patched", "register", "unpatch"]
+__all__ = [
+    "MIXIN_MODULE",
+    "PATCHED",
+    "AdapterNotActiveError",
+    "patch",
+    "patched",
+    "register",
+    "unpatch",
+]
 
 #: Where LightX2V defines ``DisaggMixin`` (f8aee98b).
 MIXIN_MODULE = "lightx2v.disagg.disagg_mixin"
@@ -48,10 +68,32 @@ PATCHED = (
 _MARK = "__mooncake_diffusion_original__"
 
 
-def _route(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
-    from mooncake_diffusion_lightx2v import runner
+#: Why the adapter could not be imported by ``register`` (``None``: it was).
+load_error: str | None = None
 
-    ours = getattr(runner, name)
+
+class AdapterNotActiveError(RuntimeError):
+    """A role selects ``mooncake_diffusion`` but the adapter failed to load."""
+
+
+def _refuse(name: str) -> Callable[..., Any]:
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise AdapterNotActiveError(
+            f"[Disagg] disagg_config.transfer_backend is {BACKEND!r} but the "
+            f"mooncake_diffusion LightX2V adapter failed to load ({load_error}); "
+            "refusing to fall back to LightX2V's built-in transfer"
+        )
+
+    return refuse
+
+
+def _route(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    if load_error is None:
+        from mooncake_diffusion_lightx2v import runner
+
+        ours = getattr(runner, name)
+    else:
+        ours = _refuse(name)
 
     if name == "init_disagg":
 
@@ -138,7 +180,15 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
 
 def register() -> None:
     """The entry point LightX2V calls at ``import lightx2v``. Imports nothing of
-    LightX2V; patches DisaggMixin now or when it is imported. Idempotent."""
+    LightX2V; imports the adapter (a failure is kept in ``load_error`` and makes
+    ``mooncake_diffusion`` roles fail at ``init_disagg``, see the module
+    docstring); patches DisaggMixin now or when it is imported. Idempotent."""
+    global load_error
+    try:
+        importlib.import_module("mooncake_diffusion_lightx2v.runner")
+    except Exception as e:
+        load_error = f"{type(e).__name__}: {e}"
+        logging.getLogger(__name__).error("[Disagg] adapter not active: %s", load_error)
     module = sys.modules.get(MIXIN_MODULE)
     if module is not None and hasattr(module, "DisaggMixin"):
         patch(module.DisaggMixin)

@@ -10,8 +10,10 @@ classes, failure re-queue and payload release are the orchestrator's; this
 module only runs the runner for an item:
 
     StageWorker hands an item to serve(item, ctx)        (one at a time per runner)
-      task = params (+ "task" of the runner config)
-      runner.set_config(task); input_info = set_input_info(task)   as LightX2V's server
+      as LightX2V's server worker (server/services/inference/worker.py) does per request:
+      task = params, "task" forced to the role's own, "negative_prompt" defaulted
+      input_info = init_empty_input_info(task); update_input_info_from_dict(input_info, task)
+      runner.set_reuse(False); runner.set_config(task)
       (afterwards the role's own values of the keys it overrode are set back)
       runner.run_pipeline(input_info)                     LightX2V's own role flow
         receive_*_outputs()  -> consume item.input          (the upstream stage's output)
@@ -118,8 +120,22 @@ def _loading_frame(runner: Any) -> FrameType | None:
     return outer
 
 
-def _set_input_info(task: TaskData) -> Any:
-    return importlib.import_module("lightx2v.utils.input_info").set_input_info(task)
+def _input_info(task: TaskData) -> Any:
+    """LightX2V's input info for one request, built as its server worker builds it."""
+    module = importlib.import_module("lightx2v.utils.input_info")
+    info = module.init_empty_input_info(task["task"])
+    module.update_input_info_from_dict(info, task)
+    return info
+
+
+def _progress(ctx: StageContext) -> Any:
+    """LightX2V's ``progress_callback(percent, 100)`` (``percent`` a float) as the
+    orchestrator's whole-number progress."""
+
+    def report(step: float, total: float) -> None:
+        ctx.progress(int(step), int(total))
+
+    return report
 
 
 class QueueRole:
@@ -215,7 +231,10 @@ class QueueRole:
         bad = sorted(k for k in params if k in _FORBIDDEN)
         if bad:
             raise ValueError(f"request params may not set {bad}")
-        return TaskData({"task": self.runner.config.get("task"), **params})
+        task = TaskData({"negative_prompt": "", **params})
+        task["task"] = self.runner.config.get("task")  # the role's own, as LightX2V's server
+        task["return_result_tensor"] = bool(task.get("return_result_tensor", False))
+        return task
 
     def serve(self, item: WorkItem, ctx: StageContext) -> StagePayload | bytes:
         """The stage function: run the runner's own pipeline for ``item``."""
@@ -235,11 +254,12 @@ class QueueRole:
             # the role's own values of what this request overrides, put back after it
             before = {k: config[k] for k in task if k in config and config[k] != task[k]}
             try:
-                if callable(getattr(runner, "set_config", None)):
-                    runner.set_config(task)
+                input_info = _input_info(task)
+                if callable(getattr(runner, "set_reuse", None)):
+                    runner.set_reuse(False)
+                runner.set_config(task)
                 if callable(getattr(runner, "set_progress_callback", None)):
-                    runner.set_progress_callback(ctx.progress)
-                input_info = _set_input_info(task)
+                    runner.set_progress_callback(_progress(ctx))
                 result = runner.run_pipeline(input_info)
             finally:
                 self._local.item = None

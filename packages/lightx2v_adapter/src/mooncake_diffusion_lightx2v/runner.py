@@ -20,9 +20,13 @@ flight on one channel, and a sender never waits for its receiver to re-arm.
 Both sides count from 0 when they start: restart all roles of a channel
 together (as with LightX2V's rooms), or give restarted ones a new ``channel``.
 
-Blocking: sends return once the bytes are consumable (store: in the store;
-p2p: held by this process until the receiver has pulled them, or until
-``ttl_s``); receives block until the payload has landed, up to ``timeout_s``.
+Blocking: as LightX2V's own sends, a send returns only once the payload is
+safe without the sender (store: in the store host; p2p, and ``auto``, which
+picks p2p for LightX2V's named receivers: once the receiver has pulled the
+bytes), up to ``timeout_s``; so a sender may exit right after its send. In p2p
+a room's sender therefore waits for its receiver, one request at a time, as
+LightX2V's own rooms do. Receives block until the payload has landed, up to
+``timeout_s``.
 Not thread-safe per runner (LightX2V calls a runner from one thread).
 
 Queue mode (``disagg_config.queue``, see ``queue_mode.py``): ``init_disagg``
@@ -138,7 +142,8 @@ class AdapterState:
 
     def publish(self, phase: int, room: int, payload_of: Any, stream_chunks: bool) -> None:
         """Publish one payload on (phase, room) and post its handle; returns once
-        the bytes are consumable. ``payload_of(request_id)`` builds the payload.
+        the payload is safe without this process (in the store, or taken by the
+        receiver). ``payload_of(request_id)`` builds the payload.
 
         Keeps both sides' counts in step on failure: an error before the handle is
         posted gives the sequence number back (the next send reuses it); after it
@@ -163,6 +168,8 @@ class AdapterState:
                 pub.wait(self.cfg.timeout_s)
                 self.mailbox.post(name, pub.encode())
                 posted = True
+            # return only once the payload no longer needs this process (p2p: taken)
+            pub.wait_delivered(self.cfg.timeout_s)
         except BaseException:
             if pub is not None:
                 pub.release()

@@ -145,6 +145,16 @@ class StoreClient:
             if code < 0 and code != OBJECT_NOT_FOUND:
                 raise error_for(code, f"store remove of {key!r}")
 
+    def claim(self, key: str) -> bool:
+        """Remove ``key`` with force and say whether this call removed it: ``True`` for
+        exactly one of any number of callers racing on one key (the master removes an
+        object once; the others get OBJECT_NOT_FOUND), ``False`` when it was absent."""
+        code = self._store.batch_remove([key], True)[0]
+        if code == OBJECT_NOT_FOUND:
+            return False
+        check(code, f"store remove of {key!r}")
+        return True
+
     def remove_prefix(self, prefix: str) -> int:
         """Remove every key starting with ``prefix`` (with force); returns how many."""
         return self.remove_regex("^" + re.escape(prefix))
