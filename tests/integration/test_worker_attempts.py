@@ -65,6 +65,9 @@ def test_a_newer_attempt_replaces_what_the_older_one_published(older):
     svc.setsockopt(zmq.LINGER, 0)
     port = svc.bind_to_random_port("tcp://127.0.0.1")
     conn = DiffusionConnector("denoise", "memory", MooncakeSettings())
+    # the request's input, published upstream: superseding an attempt must leave it
+    upstream = DiffusionConnector("encode", "memory", MooncakeSettings())
+    emb = upstream.publish(StagePayload("r1", "embedding", tensor=torch.ones(4), lease="retained"))
     w = StageWorker("denoise", fn, f"tcp://127.0.0.1:{port}", worker_id="w", connector=conn)
     t = threading.Thread(target=w._run_safely)
     t.start()
@@ -80,7 +83,9 @@ def test_a_newer_attempt_replaces_what_the_older_one_published(older):
         _, res = _recv(svc, (Done, Failed))
         assert isinstance(res, Done) and res.item.attempt == 2, res
         assert calls[-1] == 2
-        assert fabric_keys(), "attempt 2 published nothing"
+        keys = fabric_keys()
+        assert len(keys) == 2 and any("/latent/" in k for k in keys), keys  # input + attempt 2
+        emb.release()
         svc.send_multipart([ident, encode(Release("r1"))])
         deadline = time.monotonic() + 10
         while fabric_keys() and time.monotonic() < deadline:
@@ -94,6 +99,7 @@ def test_a_newer_attempt_replaces_what_the_older_one_published(older):
     assert not t.is_alive()
     assert conn.stats().live_publications == 0
     conn.close()
+    upstream.close()
     assert fabric_keys() == []
 
 

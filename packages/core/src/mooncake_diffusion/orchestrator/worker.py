@@ -171,6 +171,8 @@ class StageWorker:
         self._running: dict[ItemRef, StageContext] = {}
         self._done: OrderedDict[ItemRef, bytes] = OrderedDict()
         self._publish_lock = threading.Lock()
+        #: publications of finished items, until their request is released (supersede)
+        self._pubs: dict[ItemRef, Any] = {}
         self._draining = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -325,6 +327,8 @@ class StageWorker:
         if isinstance(msg, Release):
             if not any(r.request_id == msg.request_id for r in self._running):
                 self.connector.cleanup(msg.request_id)
+                for r in [r for r in self._pubs if r.request_id == msg.request_id]:
+                    del self._pubs[r]
             return None
         if isinstance(msg, Refused):
             return self._on_refused(msg)
@@ -359,7 +363,8 @@ class StageWorker:
         orchestrator gave up on the older one (e.g. this worker was cut off past its
         heartbeat deadline) and will refuse its result. Drop what the older attempt
         published (its connector publication would collide with the new attempt's
-        output) and stop an older attempt that still runs; it publishes nothing."""
+        output; only its own: the request's other payloads, e.g. this stage's input,
+        stay) and stop an older attempt that still runs; it publishes nothing."""
         older = [
             r
             for r in (*self._done, *self._running)
@@ -375,9 +380,9 @@ class StageWorker:
                 if ctx is not None:
                     ctx._superseded = True
                     ctx._cancelled.set()
-            others = [r for r in self._running if r.request_id == ref.request_id]
-            if all(r in older for r in others):
-                self.connector.cleanup(ref.request_id)
+                pub = self._pubs.pop(r, None)
+                if pub is not None:
+                    pub.release()
 
     def _execute(self, ctx: StageContext) -> None:
         ref = _ref(ctx.item)
@@ -392,6 +397,7 @@ class StageWorker:
                         self._post(("superseded", ref))
                         return
                     pub = self.connector.publish(out)
+                    self._pubs[ref] = pub
                 pub.wait(self.publish_timeout_s)
                 output = pub.encode()
             else:
@@ -423,7 +429,7 @@ class StageWorker:
             frame = encode(Done(self.worker_id, ref, msg[2], msg[3]))
             self._done[ref] = frame
             while len(self._done) > _REMEMBER_DONE:
-                self._done.popitem(last=False)
+                self._pubs.pop(self._done.popitem(last=False)[0], None)
             self.items_done += 1
             send(frame)
         else:
