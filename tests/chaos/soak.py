@@ -78,10 +78,13 @@ def soak(
         inflight: list[str] = []
         for i in range(n):
             p = {"prompt": f"soak {seed} {i}", "steps": rng.choice((1, 2, 4)), "size": 256}
+            cancel = rng.random() < cancel_p
+            if cancel:  # slow enough that the cancel lands while it runs (no race)
+                p.update(steps=4, step_s=0.5)
             rid = c.submit(p, request_id=f"soak{seed}-{i}")
             params[rid] = p
             inflight.append(rid)
-            if rng.random() < cancel_p:
+            if cancel:
                 with contextlib.suppress(OrchestratorError):  # it may have finished first
                     c.cancel(rid)
             if i in kill_at:

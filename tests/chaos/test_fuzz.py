@@ -10,7 +10,7 @@ import pytest
 
 pytestmark = pytest.mark.chaos
 
-EXAMPLES = 150
+EXAMPLES = 60
 
 
 @pytest.mark.parametrize("name", fuzz.NAMES)
