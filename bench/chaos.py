@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     fuzz_total = 21_000 if a.quick else 80_000
     soak_n = 200 if a.quick else 1000
-    race_keys = 100 if a.quick else 500
+    race_keys = 50 if a.quick else 300
     t0 = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="mcd-chaos-"))
     out: dict[str, Any] = {

@@ -27,7 +27,9 @@ def _taker() -> int:
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         name = json.loads(line)["name"]
-        got = box.take_until(name, time.monotonic() + 5.0)
+        # the record is posted ~2 ms after the name arrives; a taker that lost the race
+        # keeps polling until this deadline, so it bounds each key's round
+        got = box.take_until(name, time.monotonic() + 1.0)
         print(json.dumps({"name": name, "got": got is not None}), flush=True)
     box.close()
     return 0
