@@ -15,6 +15,7 @@ import time
 import msgspec
 import pytest
 import zmq
+from prometheus_client.parser import text_string_to_metric_families
 
 from mooncake_diffusion.connector import DiffusionConnector
 from mooncake_diffusion.orchestrator import OrchestratorConfig, toy
@@ -126,8 +127,22 @@ def test_requests_flow_through_every_stage_with_events_and_metrics(stack):
     streamed = list(stack.client.events(rids[0]))
     assert [e["kind"] for e in streamed][-1] == "completed"
     text = stack.client.metrics_text()
-    assert 'mcd_orchestrator_requests_finished_total{outcome="completed"} 5' in text
-    assert 'mcd_orchestrator_dispatches_total{stage="denoise"} 5' in text
+    assert 'mcd_orchestrator_requests_finished_total{outcome="completed"} 5.0' in text
+    assert 'mcd_orchestrator_dispatches_total{stage="denoise"} 5.0' in text
+    families = {f.name: f for f in text_string_to_metric_families(text)}  # valid exposition
+    for stage in ("encode", "denoise", "decode"):
+        for hist in ("dispatch_wait_seconds", "stage_run_seconds"):
+            counts = [
+                s.value
+                for s in families[f"mcd_orchestrator_{hist}"].samples
+                if s.name.endswith("_count") and s.labels == {"stage": stage}
+            ]
+            assert counts == [5.0], (hist, stage, counts)
+    ages = families["mcd_orchestrator_worker_heartbeat_age_seconds"].samples
+    assert sorted(s.labels["stage"] for s in ages) == ["decode", "denoise", "encode"]
+    assert all(s.value >= 0 for s in ages)
+    in_use = families["mcd_orchestrator_credits_in_use"].samples
+    assert {s.labels["stage"]: s.value for s in in_use} == {"encode": 0, "denoise": 0, "decode": 0}
     assert stack.client.healthz() == {"status": "ok"}
 
 
