@@ -13,6 +13,8 @@ Routes (JSON in and out; bytes fields such as ``output`` are base64):
     GET  /v1/cluster                  -> 200 pools, queues, running requests
     GET  /metrics                     -> Prometheus text
     GET  /healthz                     -> 200 {"status": "ok"} (no token needed)
+    GET  /dashboard                   -> the live dashboard (``dashboard.html``; its data
+                                         calls carry the token from ``#token=...``)
     /v1/images/..., /v1/videos/...    -> OpenAI-compatible generation (``openai_api.py``)
 
 Errors are ``{"error": code, "message": text}``: 400 malformed or invalid input,
@@ -37,6 +39,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -256,6 +259,11 @@ def build_app(
             if not hmac.compare_digest(got.encode(), f"Bearer {token}".encode()):
                 return _error(401, "unauthorized", "missing or wrong token")
         return await call_next(request)
+
+    @app.get("/dashboard", include_in_schema=False)
+    async def dashboard() -> Response:
+        page = resources.files(__package__).joinpath("dashboard.html").read_bytes()
+        return Response(page, media_type="text/html; charset=utf-8")
 
     @app.get("/healthz", tags=["ops"])
     async def healthz() -> dict[str, str]:

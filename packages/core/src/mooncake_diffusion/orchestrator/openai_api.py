@@ -43,6 +43,8 @@ __all__ = ["ImageRequest", "VideoRequest", "router"]
 #: Seconds ``POST /v1/images/generations`` waits for its images.
 IMAGE_TIMEOUT_S = 600.0
 MAX_IMAGES = 8
+#: Videos the routes remember (oldest forgotten first), as the service forgets requests.
+MAX_VIDEOS = 10_000
 _FPS = 8
 
 
@@ -121,6 +123,17 @@ def _params(body: ImageRequest | VideoRequest, out: Path) -> dict[str, Any]:
     return p
 
 
+def _checked(params: dict[str, Any]) -> dict[str, Any]:
+    """``params`` once the reference pipeline accepts them; ``ApiError`` 400 if not."""
+    from mooncake_diffusion.pipeline.params import GenerationParams, ParamsError
+
+    try:
+        GenerationParams(**{k: v for k, v in params.items() if k != "out_dir"})
+    except (ParamsError, TypeError, ValueError) as e:
+        raise ApiError(400, "bad_value", str(e)) from None
+    return params
+
+
 def _file(st: RequestStatus, outputs: Path) -> Path:
     """The output file of a completed request, checked to lie in ``outputs``."""
     if st.state != "completed" or not st.output:
@@ -158,7 +171,7 @@ def router(service: OrchestratorService, outputs: Path | None) -> APIRouter:
     async def images(request: Request) -> Response:
         body: ImageRequest = parse(ImageRequest, await read_json(request) or {})
         out = folder()
-        params = _params(body, out)
+        params = _checked(_params(body, out))
 
         def run() -> list[RequestStatus]:
             rids = []
@@ -245,8 +258,11 @@ def router(service: OrchestratorService, outputs: Path | None) -> APIRouter:
             frames = 1 + 4 * max(1, (secs * _FPS) // 4)  # the VAE's 1 + 4k frames
         params = _params(body, out)
         params["frames"] = frames
+        _checked(params)
         vid = f"video_{uuid.uuid4().hex[:16]}"
         seconds = body.seconds or str(max(1, round((frames - 1) / _FPS)))
+        while len(videos) >= MAX_VIDEOS:
+            videos.pop(next(iter(videos)))
         videos[vid] = {
             "model": body.model,
             "prompt": body.prompt,
