@@ -300,14 +300,25 @@ def serve_batch(
 
 
 def _serve_until_interrupted(stack: DemoStack) -> None:
+    """Block until SIGINT (Ctrl-C) or SIGTERM, or a worker exits; then return so the
+    caller stops everything. Handlers are installed here (a shell's background job
+    starts with SIGINT ignored) and restored after."""
+    import signal
+    import threading
+
     url = stack.api.url
     print(f"\nserving: dashboard {url}/dashboard  API docs {url}/docs  (Ctrl-C stops)")
+    stop = threading.Event()
+    old = {
+        sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)
+    }
     try:
-        while True:
+        while not stop.wait(0.5):
             stack.check_workers()
-            time.sleep(0.5)
-    except KeyboardInterrupt:
-        print("stopping")
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+    print("stopping")
 
 
 def _report(sts: list[Any], batch: list, out: Path, wall: float, stats: dict, verify: bool) -> int:
@@ -367,7 +378,7 @@ def _report(sts: list[Any], batch: list, out: Path, wall: float, stats: dict, ve
             Path(res["path"]).name if res.get("path") else "-",
             same,
         )
-    console = Console(width=max(160, Console().width))
+    console = Console(width=max(200, Console().width))
     console.print()
     console.print(table)
     inter = sorted(x for c, x in ttffs if c == "interactive")

@@ -29,11 +29,9 @@ needs ``Authorization: Bearer <token>``).
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import binascii
 import hmac
-import json
 import logging
 import socket
 import threading
@@ -47,10 +45,19 @@ import msgspec
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import iterate_in_threadpool, run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from mooncake_diffusion.orchestrator import openai_api
+from mooncake_diffusion.orchestrator.bodies import (
+    BODY_TIMEOUT_S,
+    MAX_BODY,
+    ApiError,
+    parse,
+    read_json,
+    validation_message,
+)
 from mooncake_diffusion.orchestrator.errors import OrchestratorError
 from mooncake_diffusion.orchestrator.service import (
     OrchestratorService,
@@ -63,9 +70,6 @@ __all__ = ["BODY_TIMEOUT_S", "MAX_BODY", "ApiError", "ApiServer", "build_app"]
 
 log = logging.getLogger("mooncake_diffusion.orchestrator.http")
 
-MAX_BODY = 256 * 1024
-#: Seconds a client has to send a whole request body (a slow client gets 408).
-BODY_TIMEOUT_S = 10.0
 #: Seconds an idle keep-alive connection is kept open.
 KEEP_ALIVE_S = 5
 #: Connections served at once; more get 503 from uvicorn.
@@ -81,14 +85,6 @@ _STATUS_CODES = {404: "not_found", 405: "method_not_allowed", 401: "unauthorized
 
 def is_loopback(host: str) -> bool:
     return host in ("localhost", "::1") or host.startswith("127.")
-
-
-class ApiError(Exception):
-    """An answer of ``status`` with ``{"error": code, "message": message}``."""
-
-    def __init__(self, status: int, code: str, message: str) -> None:
-        super().__init__(message)
-        self.status, self.code, self.message = status, code, message
 
 
 # --------------------------------------------------------------------------- models
@@ -133,58 +129,6 @@ def _error(status: int, code: str, message: str) -> Response:
     return _json({"error": code, "message": message}, status)
 
 
-def _validation_message(e: ValidationError | RequestValidationError) -> str:
-    parts = []
-    for err in e.errors():
-        where = ".".join(str(x) for x in err.get("loc", ()) if x != "body") or "body"
-        parts.append(f"{where}: {err.get('msg', 'invalid')}")
-    return "; ".join(parts) or "invalid input"
-
-
-async def read_json(request: Request, *, required: bool = True) -> dict[str, Any] | None:
-    """The request's JSON object body, or None when absent and not ``required``.
-
-    Raises ``ApiError``: 411 chunked without a length, 400 a bad length or not a
-    JSON object, 413 over ``MAX_BODY``, 415 another content type, 408 when the body
-    does not arrive within ``BODY_TIMEOUT_S``. A missing Content-Type means JSON."""
-    n = request.headers.get("content-length")
-    if n is None:
-        if request.headers.get("transfer-encoding"):
-            raise ApiError(411, "length_required", "send Content-Length")
-        if required:
-            raise ApiError(400, "bad_json", "a JSON body is required")
-        return None
-    if not n.isdigit():
-        raise ApiError(400, "bad_request", "bad Content-Length")
-    if int(n) > MAX_BODY:
-        raise ApiError(413, "too_large", f"body of {n} bytes; the limit is {MAX_BODY}")
-    try:
-        limit = getattr(request.app.state, "body_timeout_s", BODY_TIMEOUT_S)
-        raw = await asyncio.wait_for(request.body(), limit)
-    except TimeoutError:
-        raise ApiError(408, "timeout", f"body not sent within {limit:g}s") from None
-    if not raw and not required:
-        return None
-    ctype = request.headers.get("content-type", "application/json").split(";")[0].strip()
-    if ctype != "application/json":
-        raise ApiError(415, "bad_type", "send application/json")
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ApiError(400, "bad_json", f"not JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise ApiError(400, "bad_json", "the body must be a JSON object")
-    return body
-
-
-def parse(model: type[BaseModel], body: dict[str, Any]) -> Any:
-    """``body`` validated as ``model``; ``ApiError`` 400 ``bad_value`` naming the fields."""
-    try:
-        return model.model_validate(body)
-    except ValidationError as e:
-        raise ApiError(400, "bad_value", _validation_message(e)) from None
-
-
 def _body_schema(model: type[BaseModel]) -> dict[str, Any]:
     return {
         "requestBody": {
@@ -205,8 +149,6 @@ def build_app(
     """The FastAPI app for ``service``. ``outputs``: where OpenAI-style requests' files
     are written and served from (None: those routes answer 503). ``body_timeout_s``:
     how long a client may take to send a body before it gets 408."""
-    from mooncake_diffusion.orchestrator import openai_api
-
     shapes, comps = _schemas()
     app = FastAPI(
         title="mooncake-diffusion orchestrator",
@@ -235,7 +177,7 @@ def build_app(
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, e: RequestValidationError) -> Response:
-        return _error(400, "bad_value", _validation_message(e))
+        return _error(400, "bad_value", validation_message(e))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, e: StarletteHTTPException) -> Response:

@@ -34,7 +34,7 @@ from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
-from mooncake_diffusion.orchestrator.api import ApiError, parse, read_json
+from mooncake_diffusion.orchestrator.bodies import ApiError, parse, read_json
 from mooncake_diffusion.orchestrator.service import OrchestratorService
 from mooncake_diffusion.orchestrator.status import RequestStatus
 
