@@ -147,3 +147,38 @@ def test_dashboard_shows_a_request_appear_advance_and_complete(front):
             assert (ARTIFACTS / "dashboard.png").stat().st_size > 0
         finally:
             browser.close()
+
+
+def transfer_series(url: str) -> dict[tuple[str, str, str], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        if fam.name in (
+            "mcd_orchestrator_transfers",
+            "mcd_orchestrator_transfer_bytes",
+            "mcd_orchestrator_transfer_seconds",
+        ):
+            for s in fam.samples:
+                if s.name.endswith("_total"):
+                    out[(fam.name, s.labels["stage"], s.labels["path"])] = s.value
+    return out
+
+
+def test_metrics_count_each_stage_input_by_path(front):
+    before = transfer_series(front.api.url)
+    rid = front.svc.submit({"prompt": "a hummingbird", "steps": 2, "seed": 4}, request_id="m-1")
+    st = front.svc.wait(rid, timeout=300)
+    assert st.state == "completed", st
+    after = transfer_series(front.api.url)
+    done = {e.stage: e.info for e in st.events if e.kind == "done"}
+    for stage, prev in (("denoise", "encode"), ("decode", "denoise")):
+        path = done[stage]["in_path"]
+        key = ("mcd_orchestrator_transfers", stage, path)
+        assert after[key] - before.get(key, 0) == 1, (stage, path, after)
+        key = ("mcd_orchestrator_transfer_bytes", stage, path)
+        assert after[key] - before.get(key, 0) == done[prev]["bytes"], (stage, after)
+        key = ("mcd_orchestrator_transfer_seconds", stage, path)
+        assert after[key] - before.get(key, 0) == pytest.approx(done[stage]["in_s"])

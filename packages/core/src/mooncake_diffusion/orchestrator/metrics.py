@@ -61,6 +61,12 @@ class ServiceMetrics:
             ["stage", "path"],
             registry=r,
         )
+        self.transfer_seconds = Counter(
+            P + "transfer_seconds",
+            "Seconds stages spent receiving their inputs, by path (the worker's ``in_s``).",
+            ["stage", "path"],
+            registry=r,
+        )
         self.transfers = Counter(
             P + "transfers", "Stage inputs received, by path.", ["stage", "path"], registry=r
         )
@@ -144,6 +150,9 @@ class ServiceMetrics:
         if isinstance(path, str) and path:
             self.transfers.labels(stage=stage, path=path).inc()
             self.transfer_bytes.labels(stage=stage, path=path).inc(sent)
+            secs = info.get("in_s")
+            if isinstance(secs, int | float) and secs >= 0:
+                self.transfer_seconds.labels(stage=stage, path=path).inc(secs)
 
     def refresh(
         self,
