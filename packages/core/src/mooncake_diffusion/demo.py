@@ -162,6 +162,14 @@ def run_demo(
     return result[0]
 
 
+def orchestrator_config() -> Any:
+    """The ``OrchestratorConfig`` the demo's orchestrator runs (bench/e2e.py gives its
+    colocated side the same one)."""
+    from mooncake_diffusion.orchestrator.model import OrchestratorConfig
+
+    return OrchestratorConfig(heartbeat_timeout=5.0, preemption=True)
+
+
 @dataclass
 class DemoStack:
     """A running demo system: the service (library mode), its HTTP API (serving the
@@ -187,7 +195,6 @@ def demo_stack(denoise_workers: int, out: Path, *, port: int = 0) -> Iterator[De
     outputs, journal and logs stay in ``out``."""
     from mooncake_diffusion._mooncake.cluster import LocalCluster
     from mooncake_diffusion.orchestrator.api import ApiServer
-    from mooncake_diffusion.orchestrator.model import OrchestratorConfig
     from mooncake_diffusion.orchestrator.service import OrchestratorService, ServiceConfig
 
     out.mkdir(parents=True, exist_ok=True)
@@ -199,7 +206,7 @@ def demo_stack(denoise_workers: int, out: Path, *, port: int = 0) -> Iterator[De
         assert cluster.settings is not None
         print(f"cluster up in {time.monotonic() - t0:.1f}s: master {cluster.settings.master}")
         cfg = ServiceConfig(
-            orchestrator=OrchestratorConfig(heartbeat_timeout=5.0, preemption=True),
+            orchestrator=orchestrator_config(),
             worker_bind="tcp://127.0.0.1:0",
             journal=str(out / "orchestrator.db"),
         )
