@@ -37,6 +37,7 @@ __all__ = [
     "WHEELS",
     "MooncakeBuild",
     "Wheel",
+    "cuda_build",
     "inspect_build",
     "torch_cuda",
     "wheel_for",
@@ -147,6 +148,12 @@ def inspect_build(package_dir: str | Path | None = None) -> MooncakeBuild | None
     distribution, version = _dist_info(root)
     major = found.pop() if found else None
     return MooncakeBuild(str(root), distribution, version, libraries, major)
+
+
+def cuda_build() -> bool:
+    """Whether the importable Mooncake is a CUDA build (registers device memory)."""
+    build = inspect_build()
+    return build is not None and build.device_memory
 
 
 def _dist_info(root: Path) -> tuple[str, str]:
