@@ -213,7 +213,10 @@ class Stager:
         self._lock = threading.Lock()
 
     def _paths(self, regions: Sequence[Region]) -> list[DevicePath] | None:
-        if all(r.device == "cpu" for r in regions):
+        for r in regions:
+            if r.device != "cpu":
+                break
+        else:
             return None  # the CPU path, untouched
         with self._lock:
             if self._caps is None:
