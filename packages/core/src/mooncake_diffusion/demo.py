@@ -132,6 +132,14 @@ def run_demo(
     return _report(sts, batch, out, wall, stats, verify)
 
 
+def orchestrator_config() -> Any:
+    """The ``OrchestratorConfig`` the demo's orchestrator runs (bench/e2e.py gives its
+    colocated side the same one)."""
+    from mooncake_diffusion.orchestrator.model import OrchestratorConfig
+
+    return OrchestratorConfig(heartbeat_timeout=5.0, preemption=True)
+
+
 def serve_batch(
     batch: list[tuple[str, str, dict[str, Any]]],
     denoise_workers: int,
@@ -145,7 +153,6 @@ def serve_batch(
     denoising (so they arrive at a busy pool, as in production, and preempt)."""
     from mooncake_diffusion._mooncake.cluster import LocalCluster
     from mooncake_diffusion.orchestrator.api import ApiServer
-    from mooncake_diffusion.orchestrator.model import OrchestratorConfig
     from mooncake_diffusion.orchestrator.service import OrchestratorService, ServiceConfig
 
     out.mkdir(parents=True, exist_ok=True)
@@ -159,7 +166,7 @@ def serve_batch(
         assert cluster.settings is not None
         print(f"cluster up in {time.monotonic() - t0:.1f}s: master {cluster.settings.master}")
         cfg = ServiceConfig(
-            orchestrator=OrchestratorConfig(heartbeat_timeout=5.0, preemption=True),
+            orchestrator=orchestrator_config(),
             worker_bind="tcp://127.0.0.1:0",
             journal=str(out / "orchestrator.db"),
         )
