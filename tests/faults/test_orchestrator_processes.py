@@ -53,8 +53,8 @@ def test_a_worker_killed_mid_item_loses_nothing(stack):
     assert redo[0] == victim and redo[-1] != victim, redo
     assert any("heartbeat" in r for r in st["reasons"]), st["reasons"]
     text = c.metrics_text()
-    assert 'mcd_orchestrator_requests_finished_total{outcome="completed"} 1' in text
-    assert 'mcd_orchestrator_requeues_total{stage="denoise"} 1' in text
+    assert 'mcd_orchestrator_requests_finished_total{outcome="completed"} 1.0' in text
+    assert 'mcd_orchestrator_requeues_total{stage="denoise"} 1.0' in text
 
 
 def test_an_orchestrator_restarted_mid_run_loses_no_accepted_request(stack):

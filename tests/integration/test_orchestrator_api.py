@@ -8,12 +8,14 @@ from __future__ import annotations
 import base64
 import http.client
 import json
+import socket
 import threading
 import time
 
 import msgspec
 import pytest
 import zmq
+from prometheus_client.parser import text_string_to_metric_families
 
 from mooncake_diffusion.connector import DiffusionConnector
 from mooncake_diffusion.orchestrator import OrchestratorConfig, toy
@@ -125,8 +127,22 @@ def test_requests_flow_through_every_stage_with_events_and_metrics(stack):
     streamed = list(stack.client.events(rids[0]))
     assert [e["kind"] for e in streamed][-1] == "completed"
     text = stack.client.metrics_text()
-    assert 'mcd_orchestrator_requests_finished_total{outcome="completed"} 5' in text
-    assert 'mcd_orchestrator_dispatches_total{stage="denoise"} 5' in text
+    assert 'mcd_orchestrator_requests_finished_total{outcome="completed"} 5.0' in text
+    assert 'mcd_orchestrator_dispatches_total{stage="denoise"} 5.0' in text
+    families = {f.name: f for f in text_string_to_metric_families(text)}  # valid exposition
+    for stage in ("encode", "denoise", "decode"):
+        for hist in ("dispatch_wait_seconds", "stage_run_seconds"):
+            counts = [
+                s.value
+                for s in families[f"mcd_orchestrator_{hist}"].samples
+                if s.name.endswith("_count") and s.labels == {"stage": stage}
+            ]
+            assert counts == [5.0], (hist, stage, counts)
+    ages = families["mcd_orchestrator_worker_heartbeat_age_seconds"].samples
+    assert sorted(s.labels["stage"] for s in ages) == ["decode", "denoise", "encode"]
+    assert all(s.value >= 0 for s in ages)
+    in_use = families["mcd_orchestrator_credits_in_use"].samples
+    assert {s.labels["stage"]: s.value for s in in_use} == {"encode": 0, "denoise": 0, "decode": 0}
     assert stack.client.healthz() == {"status": "ok"}
 
 
@@ -308,3 +324,73 @@ def test_library_mode_wait_and_events_agree(stack):
     t.join(10)
     assert st.state == "completed"
     assert [e.kind for e in seen if e.kind != "progress"] == [e.kind for e in st.events]
+
+
+def test_openapi_docs_are_served_and_list_every_route(stack):
+    conn = http.client.HTTPConnection(stack.api.host, stack.api.port, timeout=10)
+    try:
+        conn.request("GET", "/docs")
+        resp = conn.getresponse()
+        page = resp.read().decode()
+        assert resp.status == 200 and "swagger" in page.lower() and "/openapi.json" in page
+    finally:
+        conn.close()
+    status, spec = raw(stack.api, "GET", "/openapi.json")
+    assert status == 200
+    paths = spec["paths"]
+    for path in (
+        "/v1/requests",
+        "/v1/requests/{request_id}",
+        "/v1/requests/{request_id}/cancel",
+        "/v1/requests/{request_id}/events",
+        "/v1/cluster",
+        "/metrics",
+        "/healthz",
+        "/v1/images/generations",
+        "/v1/videos",
+        "/v1/videos/{video_id}/content",
+    ):
+        assert path in paths, sorted(paths)
+    body = paths["/v1/requests"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert set(body["properties"]) == {
+        "params",
+        "request_id",
+        "slo_class",
+        "cached_embeddings",
+        "deadline_s",
+    }
+    assert "RequestStatus" in spec["components"]["schemas"]
+
+
+def _answer(sock: socket.socket) -> tuple[int, dict]:
+    resp = http.client.HTTPResponse(sock)
+    resp.begin()
+    return resp.status, json.loads(resp.read())
+
+
+def test_slow_and_unsized_bodies_are_refused_without_changing_state():
+    svc = OrchestratorService(ServiceConfig(worker_bind="tcp://127.0.0.1:0")).start()
+    api = ApiServer(svc, "127.0.0.1", 0, body_timeout_s=0.5)
+    try:
+        # a client that announces 100 bytes and sends 10 gets 408 once the limit passes
+        sock = socket.create_connection((api.host, api.port), timeout=30)
+        with sock:
+            sock.sendall(
+                b"POST /v1/requests HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: 100\r\n\r\n" + b'{"params":'
+            )
+            status, err = _answer(sock)
+        assert (status, err["error"]) == (408, "timeout"), err
+        # a chunked body without a length
+        sock = socket.create_connection((api.host, api.port), timeout=30)
+        with sock:
+            sock.sendall(
+                b"POST /v1/requests HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                b"2\r\n{}\r\n0\r\n\r\n"
+            )
+            status, err = _answer(sock)
+        assert (status, err["error"]) == (411, "length_required"), err
+        assert svc.cluster()["queued"]["encode"] == []
+    finally:
+        svc.close()
+        api.close()

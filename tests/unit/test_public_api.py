@@ -45,7 +45,7 @@ def test_missing_mooncake_is_an_import_error_that_says_what_to_install():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert "pip install 'mooncake-diffusion[cpu]'" in out.stdout
-    assert "mooncake-diffusion[cuda]" in out.stdout
+    assert "mooncake-diffusion[cuda13]" in out.stdout
 
 
 def test_error_tree_marks_retryable_and_cache_miss_classes():

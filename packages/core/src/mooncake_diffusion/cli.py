@@ -83,7 +83,13 @@ def _demo(args: argparse.Namespace) -> int:
     from mooncake_diffusion.demo import run_demo
 
     return run_demo(
-        args.images, args.videos, args.steps, args.denoise_workers, args.out, not args.no_verify
+        args.images,
+        args.videos,
+        args.steps,
+        args.denoise_workers,
+        args.out,
+        not args.no_verify,
+        serve=args.serve,
     )
 
 
@@ -121,6 +127,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", help="output folder (default: a new temporary folder)")
     demo.add_argument(
         "--no-verify", action="store_true", help="skip the bitwise check against colocated"
+    )
+    demo.add_argument(
+        "--serve",
+        action="store_true",
+        help="after the report, keep the system up (live dashboard at /dashboard, API docs "
+        "at /docs, OpenAI-style routes) and print its address, until Ctrl-C",
     )
     demo.set_defaults(func=_demo)
 

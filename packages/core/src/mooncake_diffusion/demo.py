@@ -17,10 +17,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["demo_batch", "run_demo", "serve_batch"]
+__all__ = ["DemoStack", "demo_batch", "demo_stack", "run_demo", "serve_batch"]
 
 STAGES = "mooncake_diffusion.pipeline.stages"
 NEGATIVE = "blurry, low quality, watermark"
@@ -91,16 +94,33 @@ def _until_denoising(svc: Any, rids: list[str], timeout: float) -> None:
         time.sleep(0.05)
 
 
-def _live_line(view: dict[str, Any], done: int, total: int) -> str:
+def _live_view(view: dict[str, Any], sts: list[Any]) -> Any:
+    """A rich table of the requests (state, stage, denoise step) over the queue depths."""
+    from rich.console import Group
+    from rich.progress_bar import ProgressBar
+    from rich.table import Table
+    from rich.text import Text
+
     q = view["queued"]
-    running = []
-    for r in sorted(view["running"], key=lambda r: r["request_id"]):
-        step = f" {r['step']}/{r['total']}" if r.get("step") else ""
-        running.append(f"{r['request_id']}:{r['stage']}{step}")
-    return (
-        f"  queues E{len(q.get('encode', ()))} D{len(q.get('denoise', ()))} "
-        f"V{len(q.get('decode', ()))} | running {', '.join(running) or '-'} | done {done}/{total}"
+    head = Text(
+        f"queues  encode {len(q.get('encode', ()))}  denoise {len(q.get('denoise', ()))}  "
+        f"decode {len(q.get('decode', ()))}   workers {len(view['workers'])}",
+        style="bold",
     )
+    table = Table(box=None, pad_edge=False)
+    for col in ("request", "class", "state", "stage", "denoise"):
+        table.add_column(col)
+    colors = {"completed": "green", "failed": "red", "cancelled": "red", "running": "cyan"}
+    for st in sts:
+        bar: Any = ""
+        if st.step and st.total:
+            bar = ProgressBar(total=st.total, completed=st.step, width=24)
+        elif st.state == "completed":
+            bar = ProgressBar(total=1, completed=1, width=24)
+        stage = st.stage if st.state not in ("completed", "failed", "cancelled") else "-"
+        state = Text(st.state, style=colors.get(st.state, "yellow"))
+        table.add_row(st.request_id, st.slo_class, state, stage or "-", bar)
+    return Group(head, table)
 
 
 def _timings(st: Any) -> dict[str, float]:
@@ -124,50 +144,79 @@ def run_demo(
     denoise_workers: int = 2,
     out_dir: str | None = None,
     verify: bool = True,
+    serve: bool = False,
 ) -> int:
     """The demo; 0 when every request completed (and matched colocated, with ``verify``)."""
     out = Path(out_dir or tempfile.mkdtemp(prefix="mooncake-diffusion-demo-"))
     batch = demo_batch(images, videos, steps)
-    sts, wall, stats = serve_batch(batch, denoise_workers, out, stagger=True)
-    return _report(sts, batch, out, wall, stats, verify)
+    if not serve:
+        sts, wall, stats = serve_batch(batch, denoise_workers, out, stagger=True)
+        return _report(sts, batch, out, wall, stats, verify)
+    # the report comes first, then the system keeps serving (dashboard, API) until Ctrl-C
+    result: list[int] = []
+
+    def report_then_serve(sts: list, wall: float, stats: dict) -> None:
+        result.append(_report(sts, batch, out, wall, stats, verify))
+
+    serve_batch(batch, denoise_workers, out, stagger=True, serve=report_then_serve)
+    return result[0]
 
 
-def serve_batch(
-    batch: list[tuple[str, str, dict[str, Any]]],
-    denoise_workers: int,
-    out: Path,
-    *,
-    stagger: bool = False,
-) -> tuple[list[Any], float, dict[str, int]]:
-    """Run ``batch`` ((request id, class, params) each) on a fresh embedded system; the
-    final statuses, seconds from first submit to last outcome, service counters.
-    ``stagger``: submit the interactive requests only once the batch ones are
-    denoising (so they arrive at a busy pool, as in production, and preempt)."""
+def orchestrator_config() -> Any:
+    """The ``OrchestratorConfig`` the demo's orchestrator runs (bench/e2e.py gives its
+    colocated side the same one)."""
+    from mooncake_diffusion.orchestrator.model import OrchestratorConfig
+
+    return OrchestratorConfig(heartbeat_timeout=5.0, preemption=True)
+
+
+@dataclass
+class DemoStack:
+    """A running demo system: the service (library mode), its HTTP API (serving the
+    OpenAI-style routes from ``out``) and the worker processes."""
+
+    svc: Any
+    api: Any
+    procs: list[Any]
+    out: Path
+
+    def check_workers(self) -> None:
+        """Raise ``RuntimeError`` when a worker process has exited."""
+        if any(p.poll() is not None for p in self.procs):
+            raise RuntimeError(f"a worker exited; see {self.out / 'logs'}")
+
+
+@contextmanager
+def demo_stack(denoise_workers: int, out: Path, *, port: int = 0) -> Iterator[DemoStack]:
+    """A fresh embedded system: a real Mooncake master and store host, the orchestrator
+    with its API on ``127.0.0.1:port`` (0: a free port), an Encode, a Decode and
+    ``denoise_workers`` Denoise worker processes, each warmed up (torch and the model
+    loaded). On exit every process is stopped and waited for, and the service closed;
+    outputs, journal and logs stay in ``out``."""
     from mooncake_diffusion._mooncake.cluster import LocalCluster
     from mooncake_diffusion.orchestrator.api import ApiServer
-    from mooncake_diffusion.orchestrator.model import OrchestratorConfig
     from mooncake_diffusion.orchestrator.service import OrchestratorService, ServiceConfig
 
     out.mkdir(parents=True, exist_ok=True)
     logs = out / "logs"
     logs.mkdir(exist_ok=True)
-    images = sum(cls == "interactive" for _, cls, _ in batch)
-    videos = len(batch) - images
     t0 = time.monotonic()
     procs: list[Any] = []
     with LocalCluster(pool_bytes=512 << 20) as cluster:
         assert cluster.settings is not None
         print(f"cluster up in {time.monotonic() - t0:.1f}s: master {cluster.settings.master}")
         cfg = ServiceConfig(
-            orchestrator=OrchestratorConfig(heartbeat_timeout=5.0, preemption=True),
+            orchestrator=orchestrator_config(),
             worker_bind="tcp://127.0.0.1:0",
             journal=str(out / "orchestrator.db"),
         )
         svc = OrchestratorService(cfg).start()
-        api = ApiServer(svc, "127.0.0.1", 0)
-        print(
-            f"orchestrator: api {api.url} (try {api.url}/v1/cluster), workers {svc.worker_address}"
-        )
+        try:
+            api = ApiServer(svc, "127.0.0.1", port, outputs=out)
+        except BaseException:
+            svc.close()
+            raise
+        print(f"orchestrator: api {api.url} (dashboard {api.url}/dashboard, docs {api.url}/docs)")
         try:
             env = cluster.settings.as_env()
             # decode credits are latent receive slots: a denoise job is admitted only
@@ -178,10 +227,12 @@ def serve_batch(
             for stage, wid, credits in plan:
                 log = logs / f"{wid}.log"
                 procs.append(_spawn(stage, wid, svc.worker_address, env, log, credits))
+            stack = DemoStack(svc, api, procs, out)
             deadline = time.monotonic() + 120
             while len(svc.cluster()["workers"]) < len(plan):
-                if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+                if time.monotonic() > deadline:
                     raise RuntimeError(f"workers did not come up; see {logs}")
+                stack.check_workers()
                 time.sleep(0.1)
             print(f"workers up: {', '.join(w for _, w, _ in plan)} (logs in {logs})")
             # the first item a worker runs imports torch and builds the model: warm each up
@@ -193,32 +244,7 @@ def serve_batch(
             for w in warm:
                 svc.wait(w, timeout=300)
             print(f"workers warm in {time.monotonic() - t_warm:.1f}s (torch + model per process)")
-            t_submit = time.time()
-            rids = []
-            for rid, cls, params in batch:
-                if stagger and cls == "interactive" and rids:
-                    _until_denoising(svc, rids, timeout=30)
-                    stagger = False
-                rids.append(
-                    svc.submit({**params, "out_dir": str(out)}, request_id=rid, slo_class=cls)
-                )
-            kinds = f"{images} interactive images, {videos} batch videos"
-            print(f"submitted {len(rids)} requests: {kinds}")
-            last = ""
-            while True:
-                sts = [svc.status(r) for r in rids]
-                done = sum(s.state in ("completed", "failed", "cancelled") for s in sts)
-                line = _live_line(svc.cluster(), done, len(rids))
-                if line != last:
-                    print(line, flush=True)
-                    last = line
-                if done == len(rids):
-                    break
-                if any(p.poll() is not None for p in procs):
-                    raise RuntimeError(f"a worker exited; see {logs}")
-                time.sleep(0.25)
-            wall = time.time() - t_submit
-            stats = svc.cluster()["counters"]
+            yield stack
         finally:
             for p in procs:
                 if p.poll() is None:
@@ -232,15 +258,88 @@ def serve_batch(
                 p.log.close()
             svc.close()
             api.close()
+
+
+def serve_batch(
+    batch: list[tuple[str, str, dict[str, Any]]],
+    denoise_workers: int,
+    out: Path,
+    *,
+    stagger: bool = False,
+    serve: Callable[[list[Any], float, dict[str, int]], None] | None = None,
+) -> tuple[list[Any], float, dict[str, int]]:
+    """Run ``batch`` ((request id, class, params) each) on a fresh ``demo_stack``; the
+    final statuses, seconds from first submit to last outcome, service counters.
+    ``stagger``: submit the interactive requests only once the batch ones are
+    denoising (so they arrive at a busy pool, as in production, and preempt).
+    ``serve``: once the batch is done, call it with (statuses, seconds, counters), then
+    keep the system (API, dashboard) up until Ctrl-C."""
+    images = sum(cls == "interactive" for _, cls, _ in batch)
+    videos = len(batch) - images
+    with demo_stack(denoise_workers, out) as stack:
+        svc = stack.svc
+        t_submit = time.time()
+        rids = []
+        for rid, cls, params in batch:
+            if stagger and cls == "interactive" and rids:
+                _until_denoising(svc, rids, timeout=30)
+                stagger = False
+            rids.append(svc.submit({**params, "out_dir": str(out)}, request_id=rid, slo_class=cls))
+        kinds = f"{images} interactive images, {videos} batch videos"
+        print(f"submitted {len(rids)} requests: {kinds}")
+        from rich.live import Live
+
+        with Live(_live_view(svc.cluster(), []), refresh_per_second=4) as live:
+            while True:
+                sts = [svc.status(r) for r in rids]
+                live.update(_live_view(svc.cluster(), sts))
+                if all(s.state in ("completed", "failed", "cancelled") for s in sts):
+                    break
+                stack.check_workers()
+                time.sleep(0.25)
+        print(flush=True)  # the live view ends without a newline when not on a terminal
+        wall = time.time() - t_submit
+        stats = svc.cluster()["counters"]
+        if serve is not None:
+            serve(sts, wall, stats)
+            _serve_until_interrupted(stack)
     return sts, wall, stats
 
 
+def _serve_until_interrupted(stack: DemoStack) -> None:
+    """Block until SIGINT (Ctrl-C) or SIGTERM, or a worker exits; then return so the
+    caller stops everything. Handlers are installed here (a shell's background job
+    starts with SIGINT ignored) and restored after."""
+    import signal
+    import threading
+
+    url = stack.api.url
+    print(f"\nserving: dashboard {url}/dashboard  API docs {url}/docs  (Ctrl-C stops)")
+    stop = threading.Event()
+    old = {
+        sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)
+    }
+    try:
+        while not stop.wait(0.5):
+            stack.check_workers()
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+    print("stopping")
+
+
 def _report(sts: list[Any], batch: list, out: Path, wall: float, stats: dict, verify: bool) -> int:
-    rows = [
-        "| request | class | state | TTFF s | E queue/run s | D queue/run s | V queue/run s "
-        "| latent bytes | paths | neg cache | resumed | output | bitwise |",
-        "|---|---|---|---:|---:|---:|---:|---:|---|---|---:|---|---|",
-    ]
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+
+    cols = ["request", "class", "state", "TTFF_s", "E_queue/run_s", "D_queue/run_s"]
+    cols += ["V_queue/run_s", "latent_bytes", "paths", "neg_cache", "resumed", "output", "bitwise"]
+    table = Table(box=box.MARKDOWN, show_edge=True)
+    for col in cols:
+        right = col.endswith("_s") or col in ("latent_bytes", "resumed")
+        name = col.replace("_", " ")
+        table.add_column(name, justify="right" if right else "left", no_wrap=True)
     ok = True
     pipe = None
     ttffs = []
@@ -271,14 +370,24 @@ def _report(sts: list[Any], batch: list, out: Path, wall: float, stats: dict, ve
             return "-" if q is None or r is None else f"{q:.2f}/{r:.2f}"
 
         paths = "/".join(sorted({v.get("in_path", "") for v in info.values()} - {""})) or "-"
-        rows.append(
-            f"| {rid} | {cls} | {st.state} | {'-' if ttff is None else f'{ttff:.2f}'} "
-            f"| {qr('encode')} | {qr('denoise')} | {qr('decode')} "
-            f"| {info.get('denoise', {}).get('bytes', '-')} | {paths} "
-            f"| {'hit' if hit else 'miss'} | {info.get('denoise', {}).get('resumed_from', 0)} "
-            f"| {Path(res['path']).name if res.get('path') else '-'} | {same} |"
+        table.add_row(
+            rid,
+            cls,
+            st.state,
+            "-" if ttff is None else f"{ttff:.2f}",
+            qr("encode"),
+            qr("denoise"),
+            qr("decode"),
+            str(info.get("denoise", {}).get("bytes", "-")),
+            paths,
+            "hit" if hit else "miss",
+            str(info.get("denoise", {}).get("resumed_from", 0)),
+            Path(res["path"]).name if res.get("path") else "-",
+            same,
         )
-    print("\n" + "\n".join(rows))
+    console = Console(width=max(200, Console().width))
+    console.print()
+    console.print(table)
     inter = sorted(x for c, x in ttffs if c == "interactive")
     requeues = sum(v for k, v in stats.items() if k.startswith("requeued"))
     print(

@@ -38,6 +38,10 @@ class MooncakeSettings:
     #: p2p between two processes of one host copies memory directly
     #: (``process_vm_writev``) instead of going through loopback TCP.
     same_host: bool = True
+    #: how device tensors travel: ``auto`` (GPU-direct where Mooncake is a CUDA
+    #: build and the NIC reaches GPU memory, else pinned host staging),
+    #: ``staged`` or ``gpu-direct``; ``MOONCAKE_DIFFUSION_GPU_PATH``.
+    gpu_path: str = "auto"
 
     def __post_init__(self) -> None:
         split_address(self.master, "master")
@@ -45,6 +49,10 @@ class MooncakeSettings:
             split_address(self.admin, "admin")
         if self.connect_timeout_s <= 0:
             raise ConfigError("connect_timeout_s must be positive")
+        if self.gpu_path not in ("auto", "staged", "gpu-direct"):
+            raise ConfigError(
+                f"gpu_path must be 'auto', 'staged' or 'gpu-direct', got {self.gpu_path!r}"
+            )
 
     @property
     def admin_address(self) -> str:
@@ -67,6 +75,9 @@ class MooncakeSettings:
         same_host = os.environ.get("MOONCAKE_DIFFUSION_SAME_HOST")
         if same_host is not None:
             merged["same_host"] = same_host.strip().lower() not in ("0", "false", "no", "off")
+        gpu_path = os.environ.get("MOONCAKE_DIFFUSION_GPU_PATH")
+        if gpu_path is not None:
+            merged["gpu_path"] = gpu_path.strip().lower()
         merged.update({k: v for k, v in overrides.items() if v is not None})
         return replace(cls(), **merged)  # type: ignore[arg-type]
 

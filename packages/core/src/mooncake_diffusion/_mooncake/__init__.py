@@ -22,8 +22,9 @@ os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 
 _INSTALL_HINT = (
     "Mooncake is not installed: `pip install 'mooncake-diffusion[cpu]'` on CPU/TCP machines "
-    "(needs the system library libibverbs1) or `pip install 'mooncake-diffusion[cuda]'` on GPU "
-    "machines"
+    "(needs the system library libibverbs1), or on GPU machines the build matching torch's CUDA: "
+    "`pip install 'mooncake-diffusion[cuda13]'` or `[cuda12]` "
+    "(`python -m mooncake_diffusion.deployment extra` says which)"
 )
 
 

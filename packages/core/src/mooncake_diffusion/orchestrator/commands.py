@@ -60,7 +60,7 @@ def _run_orchestrator(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     service.start()
     try:
-        api = ApiServer(service, args.host, args.port, token=token)
+        api = ApiServer(service, args.host, args.port, token=token, outputs=args.outputs)
     except BaseException:
         service.close()
         raise
@@ -134,6 +134,11 @@ def add_commands(sub: Any) -> None:
     )
     o.add_argument("--worker-bind", help="worker endpoint, overrides --worker-port")
     o.add_argument("--journal", help="SQLite journal path: survive restarts (default: none)")
+    o.add_argument(
+        "--outputs",
+        help="folder for the OpenAI-style routes' images and videos, written by the decode "
+        "workers and served from here (default: those routes answer 503)",
+    )
     o.add_argument("--token", help=f"shared secret for API and workers (or ${TOKEN_ENV})")
     o.add_argument("--policy", default="affinity", help="routing policy (default affinity)")
     o.add_argument(

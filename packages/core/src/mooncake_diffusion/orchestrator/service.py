@@ -55,8 +55,8 @@ from mooncake_diffusion.orchestrator.core import Orchestrator
 from mooncake_diffusion.orchestrator.errors import OrchestratorError
 from mooncake_diffusion.orchestrator.inbox import Inbox
 from mooncake_diffusion.orchestrator.journal import JournaledOrchestrator, JournalError
+from mooncake_diffusion.orchestrator.metrics import ServiceMetrics
 from mooncake_diffusion.orchestrator.model import (
-    STAGES,
     Action,
     Cancel,
     Dispatch,
@@ -118,7 +118,6 @@ __all__ = [
 log = logging.getLogger("mooncake_diffusion.orchestrator")
 
 MAX_PARAMS_BYTES = 64 * 1024
-_LATENCY_BUCKETS = (0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600)
 
 
 class RequestRejected(OrchestratorError):
@@ -135,6 +134,10 @@ class ServiceUnavailable(OrchestratorError):
     """The service is closed, or its driver did not answer in time. Retryable."""
 
     retryable = True
+
+
+#: Finished request ids ``cluster()`` lists (newest last), for dashboards.
+_RECENT = 50
 
 
 @dataclass(frozen=True)
@@ -196,8 +199,7 @@ class OrchestratorService:
         self._producers: dict[str, set[str]] = {}
         self._authed: set[bytes] = set()
         self._counters: Counter[str] = Counter()
-        self._latency: list[int] = [0] * (len(_LATENCY_BUCKETS) + 1)
-        self._latency_sum = 0.0
+        self.metrics = ServiceMetrics()
         self.worker_address = ""
         #: set when the driver thread has ended (closed, or stopped by ``failure``)
         self.stopped = threading.Event()
@@ -483,6 +485,7 @@ class OrchestratorService:
         self.table.apply(a)
         if isinstance(a, Dispatch):
             self._counters[f"dispatched:{a.item.stage}"] += 1
+            self._observe_dispatch(a.item.request_id, a.item.stage)
             self._send_work(a)
         elif isinstance(a, Revoke):
             ref = ItemRef(a.request_id, a.stage, a.attempt)
@@ -500,7 +503,7 @@ class OrchestratorService:
             self._release(a.request_id)
         elif isinstance(a, RequestCompleted):
             self._counters["completed"] += 1
-            self._observe_latency(a.finished_at - a.submitted_at)
+            self.metrics.request_seconds.observe(a.finished_at - a.submitted_at)
         elif isinstance(a, RequestFailed):
             self._counters["failed"] += 1
         elif isinstance(a, RequestCancelled):
@@ -583,6 +586,7 @@ class OrchestratorService:
             out = self._outstanding.get(r)
             if out is not None and out.worker_id == wid:  # first copy: tell the client
                 self.table.done(r, wid, msg.info)
+                self._observe_done(r.request_id, r.stage, msg.info)
             acts = self._feed(ItemDone(wid, r.request_id, r.stage, r.attempt, msg.output), ident)
             if not _rejected(acts, "ItemDone"):
                 self._forget(r)
@@ -641,17 +645,30 @@ class OrchestratorService:
                 self._send_frame(wid.encode(), out.frame)
 
     # ------------------------------------------------------------------ views
-    def _observe_latency(self, seconds: float) -> None:
-        self._latency_sum += seconds
-        for i, b in enumerate(_LATENCY_BUCKETS):
-            if seconds <= b:
-                self._latency[i] += 1
-                return
-        self._latency[-1] += 1
+    def _observe_dispatch(self, rid: str, stage: str) -> None:
+        """Queue wait: from the request's previous event (submitted, the previous
+        stage's done, requeued or yielded) to this dispatch."""
+        st = self.table.status(rid)
+        if st is not None and len(st.events) >= 2 and st.events[-1].kind == "dispatched":
+            wait = st.events[-1].t - st.events[-2].t
+            self.metrics.queue_wait.labels(stage=stage).observe(max(0.0, wait))
+
+    def _observe_done(self, rid: str, stage: str, info: Any) -> None:
+        st = self.table.status(rid)
+        if st is None:
+            return
+        run_s = sent = None
+        for ev in reversed(st.events):
+            if run_s is None and ev.kind == "dispatched" and ev.stage == stage:
+                run_s = st.events[-1].t - ev.t
+            elif sent is None and ev.kind == "done" and ev.stage != stage:
+                sent = ev.info.get("bytes")
+        self.metrics.stage_done(stage, run_s, info, sent if isinstance(sent, int) else 0)
 
     def _cluster_view(self) -> dict[str, Any]:
         assert self._core is not None
         snap = self._core.snapshot()
+        now, hb = self._now(), self.config.orchestrator.heartbeat_timeout
         running = []
         for st in self.table.live():
             if st.state == "running":
@@ -673,6 +690,7 @@ class OrchestratorService:
                     "held": w.held,
                     "free": w.free,
                     "running": list(w.running),
+                    "heartbeat_age_s": round(max(0.0, hb - (w.expires_at - now)), 3),
                 }
                 for w in snap.workers
             ],
@@ -681,74 +699,24 @@ class OrchestratorService:
             "free_credits": snap.free_credits,
             "decode_reserved": snap.decode_reserved,
             "counters": dict(self._counters),
+            "recent": [st.request_id for st in self.table.recent(_RECENT)],
         }
 
     def _metrics(self) -> str:
         assert self._core is not None
         snap = self._core.snapshot()
-        c = self._counters
-        lines: list[str] = []
-
-        def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
-            lines.append(f"# HELP mcd_orchestrator_{name} {help_}")
-            lines.append(f"# TYPE mcd_orchestrator_{name} {kind}")
-            for labels, value in samples:
-                lines.append(f"mcd_orchestrator_{name}{labels} {value:g}")
-
-        metric("requests_submitted_total", "counter", "Accepted requests.", [("", c["submitted"])])
-        metric(
-            "requests_finished_total",
-            "counter",
-            "Finished requests by outcome.",
-            [(f'{{outcome="{o}"}}', c[o]) for o in ("completed", "failed", "cancelled")],
+        now, hb = self._now(), self.config.orchestrator.heartbeat_timeout
+        self.metrics.sync(self._counters)
+        self.metrics.refresh(
+            snap.queued,
+            [
+                (w.worker_id, w.stage, w.held, max(0.0, hb - (w.expires_at - now)))
+                for w in snap.workers
+            ],
+            snap.free_credits,
+            snap.decode_reserved,
         )
-        per_stage = [(f'{{stage="{s}"}}', c[f"dispatched:{s}"]) for s in STAGES]
-        metric("dispatches_total", "counter", "Items sent to workers.", per_stage)
-        requeued = [(f'{{stage="{s}"}}', c[f"requeued:{s}"]) for s in STAGES]
-        metric("requeues_total", "counter", "Items sent back to their queue.", requeued)
-        rejected = sorted(
-            (k.split(":", 1)[1], v) for k, v in c.items() if k.startswith("rejected:")
-        )
-        metric(
-            "rejected_total",
-            "counter",
-            "Events the core rejected, by code.",
-            [(f'{{code="{k}"}}', v) for k, v in rejected],
-        )
-        for name in ("workers_removed", "preemptions", "wire_errors", "resent", "driver_errors"):
-            metric(
-                f"{name}_total",
-                "counter",
-                f"{name.replace('_', ' ').capitalize()}.",
-                [("", c[name])],
-            )
-        queued = [(f'{{stage="{s}"}}', len(snap.queued.get(s, ()))) for s in STAGES]
-        metric("queue_depth", "gauge", "Items waiting per stage.", queued)
-        workers = Counter(w.stage for w in snap.workers)
-        metric(
-            "workers",
-            "gauge",
-            "Live workers per stage.",
-            [(f'{{stage="{s}"}}', workers[s]) for s in STAGES],
-        )
-        free = [(f'{{stage="{s}"}}', snap.free_credits.get(s, 0)) for s in STAGES]
-        metric("free_credits", "gauge", "Free receive slots per stage.", free)
-        metric(
-            "decode_reserved",
-            "gauge",
-            "Decode credits reserved by denoise jobs.",
-            [("", snap.decode_reserved)],
-        )
-        lines.append("# HELP mcd_orchestrator_request_seconds Submit to completion.")
-        lines.append("# TYPE mcd_orchestrator_request_seconds histogram")
-        acc = 0
-        for b, n in zip((*_LATENCY_BUCKETS, float("inf")), self._latency, strict=True):
-            acc += n
-            le = "+Inf" if b == float("inf") else f"{b:g}"
-            lines.append(f'mcd_orchestrator_request_seconds_bucket{{le="{le}"}} {acc}')
-        lines.append(f"mcd_orchestrator_request_seconds_sum {self._latency_sum:g}")
-        lines.append(f"mcd_orchestrator_request_seconds_count {acc}")
-        return "\n".join(lines) + "\n"
+        return self.metrics.text()
 
 
 def _rejected(actions: list[Action], event: str) -> bool:

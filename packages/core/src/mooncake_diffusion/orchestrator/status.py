@@ -97,6 +97,15 @@ class RequestTable:
     def live(self) -> list[RequestStatus]:
         return list(self._live.values())
 
+    def recent(self, n: int) -> list[RequestStatus]:
+        """The last ``n`` finished requests, oldest first."""
+        out = []
+        for rid in reversed(self._finished):
+            if len(out) == n:
+                break
+            out.append(self._finished[rid])
+        return out[::-1]
+
     def subscribe(self, rid: str, q: queue.SimpleQueue[RequestEvent | None]) -> bool:
         """Replay the history into ``q`` and follow; False if ``rid`` is unknown."""
         st = self.status(rid)

@@ -116,9 +116,11 @@ def encode(item: WorkItem, ctx: StageContext) -> StagePayload:
 def denoise(item: WorkItem, ctx: StageContext) -> StagePayload | None:
     params = generation_params(ctx.params)
     pipe = pipeline()
+    t0 = time.perf_counter()
     with ctx.connector.consume(item.input) as got:
         cond = {k: v.clone() for k, v in got.tensors.items()}
         ctx.info["in_path"] = got.path
+    ctx.info["in_s"] = time.perf_counter() - t0
     cache = _cache("ckpt", ctx)
     result = denoise_with_checkpoints(
         pipe,
@@ -150,11 +152,15 @@ def decode(item: WorkItem, ctx: StageContext) -> bytes:
     stream = pipe.decode_stream()
     parts: list[torch.Tensor] = []
     first_at = None
+    in_s, t = 0.0, time.perf_counter()  # in_s: time spent waiting for chunks, not decoding
     with ctx.connector.consume(item.input) as got:
         for chunk in got:
+            in_s += time.perf_counter() - t
             parts.append(pipe.decode_feed(stream, chunk.tensor))
             first_at = first_at or time.time()
+            t = time.perf_counter()
         ctx.info["in_path"] = got.path
+    ctx.info["in_s"] = in_s
     frames = torch.cat(parts)
     out: dict[str, Any] = {
         "frames": int(frames.shape[0]),
