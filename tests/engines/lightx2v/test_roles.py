@@ -82,13 +82,13 @@ def test_three_roles_equal_the_colocated_pipeline_byte_for_byte(
 
 
 def test_a_p2p_sender_that_exits_right_after_its_send_loses_nothing(
-    spawn_role, mooncake_cluster, image
+    spawn_role, mooncake_cluster, image, tmp_path
 ):
     """LightX2V's own send returns once the transfer succeeded; so does the
     adapter's: the encoder is released and gone before the transformer runs."""
     enc = spawn_role("encoder", role_config("encoder", mooncake_cluster, transfer_mode="p2p"))
     tra = spawn_role("transformer", role_config("transformer", mooncake_cluster))
-    body = request(image, 7)
+    body = request(image, 7, save_result_path=str(tmp_path / "7.mp4"))  # decoded in place
     sent: dict = {}
 
     def send_and_exit():
@@ -105,9 +105,9 @@ def test_a_p2p_sender_that_exits_right_after_its_send_loses_nothing(
     assert got["seen"]["dit_inputs"]["context"] == sent["inputs"]["text_encoder_output"]["context"]
 
 
-def test_store_payloads_outlive_their_sender(spawn_role, mooncake_cluster, image):
+def test_store_payloads_outlive_their_sender(spawn_role, mooncake_cluster, image, tmp_path):
     enc = spawn_role("encoder", role_config("encoder", mooncake_cluster, transfer_mode="store"))
-    body = request(image, 4)
+    body = request(image, 4, save_result_path=str(tmp_path / "4.mp4"))  # decoded in place
     sent = ok(enc.request(op="run", seed=4, task=body))
     ok(enc.request(op="release"))
     enc.close()  # the encoder is gone; its payload is in the store host
@@ -119,15 +119,16 @@ def test_store_payloads_outlive_their_sender(spawn_role, mooncake_cluster, image
 
 
 def test_a_receive_with_nothing_sent_fails_the_request_and_the_room_still_works(
-    spawn_role, mooncake_cluster, image
+    spawn_role, mooncake_cluster, image, tmp_path
 ):
     enc = spawn_role("encoder", role_config("encoder", mooncake_cluster, transfer_mode="store"))
     tra = spawn_role("transformer", role_config("transformer", mooncake_cluster, timeout_s=0.5))
-    late = ok(tra.request(op="run", seed=3, task=request(image, 3)))
+    body = request(image, 3, save_result_path=str(tmp_path / "3.mp4"))  # decoded in place
+    late = ok(tra.request(op="run", seed=3, task=body))
     assert (late["status"], late["error_type"]) == ("failed", "DeadlineExceededError"), late
     assert "room 0" in late["error"]
-    ok(enc.request(op="run", seed=3, task=request(image, 3)))
-    assert ok(tra.request(op="run", seed=3, task=request(image, 3)))["status"] == "success"
+    ok(enc.request(op="run", seed=3, task=body))
+    assert ok(tra.request(op="run", seed=3, task=body))["status"] == "success"
 
 
 def test_a_dead_master_in_the_json_fails_the_role_at_start(spawn_role, mooncake_cluster):
