@@ -11,7 +11,9 @@ Call sequence: ``run()`` says Hello (with labels and credits), then loops:
 items arrive as ``Work``; each runs ``fn(item, ctx)`` on one of ``credits``
 threads. A returned ``StagePayload`` is published through the worker's
 connector and acknowledged with its handle once ``Publication.wait`` returns
-(so an acknowledged output is always consumable); returned ``bytes`` are
+(so an acknowledged output is always consumable); a newer attempt of the same
+``(request_id, stage)`` on this worker first withdraws the stale attempt's
+output (the orchestrator moved on from it); returned ``bytes`` are
 acknowledged as the output as they are (a final stage's small result). An
 exception fails the item (``retryable`` unless it is a ``PayloadError`` or
 ``ValueError``: bad input fails the request at once). Every
@@ -73,7 +75,7 @@ from mooncake_diffusion.orchestrator.wire import (
     decode_from_service,
     encode,
 )
-from mooncake_diffusion.payload import StagePayload
+from mooncake_diffusion.payload import Publication, StagePayload
 
 __all__ = ["StageContext", "StageFn", "StageWorker"]
 
@@ -169,6 +171,9 @@ class StageWorker:
         self._mail: Inbox[tuple[Any, ...]] = Inbox()
         self._running: dict[ItemRef, StageContext] = {}
         self._done: OrderedDict[ItemRef, bytes] = OrderedDict()
+        #: (request_id, stage) -> (attempt, publication) of this worker's last output
+        self._outputs: OrderedDict[tuple[str, str], tuple[int, Publication]] = OrderedDict()
+        self._outputs_lock = threading.Lock()
         self._draining = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -321,6 +326,9 @@ class StageWorker:
                 c._yield.set()
             return None
         if isinstance(msg, Release):
+            with self._outputs_lock:
+                for key in [k for k in self._outputs if k[0] == msg.request_id]:
+                    del self._outputs[key]
             if not any(r.request_id == msg.request_id for r in self._running):
                 self.connector.cleanup(msg.request_id)
             return None
@@ -359,7 +367,7 @@ class StageWorker:
                 self._post(("yielded", ref))
                 return
             if isinstance(out, StagePayload):
-                pub = self.connector.publish(out)
+                pub = self._publish(ref, out)
                 pub.wait(self.publish_timeout_s)
                 output = pub.encode()
             else:
@@ -372,6 +380,28 @@ class StageWorker:
             retryable = not isinstance(e, PayloadError | ValueError)
             log.warning("worker %s: %s failed: %s", self.worker_id, ref, e)
             self._post(("failed", ref, f"{type(e).__name__}: {e}", retryable))
+
+    def _publish(self, ref: ItemRef, out: StagePayload) -> Publication:
+        """Publish ``ref``'s output. An earlier attempt of the same (request, stage) that
+        ran here and published is stale: the orchestrator dispatched a newer one (it
+        re-queued the old one, e.g. after missed heartbeats while the worker was slow
+        or the orchestrator restarted), so the old attempt's output is withdrawn
+        first; without that the new one would collide with it (DuplicatePublishError)
+        and the old one would never be consumed."""
+        key = (ref.request_id, ref.stage)
+        with self._outputs_lock:
+            old = self._outputs.get(key)
+            if old is not None and old[0] < ref.attempt:
+                del self._outputs[key]
+        if old is not None and old[0] < ref.attempt:
+            log.info("worker %s: withdrawing the output of stale %s", self.worker_id, key)
+            old[1].release()
+        pub = self.connector.publish(out)
+        with self._outputs_lock:
+            self._outputs[key] = (ref.attempt, pub)
+            while len(self._outputs) > _REMEMBER_DONE:
+                self._outputs.popitem(last=False)
+        return pub
 
     def _on_mail(self, msg: tuple[Any, ...], send: Callable[[Any], None]) -> None:
         kind, ref = msg[0], msg[1]
