@@ -33,7 +33,7 @@ from typing import Any
 from mooncake_diffusion.orchestrator import toy
 from mooncake_diffusion.pipeline import stages
 
-__all__ = ["Gate", "denoise", "toy_denoise"]
+__all__ = ["Gate", "denoise", "held", "toy_denoise"]
 
 DIR_ENV = "MCD_TEST_GATE_DIR"
 STEP_ENV = "MCD_TEST_GATE_STEP"
@@ -69,19 +69,29 @@ def _hold(ctx: Any, step: int) -> None:
         time.sleep(_POLL_S)
 
 
-def _gated(fn: Any) -> Any:
+def held(fn: Any, step: int, hold: Any) -> Any:
+    """Stage function ``fn`` with ``hold(ctx, step)`` called (in the stage's thread)
+    right after it reports progress ``step``; ``hold`` blocks as long as it likes.
+    In-process tests pass their own ``hold`` (e.g. wait on a ``threading.Event``)."""
+
     def run(item: Any, ctx: Any) -> Any:
-        step = int(os.environ.get(STEP_ENV, "0"))
         if step > 0:
             report = ctx.progress
 
             def progress(k: int, total: int) -> None:
                 report(k, total)
                 if k == step:
-                    _hold(ctx, k)
+                    hold(ctx, k)
 
             ctx.progress = progress
         return fn(item, ctx)
+
+    return run
+
+
+def _gated(fn: Any) -> Any:
+    def run(item: Any, ctx: Any) -> Any:
+        return held(fn, int(os.environ.get(STEP_ENV, "0")), _hold)(item, ctx)
 
     run.__doc__ = f"{fn.__module__}.{fn.__name__}, held at step ${STEP_ENV} (see module doc)"
     return run
