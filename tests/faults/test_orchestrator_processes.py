@@ -95,6 +95,6 @@ def test_sigterm_drains_a_worker_its_item_completes(stack, tmp_path):
     gate.release(rid)
     assert den.terminate(timeout=90) == 0  # returns once the worker has drained and left
     assert den.wait_for(r"stopped: 1 done")
-    st = c.wait(rid, timeout=30)
+    st = c.wait(rid, timeout=180)
     assert st["state"] == "completed" and not st.get("reasons"), st
     assert checksum(st) == pytest.approx(toy.expected_checksum(params), rel=1e-6)
