@@ -29,12 +29,17 @@ receiver holding LightX2V's dict / latent tensor, checked:
                        both roles share a host)
     adapter_store      ``transfer_mode: store``: sender puts into the store host, receiver gets
     adapter_p2p_crc32  adapter_p2p with ``verify: true`` (CRC-32 per tensor on both sides)
+    lightx2v_nohash    LightX2V's scheme with the SHA-256 left out on both sides (no
+                       integrity check, like adapter_p2p)
 
 Both processes run torch with one thread (see ``main``). The handle travels through the
 Mailbox (Mooncake Store) in every adapter row, so its cost is in the numbers. Rows run
 round-robin (order flipped every other repeat); medians.
-``speedup`` = lightx2v seconds / row seconds of the same phase; the summary's
-``phase1_speedup`` / ``phase2_speedup`` use adapter_p2p (the same wire as LightX2V's).
+``speedup`` = lightx2v seconds / row seconds of the same phase. The headline compares
+like with like, on the same wire (Transfer Engine p2p): with an integrity check on
+both sides (``*_speedup_with_integrity``: lightx2v with SHA-256 / adapter_p2p_crc32)
+and without one on either side (``*_speedup_without_integrity``: lightx2v_nohash /
+adapter_p2p).
 """
 
 from __future__ import annotations
@@ -74,7 +79,14 @@ ADAPTER = {
     "adapter_store": {"transfer_mode": "store"},
     "adapter_p2p_crc32": {"transfer_mode": "p2p", "same_host": False, "verify": True},
 }
-SCHEMES = ["lightx2v", *ADAPTER]
+LX_SCHEMES = {"lightx2v": True, "lightx2v_nohash": False}  # name -> SHA-256 on both sides
+SCHEMES = [*LX_SCHEMES, *ADAPTER]
+INTEGRITY = {"lightx2v": "sha256", "adapter_p2p_crc32": "crc32"}
+#: (LightX2V row, adapter row) compared in the headline, each pair like for like
+HEADLINE = {
+    "with_integrity": ("lightx2v", "adapter_p2p_crc32"),
+    "without_integrity": ("lightx2v_nohash", "adapter_p2p"),
+}
 
 
 def log(msg: str) -> None:
@@ -154,8 +166,10 @@ def lx_buffer_sizes(cfg: dict[str, Any], phase: str) -> list[int]:
     return [ctx, ctx, cfg["clip_embed_dim"] * 4, (z + 4) * t * h * w * 4, 10 * 8, META_BYTES]
 
 
-def lx_sha256(t: torch.Tensor) -> str:
-    """LightX2V's per-tensor hash: bf16 goes through an fp32 copy first."""
+def lx_sha256(t: torch.Tensor, hashed: bool = True) -> str:
+    """LightX2V's per-tensor hash: bf16 goes through an fp32 copy first ("" unhashed)."""
+    if not hashed:
+        return ""
     t = t.detach()
     if t.dtype == torch.bfloat16:
         t = t.to(torch.float32)
@@ -208,7 +222,9 @@ class LxEndpoint:
             self.te.unregister_memory(b.data_ptr())
 
 
-def lx_send_phase1(ep: LxEndpoint, inputs: dict[str, Any], latent_shape: list[int]) -> None:
+def lx_send_phase1(
+    ep: LxEndpoint, inputs: dict[str, Any], latent_shape: list[int], hashed: bool = True
+) -> None:
     ctx, ctx_null, clip, vae = phase1_tensors(inputs)
     b = ep.bufs
     typed(b[0], torch.bfloat16, (ctx.numel(),)).copy_(ctx.reshape(-1))
@@ -223,20 +239,20 @@ def lx_send_phase1(ep: LxEndpoint, inputs: dict[str, Any], latent_shape: list[in
         "version": 1,
         "task": "i2v",
         "context_shape": list(ctx.shape),
-        "context_hash": lx_sha256(ctx),
+        "context_hash": lx_sha256(ctx, hashed),
         "context_null_shape": list(ctx_null.shape),
-        "context_null_hash": lx_sha256(ctx_null),
+        "context_null_hash": lx_sha256(ctx_null, hashed),
         "clip_shape": list(clip.shape),
-        "clip_hash": lx_sha256(clip),
+        "clip_hash": lx_sha256(clip, hashed),
         "vae_shape": list(vae.shape),
-        "vae_hash": lx_sha256(vae),
+        "vae_hash": lx_sha256(vae, hashed),
         "latent_shape": latent_shape,
-        "latent_hash": lx_sha256(shape_t),
+        "latent_hash": lx_sha256(shape_t, hashed),
     }
     write_meta(b[5], meta)
 
 
-def lx_receive_phase1(ep: LxEndpoint) -> dict[str, Any]:
+def lx_receive_phase1(ep: LxEndpoint, hashed: bool = True) -> dict[str, Any]:
     got = [b.clone() for b in ep.bufs]  # LightX2V snapshots every buffer first
     meta = read_meta(got[-1])
     ctx = typed(got[0], torch.bfloat16, tuple(meta["context_shape"])).clone()
@@ -246,9 +262,9 @@ def lx_receive_phase1(ep: LxEndpoint) -> dict[str, Any]:
     shape = meta["latent_shape"]
     vae = vae[:, : shape[1], : shape[2], : shape[3]].clone()
     for t, key in ((ctx, "context"), (ctx_null, "context_null"), (clip, "clip"), (vae, "vae")):
-        if lx_sha256(t) != meta[f"{key}_hash"]:
+        if lx_sha256(t, hashed) != meta[f"{key}_hash"]:
             raise ValueError(f"{key} hash mismatch")
-    if lx_sha256(torch.tensor(shape, dtype=torch.int64)) != meta["latent_hash"]:
+    if lx_sha256(torch.tensor(shape, dtype=torch.int64), hashed) != meta["latent_hash"]:
         raise ValueError("latent_shape hash mismatch")
     return {
         "text_encoder_output": {"context": ctx, "context_null": ctx_null},
@@ -257,23 +273,23 @@ def lx_receive_phase1(ep: LxEndpoint) -> dict[str, Any]:
     }
 
 
-def lx_send_phase2(ep: LxEndpoint, latents: torch.Tensor) -> None:
+def lx_send_phase2(ep: LxEndpoint, latents: torch.Tensor, hashed: bool = True) -> None:
     ep.bufs[0].zero_()
     typed(ep.bufs[0], latents.dtype, tuple(latents.shape)).copy_(latents)
     meta = {
         "version": 1,
         "latents_shape": list(latents.shape),
         "latents_dtype": str(latents.dtype),
-        "latents_hash": lx_sha256(latents),
+        "latents_hash": lx_sha256(latents, hashed),
     }
     write_meta(ep.bufs[1], meta)
 
 
-def lx_receive_phase2(ep: LxEndpoint) -> torch.Tensor:
+def lx_receive_phase2(ep: LxEndpoint, hashed: bool = True) -> torch.Tensor:
     got = [b.clone() for b in ep.bufs]
     meta = read_meta(got[1])
     latents = typed(got[0], torch.bfloat16, tuple(meta["latents_shape"]))
-    if lx_sha256(latents) != meta["latents_hash"]:
+    if lx_sha256(latents, hashed) != meta["latents_hash"]:
         raise ValueError("latents hash mismatch")
     return latents.contiguous()
 
@@ -331,12 +347,12 @@ class Peer:
         from mooncake_diffusion_lightx2v import runner
 
         t0 = time.perf_counter()
-        if scheme == "lightx2v":
-            ep = self.lx[phase]
+        if scheme in LX_SCHEMES:
+            ep, hashed = self.lx[phase], LX_SCHEMES[scheme]
             if phase == "phase1":
-                lx_send_phase1(ep, *self.phase1)
+                lx_send_phase1(ep, *self.phase1, hashed=hashed)
             else:
-                lx_send_phase2(ep, self.latents)
+                lx_send_phase2(ep, self.latents, hashed=hashed)
             ep.push(session, ptrs or [])
         elif phase == "phase1":
             runner.send_encoder_outputs(self.runners[scheme, phase], *self.phase1)
@@ -382,8 +398,8 @@ def run(
         peer.call("setup")
 
         def once(scheme: str, phase: str) -> tuple[float, float, float, Any]:
-            if scheme == "lightx2v":
-                ep = lx[phase]
+            if scheme in LX_SCHEMES:
+                ep, hashed = lx[phase], LX_SCHEMES[scheme]
                 sent = peer.call(
                     "send",
                     scheme=scheme,
@@ -392,7 +408,11 @@ def run(
                     ptrs=[b.data_ptr() for b in ep.bufs],
                 )
                 t1 = time.perf_counter()
-                got = lx_receive_phase1(ep) if phase == "phase1" else lx_receive_phase2(ep)
+                got = (
+                    lx_receive_phase1(ep, hashed)
+                    if phase == "phase1"
+                    else lx_receive_phase2(ep, hashed)
+                )
             else:
                 sent = peer.call("send", scheme=scheme, phase=phase)
                 t1 = time.perf_counter()
@@ -446,8 +466,9 @@ def run(
                     "sender_s": statistics.median(t[1] for t in ts),
                     "receiver_s": statistics.median(t[2] for t in ts),
                     "wire_bytes": sum(lx_buffer_sizes(cfg, phase))
-                    if scheme == "lightx2v"
+                    if scheme in LX_SCHEMES
                     else real,
+                    "integrity": INTEGRITY.get(scheme, "none"),
                     "speedup": base / med,
                     "repeats": len(ts),
                 }
@@ -457,13 +478,14 @@ def run(
 
 def markdown(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| phase | payload | scheme | wire MiB | end to end ms | sender ms | receiver ms "
-        "| speedup |",
-        "|---|---|---|---:|---:|---:|---:|---:|",
+        "| phase | payload | scheme | integrity | wire MiB | end to end ms | sender ms "
+        "| receiver ms | speedup vs lightx2v |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['phase']} | {r['payload']} | {r['scheme']} | {r['wire_bytes'] / MIB:.1f} | "
+            f"| {r['phase']} | {r['payload']} | {r['scheme']} | {r['integrity']} "
+            f"| {r['wire_bytes'] / MIB:.1f} | "
             f"{r['seconds'] * 1e3:.1f} | {r['sender_s'] * 1e3:.1f} | {r['receiver_s'] * 1e3:.1f} | "
             f"{r['speedup']:.2f} |"
         )
@@ -471,11 +493,15 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 
 
 def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Headline ratios like for like (``HEADLINE``), then every row against lightx2v."""
     out: dict[str, Any] = {"target_speedup": 3.0}
+    sec = {(r["phase"], r["scheme"]): r["seconds"] for r in rows}
+    for phase in GEOMETRY:
+        for name, (lx, ours) in HEADLINE.items():
+            if (phase, lx) in sec and (phase, ours) in sec:
+                out[f"{phase}_speedup_{name}"] = round(sec[phase, lx] / sec[phase, ours], 2)
     for r in rows:
-        if r["scheme"] == "adapter_p2p":
-            out[f"{r['phase']}_speedup"] = round(r["speedup"], 2)
-        if r["scheme"] != "lightx2v":
+        if r["scheme"] not in LX_SCHEMES:
             out[f"{r['phase']}_speedup_{r['scheme'].removeprefix('adapter_')}"] = round(
                 r["speedup"], 2
             )
@@ -500,8 +526,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, help="timed runs per scheme and phase")
     p.add_argument(
         "--schemes",
-        default=",".join(ADAPTER),
-        help="comma-separated adapter rows to run (lightx2v always runs: it is the base)",
+        default=",".join(["lightx2v_nohash", *ADAPTER]),
+        help="comma-separated rows to run besides lightx2v (always run: it is the base)",
     )
     p.add_argument("--peer", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--master", help=argparse.SUPPRESS)
@@ -537,6 +563,7 @@ def main(argv: list[str] | None = None) -> int:
             "config": {"repeats": repeats, "quick": a.quick, "schemes": schemes},
             "rows": rows,
             "summary": summary(rows),
+            "markdown": markdown(rows),
             "store_keys_left": len(left),
             "total_seconds": total,
         }

@@ -20,7 +20,7 @@ this process under a virtual clock. Two parts:
                once). One request at a time: the time from ``client.submit`` to the
                encode worker's stage function being called (HTTP in, journal commit,
                ZeroMQ out, the worker's thread pool), p50 and p99.
-    chaos      ``Simulation`` (``orchestrator/sim.py``) of 10,000 requests with random
+    chaos      ``Simulation`` (``simulate/faults.py``) of 10,000 requests with random
                worker deaths (half reported by a supervisor, half found by the
                heartbeat deadline; some dead workers' results arrive late), retryable
                item failures and client cancels, run to completion. ``lost``: requests
@@ -59,12 +59,11 @@ from mooncake_diffusion.orchestrator import (
     OrchestratorConfig,
     RegisterWorker,
     RequestCompleted,
-    SimConfig,
-    Simulation,
     Submit,
     VirtualClock,
     create_policy,
 )
+from mooncake_diffusion.simulate import SimConfig, Simulation
 
 POLICIES = ("round_robin", "least_loaded", "affinity")
 POOLS = {"small": (4, 16, 4), "large": (16, 128, 32)}  # workers: encode, denoise, decode

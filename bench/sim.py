@@ -1,31 +1,31 @@
-"""Cluster simulator: colocated vs disaggregated serving on the real orchestrator core.
+"""Cluster simulator: colocated vs disaggregated serving under one scheduler, in virtual time.
 
-Run ``uv run python bench/sim.py [--quick] [--json PATH] [--plots DIR] [--seed N]``.
+Run ``uv run python bench/sim.py [--quick] [--json PATH] [--plots DIR] [--seeds N]``.
 Virtual time, no processes: ``mooncake_diffusion.simulate`` registers one worker per
 GPU (or per aux GPU role) with the real ``Orchestrator`` under a ``VirtualClock`` and
-plays every dispatch for the stage service times of workloads.md (each number is cited
-in ``simulate/costs.py``). Parts:
+plays every dispatch for the stage service times, memory sizes and GPU prices cited in
+workloads.md (``simulate/costs.py``). Both layouts run the same ``OrchestratorConfig``
+(priorities, step-boundary preemption, the shipped ``max_preemptions``); the summary's
+``same_scheduler`` is computed by comparing the configurations every run used.
 
-    parity     one request alone, colocated vs disaggregated: must be at parity
-               (workloads.md §0.1, §7.1: denoise is 96-99 %; LightX2V and vLLM-Omni
-               measure equal single-request latency). Disaggregated adds 2 x 25 ms.
-    matrix     workloads (image: Qwen-Image + FLUX, video: Wan2.2-A14B 720p, mixed:
-               45 % Qwen + 45 % FLUX interactive, 10 % Wan batch, by count) x 8 / 64 /
-               512 GPUs x Poisson loads (a share of the isolated capacity), colocated
-               (each GPU runs whole requests, FIFO) vs disaggregated (aux GPUs host
-               encode + decode, sized by the stage-time ratio; the others denoise;
-               priorities, step-boundary preemption, embedding cache). Goodput counts
-               completions within the SLO (interactive 3 x isolated, batch 2 x) per
-               second; TTFF is interactive requests' time to first frame.
-    ablation   the mixed workload at 64 GPUs, 90 % load, and LightX2V's 4090 setting:
-               every mechanism switched off one at a time.
-    sharing    the decode-pool sharing ratio N denoise : M aux GPUs at 64 GPUs.
-    lightx2v   8 x RTX 4090, Qwen-Image T2I, 100 requests closed loop (concurrency = DiT
-               workers): 8 colocated vs 7 DiT : 1 encoder, against the claimed 1.89x.
+    parity       one request alone per kind: colocated vs disaggregated latency.
+    calibration  single-request latency and stage shares against the cited
+                 measurements; LightX2V's 8 x RTX 4090 setting (100 requests, closed
+                 loop) at 8 and 50 denoise steps (its blog does not state the step
+                 count), 8:0 colocated vs 7:1, against its measured 0.18 / 0.34 QPS.
+    matrix       workloads (image, video, mixed, shifting: the mixed mix turning
+                 video-heavy halfway) x 8 / 64 GPUs x loads 50 / 80 / 95 % of the
+                 isolated capacity; goodput (completions within the SLO per second)
+                 with a 95 % confidence interval over seeds, and a verdict: win / tie
+                 / lose for disaggregation.
+    cost         the mixed workload, 64 GPUs, 95 % load, heterogeneous pools: Encode +
+                 Decode on H100 or L40S, aux pool of the default size or twice it;
+                 goodput per GPU-hour price vs colocated.
+    ablation     the mixed workload, 64 GPUs, 95 % load: each mechanism off for the
+                 disaggregated side, and the cross-instance cache on for colocated.
 
-Reading the output: every number is virtual (simulated) time from cited stage costs;
-the wall time of the run says nothing. Gains come only from mechanisms the simulator
-models explicitly (``simulate/cluster.py`` docstring lists them and what is not).
+``--quick`` runs the same settings with fewer seeds (3 instead of 8). Every number is
+simulated time from cited costs; the wall time of the run says nothing.
 """
 
 from __future__ import annotations
@@ -33,8 +33,10 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import json
+import math
 import os
 import platform
+import statistics
 import sys
 import time
 from dataclasses import asdict
@@ -42,11 +44,16 @@ from typing import Any
 
 from mooncake_diffusion.simulate import (
     FLUX_1024,
+    H100,
+    L40S,
     QWEN_1024,
     QWEN_4090,
+    QWEN_4090_50,
+    RTX_4090,
     WAN_720P,
     Layout,
     Mechanisms,
+    Scheduler,
     Workload,
     default_aux,
     simulate,
@@ -56,343 +63,412 @@ from mooncake_diffusion.simulate import (
 IMAGE = Workload("image", ((QWEN_1024, 0.5), (FLUX_1024, 0.5)))
 VIDEO = Workload("video", ((WAN_720P, 1.0),))
 MIXED = Workload("mixed", ((QWEN_1024, 0.45), (FLUX_1024, 0.45), (WAN_720P, 0.10)))
-WORKLOADS = (IMAGE, VIDEO, MIXED)
-LIGHTX2V_CLAIM = 0.34 / 0.18  # workloads.md §7.1: 0.34 QPS vs 0.18 QPS baseline (M)
-MECHS = ("priorities", "embedding_cache", "decode_off_dit", "no_offload", "shared_decode")
+SHIFTING = Workload(
+    "shifting", MIXED.kinds, later=((QWEN_1024, 0.35), (FLUX_1024, 0.35), (WAN_720P, 0.30))
+)
+WORKLOADS = (IMAGE, VIDEO, MIXED, SHIFTING)
+SCALES = (8, 64)
+LOADS = (0.5, 0.8, 0.95)
+TARGET_REQUESTS = 1000
+HEADLINE = ("mixed", 8, 0.8)  # goodput / TTFF ratios at equal GPU count
+ABLATION_AT = (64, 0.95)  # near saturation, where a saved second shows in goodput
+MECHS = ("fit_memory", "decode_off_dit", "shared_decode", "cross_instance_cache")
+# workloads.md §7.1 (M): LightX2V blog, 8 x RTX 4090, 100 requests
+LIGHTX2V_MEASURED = {"8:0": {"qps": 0.18, "p50_s": 22.0}, "7:1": {"qps": 0.34, "p50_s": 17.0}}
+# workloads.md §2.2 / §0.1 (M): single-request end-to-end seconds on one H100, and the
+# measured stage shares (encode, denoise, decode) where a source gives them
+MEASURED_E2E = {"qwen-1024": (12.77, 13.10), "flux-1024": (4.30, 6.71), "wan-720p": (1041.5,)}
+MEASURED_SHARES = {"qwen-1024": (0.010, 0.962, 0.012)}
+T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}
 
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def horizon_for(w: Workload, gpus: int, load: float, target: int) -> float:
-    """Enough virtual time for ``target`` arrivals and at least 8 of the longest request."""
+def horizon_for(w: Workload, gpus: int, load: float) -> float:
+    """Enough virtual time for TARGET_REQUESTS arrivals and 8 of the longest request."""
     rate = load * gpus / w.mean_gpu_seconds()
-    longest = max(k.isolated_s for k, _ in w.kinds)
-    return max(target / rate, 8 * longest)
+    kinds = w.kinds + (w.later or ())
+    return max(TARGET_REQUESTS / rate, 8 * max(k.isolated_s for k, _ in kinds))
 
 
-def run_row(
-    part: str,
-    w: Workload,
-    lay: Layout,
-    mech: Mechanisms,
-    load: float,
-    horizon: float,
-    seed: int,
-    **extra: Any,
-) -> dict[str, Any]:
-    t0 = time.perf_counter()
-    r = simulate(w, lay, mech, load=load, horizon=horizon, seed=seed)
+def mean_ci(xs: list[float]) -> tuple[float, float]:
+    """Mean and the half-width of its 95 % confidence interval (Student t)."""
+    m = statistics.fmean(xs)
+    if len(xs) < 2:
+        return m, float("nan")
+    return m, T95.get(len(xs) - 1, 1.96) * statistics.stdev(xs) / math.sqrt(len(xs))
+
+
+CONFIGS: list[Any] = []  # every OrchestratorConfig a run used (same_scheduler)
+
+
+def one(w: Workload, lay: Layout, mech: Mechanisms, load: float, seed: int) -> dict[str, Any]:
+    r = simulate(w, lay, mech, load=load, horizon=horizon_for(w, lay.gpus, load), seed=seed)
+    CONFIGS.append(r.config)
     s = summarize(r)
     return {
-        "part": part,
-        "workload": w.name,
-        "mode": lay.mode,
-        "gpus": lay.gpus,
-        "aux": lay.aux if lay.mode == "disaggregated" else 0,
-        "load": load,
-        "mechanisms": [m for m in MECHS if getattr(mech, m)] if lay.mode != "colocated" else [],
-        **extra,
-        "requests": s.requests,
-        "throughput_rps": s.throughput,
         "goodput_rps": s.goodput,
+        "goodput_per_gpu": s.goodput / lay.gpus,
+        "goodput_per_usd_hour": s.goodput * 3600 / r.price_per_hour,
+        "throughput_rps": s.throughput,
         "slo_met": s.slo_met,
-        "p50_ttff_s": s.p50_ttff,
         "p99_ttff_s": s.p99_ttff,
         "p99_batch_latency_s": s.p99_latency_batch,
-        "utilisation": s.utilisation,
         "preemptions": s.preemptions,
         "encodes_skipped": s.encodes_skipped,
-        "horizon_s": horizon,
-        "events": r.events,
-        "failed": r.failed,
-        "rejected": r.rejected,
-        "wall_s": time.perf_counter() - t0,
+        "utilisation": s.utilisation,
+        "price_per_hour": r.price_per_hour,
     }
 
 
+def over_seeds(
+    w: Workload, lay: Layout, mech: Mechanisms, load: float, seeds: list[int]
+) -> dict[str, Any]:
+    """Per-seed runs folded into means, with a CI for goodput and P99 TTFF."""
+    runs = [one(w, lay, mech, load, s) for s in seeds]
+    out: dict[str, Any] = {"seeds": len(seeds), "per_seed": runs}
+    for key in ("goodput_rps", "goodput_per_gpu", "goodput_per_usd_hour", "p99_ttff_s"):
+        out[key], out[key + "_ci95"] = mean_ci([r[key] for r in runs])
+    for key in ("throughput_rps", "slo_met", "p99_batch_latency_s", "price_per_hour"):
+        out[key] = statistics.fmean(r[key] for r in runs)
+    out["preemptions"] = sum(r["preemptions"] for r in runs)
+    pools = runs[0]["utilisation"]
+    out["utilisation"] = {k: statistics.fmean(r["utilisation"][k] for r in runs) for k in pools}
+    return out
+
+
+def paired_ratio(a: dict, b: dict, key: str) -> tuple[float, float]:
+    """Mean of per-seed ratios b/a (same seed, same arrivals) and its CI half-width."""
+    xs = [y[key] / x[key] for x, y in zip(a["per_seed"], b["per_seed"], strict=True) if x[key]]
+    return mean_ci(xs) if xs else (float("nan"), float("nan"))
+
+
+def verdict(ratio: float, half: float) -> str:
+    """win / lose when the 95 % CI of the goodput ratio excludes 1 (and 2 %), else tie."""
+    if math.isnan(ratio):
+        return "n/a"
+    half = 0.0 if math.isnan(half) else half
+    if ratio - half > 1.02:
+        return "win"
+    if ratio + half < 0.98:
+        return "lose"
+    return "tie"
+
+
 # --------------------------------------------------------------------------- parts
-def parity(seed: int) -> list[dict[str, Any]]:
+def parity() -> list[dict[str, Any]]:
     rows = []
     for kind in (WAN_720P, QWEN_1024, FLUX_1024):
-        w = Workload(kind.name, ((kind, 1.0),), prompt_repeat=0.0)
+        w = Workload(kind.name, ((kind, 1.0),), prompt_repeat=0.0, cache_negative=False)
         lat = {}
         for lay in (Layout("colocated", 8), Layout("disaggregated", 8, aux=1)):
-            # no embedding-cache hit: the same stage work on both sides
-            mech = Mechanisms().without("embedding_cache")
-            r = simulate(w, lay, mech, closed_loop=(1, 1), seed=seed)
+            r = simulate(w, lay, closed_loop=(1, 1))
+            CONFIGS.append(r.config)
             lat[lay.mode] = r.records[0].done - r.records[0].submitted
+        iso = kind.isolated_s
         rows.append(
             {
                 "part": "parity",
-                "workload": kind.name,
+                "kind": kind.name,
                 "colocated_s": lat["colocated"],
                 "disaggregated_s": lat["disaggregated"],
                 "ratio": lat["disaggregated"] / lat["colocated"],
-                "isolated_s": kind.isolated_s,
+                "measured_e2e_s": MEASURED_E2E[kind.name],
+                "share_encode": kind.encode_s / iso,
+                "share_denoise": kind.denoise_s / iso,
+                "share_decode": kind.decode_s / iso,
+                "measured_shares": MEASURED_SHARES.get(kind.name),
             }
         )
     return rows
 
 
-def matrix(scales: list[int], loads: list[float], target: int, seed: int) -> list[dict]:
+def lightx2v(requests: int = 100) -> list[dict[str, Any]]:
+    """workloads.md §7.1: 100 requests, concurrency = the number of DiT workers (§9);
+    nothing cached (LightX2V has no embedding cache), at 8 and 50 steps."""
+    rows = []
+    for kind in (QWEN_4090, QWEN_4090_50):
+        w = Workload(kind.name, ((kind, 1.0),), prompt_repeat=0.0, cache_negative=False)
+        setups = [
+            ("8:0", Layout("colocated", 8, gpu=RTX_4090), Mechanisms.none(), 8),
+            ("7:1", Layout("disaggregated", 8, aux=1, gpu=RTX_4090), Mechanisms(), 7),
+            (
+                "7:1 without fit_memory",
+                Layout("disaggregated", 8, aux=1, gpu=RTX_4090),
+                Mechanisms().without("fit_memory"),
+                7,
+            ),
+        ]
+        base = None
+        for name, lay, mech, conc in setups:
+            r = simulate(w, lay, mech, closed_loop=(conc, requests))
+            CONFIGS.append(r.config)
+            lats = sorted(x.done - x.submitted for x in r.records)
+            qps = len(r.records) / r.makespan
+            base = base or qps
+            meas = LIGHTX2V_MEASURED.get(name, {})
+            rows.append(
+                {
+                    "part": "lightx2v",
+                    "steps": kind.steps,
+                    "setting": name,
+                    "qps": qps,
+                    "qps_ratio": qps / base,
+                    "p50_latency_s": lats[len(lats) // 2],
+                    "measured_qps": meas.get("qps"),
+                    "measured_p50_s": meas.get("p50_s"),
+                }
+            )
+    return rows
+
+
+def matrix(seeds: list[int]) -> list[dict[str, Any]]:
     rows = []
     for w in WORKLOADS:
-        for g in scales:
+        for g in SCALES:
             aux = default_aux(w, g)
-            for load in loads:
-                h = horizon_for(w, g, load, target)
+            for load in LOADS:
                 log(f"matrix: {w.name} {g} GPUs load {load:.2f} (aux {aux})")
+                c = over_seeds(w, Layout("colocated", g), Mechanisms.none(), load, seeds)
+                d = over_seeds(w, Layout("disaggregated", g, aux=aux), Mechanisms(), load, seeds)
+                gr, gh = paired_ratio(c, d, "goodput_rps")
+                tr, th = paired_ratio(c, d, "p99_ttff_s")
                 rows.append(
-                    run_row("matrix", w, Layout("colocated", g), Mechanisms.none(), load, h, seed)
-                )
-                rows.append(
-                    run_row(
-                        "matrix",
-                        w,
-                        Layout("disaggregated", g, aux=aux),
-                        Mechanisms(),
-                        load,
-                        h,
-                        seed,
-                    )
+                    {
+                        "part": "matrix",
+                        "workload": w.name,
+                        "gpu": "h100",
+                        "gpus": g,
+                        "aux": aux,
+                        "load": load,
+                        "colocated": c,
+                        "disaggregated": d,
+                        "goodput_ratio": gr,
+                        "goodput_ratio_ci95": gh,
+                        "p99_ttff_ratio": tr,
+                        "p99_ttff_ratio_ci95": th,
+                        "verdict": verdict(gr, gh),
+                    }
                 )
     return rows
 
 
-def ablation(target: int, seed: int) -> list[dict]:
+def cost(seeds: list[int]) -> list[dict[str, Any]]:
+    g, load = ABLATION_AT
+    w = MIXED
+    aux = default_aux(w, g)
+    c = over_seeds(w, Layout("colocated", g), Mechanisms.none(), load, seeds)
     rows = []
-    g, load = 64, 0.9
-    aux = default_aux(MIXED, g)
-    h = horizon_for(MIXED, g, load, target)
+    for aux_gpu in (H100, L40S):
+        for n in (aux, 2 * aux):
+            lay = Layout("disaggregated", g, aux=n, aux_gpu=aux_gpu)
+            log(f"cost: {g - n} H100 denoise : {n} {aux_gpu.name} aux")
+            d = over_seeds(w, lay, Mechanisms(), load, seeds)
+            r, h = paired_ratio(c, d, "goodput_per_usd_hour")
+            rows.append(
+                {
+                    "part": "cost",
+                    "workload": w.name,
+                    "gpus": g,
+                    "load": load,
+                    "layout": f"{g - n} h100 : {n} {aux_gpu.name}",
+                    "colocated": c,
+                    "disaggregated": d,
+                    "goodput_per_cost_ratio": r,
+                    "goodput_per_cost_ratio_ci95": h,
+                    "verdict": verdict(r, h),
+                }
+            )
+    return rows
+
+
+def ablation(seeds: list[int]) -> list[dict[str, Any]]:
+    g, load = ABLATION_AT
+    w = MIXED
+    aux = default_aux(w, g)
+    dis = Layout("disaggregated", g, aux=aux)
     log(f"ablation: mixed {g} GPUs load {load}")
-    rows.append(
-        run_row(
-            "ablation",
-            MIXED,
-            Layout("colocated", g),
-            Mechanisms.none(),
-            load,
-            h,
-            seed,
-            switch="colocated baseline",
-        )
-    )
-    full = Mechanisms()
-    rows.append(
-        run_row(
-            "ablation",
-            MIXED,
-            Layout("disaggregated", g, aux=aux),
-            full,
-            load,
-            h,
-            seed,
-            switch="all on",
-        )
-    )
-    for m in MECHS:
-        rows.append(
-            run_row(
-                "ablation",
-                MIXED,
-                Layout("disaggregated", g, aux=aux),
-                full.without(m),
-                load,
-                h,
-                seed,
-                switch=f"without {m}",
-            )
-        )
-    rows.append(
-        run_row(
-            "ablation",
-            MIXED,
-            Layout("disaggregated", g, aux=aux),
-            Mechanisms.none(),
-            load,
-            h,
-            seed,
-            switch="all off",
-        )
-    )
-    return rows
-
-
-def sharing(target: int, seed: int, ms: list[int]) -> list[dict]:
-    rows = []
-    g, load = 64, 0.9
-    h = horizon_for(MIXED, g, load, target)
-    for m in ms:
-        log(f"sharing: {g - m} denoise : {m} aux")
-        rows.append(
-            run_row(
-                "sharing",
-                MIXED,
-                Layout("disaggregated", g, aux=m),
-                Mechanisms(),
-                load,
-                h,
-                seed,
-                ratio=f"{g - m}:{m}",
-            )
-        )
-    return rows
-
-
-def lightx2v(seed: int, requests: int = 100) -> list[dict]:
-    """workloads.md §7.1: 100 requests, concurrency = the number of DiT workers (§9)."""
-    w = Workload("qwen-4090", ((QWEN_4090, 1.0),), prompt_repeat=0.0)
-    rows = []
-    setups = [
-        (
-            "8:0 colocated (offloaded)",
-            Layout("colocated", 8, small_memory=True),
-            Mechanisms.none(),
-            8,
-        ),
-        (
-            "7:1 disaggregated",
-            Layout("disaggregated", 8, aux=1, small_memory=True),
-            Mechanisms(),
-            7,
-        ),
-        (
-            "7:1 disaggregated, weights still offloaded",
-            Layout("disaggregated", 8, aux=1, small_memory=True),
-            Mechanisms().without("no_offload"),
-            7,
-        ),
+    on = over_seeds(w, dis, Mechanisms(), load, seeds)
+    colo = over_seeds(w, Layout("colocated", g), Mechanisms.none(), load, seeds)
+    rows = [
+        {"part": "ablation", "setting": "disaggregated, all on", "switch": None, **on},
+        {"part": "ablation", "setting": "colocated", "switch": None, **colo},
     ]
-    for name, lay, mech, conc in setups:
-        r = simulate(w, lay, mech, closed_loop=(conc, requests), seed=seed)
-        lats = sorted(x.done - x.submitted for x in r.records)
+    for m in MECHS:
+        off = over_seeds(w, dis, Mechanisms().without(m), load, seeds)
+        r, h = paired_ratio(on, off, "goodput_rps")
+        t, _ = paired_ratio(on, off, "p99_ttff_s")
         rows.append(
             {
-                "part": "lightx2v",
-                "setting": name,
-                "qps": len(r.records) / r.makespan,
-                "p50_latency_s": lats[len(lats) // 2],
-                "p99_latency_s": lats[min(len(lats) - 1, int(0.99 * len(lats)))],
-                "makespan_s": r.makespan,
+                "part": "ablation",
+                "setting": f"disaggregated without {m}",
+                "switch": m,
+                **off,
+                "goodput_change": r - 1,
+                "goodput_change_ci95": h,
+                "p99_ttff_change": t - 1,
             }
         )
-    base = rows[0]["qps"]
-    for row in rows:
-        row["qps_ratio"] = row["qps"] / base
+    cc = over_seeds(w, Layout("colocated", g), Mechanisms(cross_instance_cache=True), load, seeds)
+    r, h = paired_ratio(colo, cc, "goodput_rps")
+    t, _ = paired_ratio(colo, cc, "p99_ttff_s")
+    rows.append(
+        {
+            "part": "ablation",
+            "setting": "colocated with cross_instance_cache",
+            "switch": "colocated+cross_instance_cache",
+            **cc,
+            "goodput_change": r - 1,
+            "goodput_change_ci95": h,
+            "p99_ttff_change": t - 1,
+        }
+    )
     return rows
 
 
 # --------------------------------------------------------------------------- output
-def pick(rows: list[dict], **kw: Any) -> dict | None:
-    for r in rows:
-        if all(r.get(k) == v for k, v in kw.items()):
-            return r
-    return None
+def f(x: float | None, spec: str = ".3g") -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
 
-def ratio(rows: list[dict], key: str, workload: str, gpus: int, load: float) -> float | None:
-    c = pick(rows, part="matrix", workload=workload, gpus=gpus, load=load, mode="colocated")
-    d = pick(rows, part="matrix", workload=workload, gpus=gpus, load=load, mode="disaggregated")
-    if c is None or d is None or not c[key]:
-        return None
-    return d[key] / c[key]
+def pm(x: float, h: float, spec: str = ".2f") -> str:
+    return f"{f(x, spec)} ± {f(h, spec)}"
 
 
-def fmt_util(u: dict[str, float]) -> str:
-    return " ".join(f"{k} {v:.0%}" for k, v in u.items())
-
-
-def markdown(rows: list[dict]) -> str:
+def markdown(rows: list[dict], sched: Scheduler) -> str:
     out = [
-        "### Single-request parity (one request alone, 8 GPUs)",
+        f"Scheduler (both layouts): {asdict(sched)}; changed from the shipped core: "
+        f"{sched.changed() or 'nothing'}",
         "",
-        "| kind | isolated s | colocated s | disaggregated s | ratio |",
-        "|---|---:|---:|---:|---:|",
+        "### Single-request parity and calibration (one request alone, H100)",
+        "",
+        "| kind | colocated s | disaggregated s | D/C | measured E2E s | shares E/D/V "
+        "| measured shares |",
+        "|---|---:|---:|---:|---:|---|---|",
     ]
     for r in (x for x in rows if x["part"] == "parity"):
+        ms = r["measured_shares"]
         out.append(
-            f"| {r['workload']} | {r['isolated_s']:.2f} | {r['colocated_s']:.2f} "
-            f"| {r['disaggregated_s']:.2f} | {r['ratio']:.3f} |"
+            f"| {r['kind']} | {r['colocated_s']:.2f} | {r['disaggregated_s']:.2f} "
+            f"| {r['ratio']:.3f} | {'-'.join(f'{v:g}' for v in r['measured_e2e_s'])} "
+            f"| {r['share_encode']:.1%} / {r['share_denoise']:.1%} / {r['share_decode']:.1%} "
+            f"| {' / '.join(f'{v:.1%}' for v in ms) if ms else '-'} |"
         )
     out += [
         "",
-        "### Colocated (C) vs disaggregated (D) at equal GPU count",
+        "### LightX2V's 8 x RTX 4090 Qwen-Image setting, step sweep (measured: 8:0 0.18 QPS, "
+        "P50 22 s; 7:1 0.34 QPS, P50 17 s)",
         "",
-        "| workload | GPUs | load | C goodput/s | D goodput/s | goodput D/C | C P99 TTFF s "
-        "| D P99 TTFF s | TTFF D/C | C util | D util (aux / denoise) | preempt |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for c in (x for x in rows if x["part"] == "matrix" and x["mode"] == "colocated"):
-        d = pick(
-            rows,
-            part="matrix",
-            workload=c["workload"],
-            gpus=c["gpus"],
-            load=c["load"],
-            mode="disaggregated",
-        )
-        assert d is not None
-        g = d["goodput_rps"] / c["goodput_rps"] if c["goodput_rps"] else float("nan")
-        t = d["p99_ttff_s"] / c["p99_ttff_s"] if c["p99_ttff_s"] else float("nan")
-        ttff_c = f"{c['p99_ttff_s']:.1f}" if c["p99_ttff_s"] else "-"
-        ttff_d = f"{d['p99_ttff_s']:.1f}" if d["p99_ttff_s"] else "-"
-        tr = f"{t:.2f}" if c["p99_ttff_s"] else "-"
-        out.append(
-            f"| {c['workload']} | {c['gpus']} | {c['load']:.0%} | {c['goodput_rps']:.4g} "
-            f"| {d['goodput_rps']:.4g} | {g:.2f} | {ttff_c} | {ttff_d} | {tr} "
-            f"| {fmt_util(c['utilisation'])} | {fmt_util(d['utilisation'])} | {d['preemptions']} |"
-        )
-    out += [
-        "",
-        "### Ablation: mixed workload, 64 GPUs, 90 % load (one switch off at a time)",
-        "",
-        "| setting | goodput/s | SLO met | P50 TTFF s | P99 TTFF s | P99 batch s | preempt "
-        "| encodes skipped |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in (x for x in rows if x["part"] == "ablation"):
-        out.append(
-            f"| {r['switch']} | {r['goodput_rps']:.4g} | {r['slo_met']:.1%} "
-            f"| {r['p50_ttff_s']:.1f} | {r['p99_ttff_s']:.1f} "
-            f"| {r['p99_batch_latency_s']:.0f} | {r['preemptions']} "
-            f"| {r['encodes_skipped']} |"
-        )
-    out += [
-        "",
-        "`no_offload` changes nothing on 80 GB H100s (nothing is offloaded there); its effect "
-        "is in the LightX2V 4090 rows. `decode_off_dit` only removes the tiled Wan decode "
-        "(+2.5 s per 1046 s job); larger denoise batches are not modelled. `all off` and "
-        "`without shared_decode` give every 8-GPU node its own aux GPU (8 at 64 GPUs, not 2): "
-        "fewer denoise GPUs, which 90 % load overloads.",
-    ]
-    out += [
-        "",
-        "### Decode-pool sharing ratio: mixed workload, 64 GPUs, 90 % load",
-        "",
-        "| denoise : aux | goodput/s | SLO met | P99 TTFF s | aux util | denoise util |",
-        "|---|---:|---:|---:|---:|---:|",
-    ]
-    for r in (x for x in rows if x["part"] == "sharing"):
-        u = r["utilisation"]
-        out.append(
-            f"| {r['ratio']} | {r['goodput_rps']:.4g} | {r['slo_met']:.1%} "
-            f"| {r['p99_ttff_s']:.1f} | {u.get('aux', 0):.0%} | {u.get('denoise', 0):.0%} |"
-        )
-    out += [
-        "",
-        "### LightX2V's 8 x RTX 4090 Qwen-Image setting (claimed 1.89x QPS)",
-        "",
-        "| setting | QPS | QPS ratio | P50 s | P99 s |",
-        "|---|---:|---:|---:|---:|",
+        "| steps | setting | QPS | QPS ratio | P50 s | measured QPS | measured P50 s |",
+        "|---:|---|---:|---:|---:|---:|---:|",
     ]
     for r in (x for x in rows if x["part"] == "lightx2v"):
         out.append(
-            f"| {r['setting']} | {r['qps']:.3f} | {r['qps_ratio']:.2f} "
-            f"| {r['p50_latency_s']:.1f} | {r['p99_latency_s']:.1f} |"
+            f"| {r['steps']} | {r['setting']} | {r['qps']:.3f} | {r['qps_ratio']:.2f} "
+            f"| {r['p50_latency_s']:.1f} | {f(r['measured_qps'])} | {f(r['measured_p50_s'])} |"
+        )
+    out += [
+        "",
+        "### Where disaggregation wins, ties and loses (H100, equal GPU count; ± 95 % CI "
+        "over seeds)",
+        "",
+        "| workload | GPUs | aux | load | C goodput/s | D goodput/s | goodput D/C | verdict "
+        "| C P99 TTFF s | D P99 TTFF s | TTFF D/C |",
+        "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|",
+    ]
+    for r in (x for x in rows if x["part"] == "matrix"):
+        c, d = r["colocated"], r["disaggregated"]
+        out.append(
+            f"| {r['workload']} | {r['gpus']} | {r['aux']} | {r['load']:.0%} "
+            f"| {f(c['goodput_rps'], '.4g')} | {f(d['goodput_rps'], '.4g')} "
+            f"| {pm(r['goodput_ratio'], r['goodput_ratio_ci95'])} | {r['verdict']} "
+            f"| {f(c['p99_ttff_s'], '.1f')} | {f(d['p99_ttff_s'], '.1f')} "
+            f"| {pm(r['p99_ttff_ratio'], r['p99_ttff_ratio_ci95'])} |"
+        )
+    out += [
+        "",
+        "### Heterogeneous pools: goodput per GPU-hour price (mixed, "
+        f"{ABLATION_AT[0]} GPUs, {ABLATION_AT[1]:.0%} load)",
+        "",
+        "| layout | price $/h | goodput/s | goodput per $/h (x3600) | vs colocated | verdict |",
+        "|---|---:|---:|---:|---:|---|",
+    ]
+    cst = [x for x in rows if x["part"] == "cost"]
+    if cst:
+        c = cst[0]["colocated"]
+        out.append(
+            f"| colocated 64 h100 | {c['price_per_hour']:.1f} | {c['goodput_rps']:.4g} "
+            f"| {c['goodput_per_usd_hour']:.4g} | 1 | - |"
+        )
+    for r in cst:
+        d = r["disaggregated"]
+        out.append(
+            f"| {r['layout']} | {d['price_per_hour']:.1f} | {d['goodput_rps']:.4g} "
+            f"| {d['goodput_per_usd_hour']:.4g} "
+            f"| {pm(r['goodput_per_cost_ratio'], r['goodput_per_cost_ratio_ci95'])} "
+            f"| {r['verdict']} |"
+        )
+    out += [
+        "",
+        f"### Ablation: mixed, {ABLATION_AT[0]} GPUs, {ABLATION_AT[1]:.0%} load "
+        "(each mechanism off for disaggregated)",
+        "",
+        "| setting | goodput/s | goodput change | SLO met | P99 TTFF s | P99 TTFF change "
+        "| preemptions |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in (x for x in rows if x["part"] == "ablation"):
+        ch = pm(r["goodput_change"], r["goodput_change_ci95"], "+.1%") if r["switch"] else "-"
+        out.append(
+            f"| {r['setting']} | {r['goodput_rps']:.4g} | {ch} | {r['slo_met']:.1%} "
+            f"| {r['p99_ttff_s']:.1f} | {f(r.get('p99_ttff_change'), '+.1%')} "
+            f"| {r['preemptions']} |"
         )
     return "\n".join(out)
+
+
+def summarize_rows(rows: list[dict], sched: Scheduler) -> dict[str, Any]:
+    def mrow(w: str, g: int, load: float) -> dict:
+        return next(
+            r
+            for r in rows
+            if r["part"] == "matrix" and (r["workload"], r["gpus"], r["load"]) == (w, g, load)
+        )
+
+    head = mrow(*HEADLINE)
+    lx = {(r["steps"], r["setting"]): r for r in rows if r["part"] == "lightx2v"}
+    par = [r for r in rows if r["part"] == "parity"]
+    ab = [r for r in rows if r["part"] == "ablation" and r["switch"]]
+    cst = [r for r in rows if r["part"] == "cost"]
+    best = max(cst, key=lambda r: r["goodput_per_cost_ratio"])
+    verdicts = [r["verdict"] for r in rows if r["part"] == "matrix"]
+    summary: dict[str, Any] = {
+        "same_scheduler": len({repr(c) for c in CONFIGS}) == 1,
+        "scheduler": {**asdict(sched), "changed_from_shipped": sched.changed()},
+        "goodput_ratio_mixed": head["goodput_ratio"],
+        "goodput_ratio_mixed_ci95": head["goodput_ratio_ci95"],
+        "goodput_per_cost_ratio_best": best["goodput_per_cost_ratio"],
+        "goodput_per_cost_best_layout": best["layout"],
+        "p99_ttff_ratio_interactive_80pct": head["p99_ttff_ratio"],
+        "single_request_latency_ratio": max(r["ratio"] for r in par),
+        "lightx2v_setting_qps_ratio": lx[(8, "7:1")]["qps_ratio"],
+        "lightx2v_setting_qps_ratio_50_steps": lx[(50, "7:1")]["qps_ratio"],
+        "lightx2v_baseline_qps_8_steps": lx[(8, "8:0")]["qps"],
+        "lightx2v_baseline_measured_qps": LIGHTX2V_MEASURED["8:0"]["qps"],
+        "mechanisms": {r["switch"]: r["goodput_change"] for r in ab},
+        "mechanisms_p99_ttff_change": {r["switch"]: r["p99_ttff_change"] for r in ab},
+        "mechanisms_at": f"mixed, {ABLATION_AT[0]} H100, {ABLATION_AT[1]:.0%} load",
+        "verdicts": {v: verdicts.count(v) for v in ("win", "tie", "lose")},
+        "headline_at": f"{HEADLINE[0]}, {HEADLINE[1]} H100, {HEADLINE[2]:.0%} load",
+    }
+    for g in SCALES:
+        for load in LOADS:
+            summary[f"goodput_ratio_mixed_{g}gpu_{round(load * 100)}pct"] = mrow("mixed", g, load)[
+                "goodput_ratio"
+            ]
+    return summary
 
 
 def plots(rows: list[dict], folder: str) -> list[str]:
@@ -403,61 +479,34 @@ def plots(rows: list[dict], folder: str) -> list[str]:
 
     os.makedirs(folder, exist_ok=True)
     written = []
-    m = [r for r in rows if r["part"] == "matrix" and r["workload"] == "mixed"]
-    scales = sorted({r["gpus"] for r in m})
-    for key, label, name in (
-        ("goodput_rps", "goodput (requests/s within SLO)", "goodput_vs_load.png"),
-        ("throughput_rps", "throughput (requests/s)", "throughput_vs_load.png"),
-        ("p99_ttff_s", "interactive P99 TTFF (s)", "p99_ttff_vs_load.png"),
-    ):
-        fig, axes = plt.subplots(1, len(scales), figsize=(4.2 * len(scales), 3.6), squeeze=False)
-        for ax, g in zip(axes[0], scales, strict=True):
-            for mode, style in (("colocated", "o--"), ("disaggregated", "s-")):
-                pts = sorted((r["load"], r[key]) for r in m if r["gpus"] == g and r["mode"] == mode)
-                ax.plot([p[0] * 100 for p in pts], [p[1] for p in pts], style, label=mode)
-            ax.set_title(f"mixed workload, {g} GPUs")
-            ax.set_xlabel("load (% of isolated capacity)")
-            ax.set_ylabel(label)
-            if key == "p99_ttff_s":
-                ax.set_yscale("log")
-            ax.grid(alpha=0.3)
-            ax.legend()
-        fig.tight_layout()
-        path = os.path.join(folder, name)
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(path)
-    sh = [r for r in rows if r["part"] == "sharing"]
-    if sh:
-        fig, ax1 = plt.subplots(figsize=(6, 3.8))
-        xs = [r["ratio"] for r in sh]
-        ax1.plot(xs, [r["goodput_rps"] for r in sh], "s-", color="tab:blue", label="goodput")
-        ax1.set_xlabel("denoise : aux (encode + decode) GPUs, 64 GPUs, 90 % load")
-        ax1.set_ylabel("goodput (requests/s within SLO)", color="tab:blue")
-        ax1.set_ylim(0, 1.15 * max(r["goodput_rps"] for r in sh))
-        ax2 = ax1.twinx()
-        ax2.plot(xs, [r["p99_ttff_s"] for r in sh], "o--", color="tab:red", label="P99 TTFF")
-        ax2.set_ylabel("interactive P99 TTFF (s)", color="tab:red")
-        ax2.set_ylim(0, 1.15 * max(r["p99_ttff_s"] for r in sh))
-        ax1.grid(alpha=0.3)
-        ax1.set_title("decode-pool sharing ratio N:M")
-        fig.tight_layout()
-        path = os.path.join(folder, "sharing_ratio.png")
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(path)
-    ab = [r for r in rows if r["part"] == "ablation"]
-    if ab:
-        fig, ax = plt.subplots(figsize=(7, 3.8))
-        ax.barh([r["switch"] for r in ab], [r["goodput_rps"] for r in ab], color="tab:green")
-        ax.invert_yaxis()
-        ax.set_xlabel("goodput (requests/s within SLO), mixed, 64 GPUs, 90 % load")
-        ax.grid(alpha=0.3, axis="x")
-        fig.tight_layout()
-        path = os.path.join(folder, "ablation.png")
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(path)
+    m = [r for r in rows if r["part"] == "matrix"]
+    fig, axes = plt.subplots(1, len(SCALES), figsize=(4.6 * len(SCALES), 3.6), squeeze=False)
+    for ax, g in zip(axes[0], SCALES, strict=True):
+        for w in WORKLOADS:
+            pts = sorted(
+                (r["load"], r["goodput_ratio"], r["goodput_ratio_ci95"])
+                for r in m
+                if r["gpus"] == g and r["workload"] == w.name
+            )
+            ax.errorbar(
+                [p[0] * 100 for p in pts],
+                [p[1] for p in pts],
+                yerr=[0 if math.isnan(p[2]) else p[2] for p in pts],
+                marker="o",
+                capsize=3,
+                label=w.name,
+            )
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_title(f"{g} H100")
+        ax.set_xlabel("load (% of isolated capacity)")
+        ax.set_ylabel("goodput disaggregated / colocated")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = os.path.join(folder, "goodput_ratio_vs_load.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    written.append(path)
     return written
 
 
@@ -472,47 +521,30 @@ def machine_info() -> dict[str, Any]:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    p.add_argument("--quick", action="store_true", help="8 and 64 GPUs, fewer requests")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n", 1)[0],
+        epilog="Every setting is the same with and without --quick; only the seeds differ.",
+    )
+    p.add_argument("--quick", action="store_true", help="3 seeds instead of 8")
+    p.add_argument("--seeds", type=int, help="number of seeds (overrides --quick)")
     p.add_argument("--json", metavar="PATH", help="also write results as JSON here")
     p.add_argument("--plots", metavar="DIR", help="write PNG plots into this folder")
-    p.add_argument("--seed", type=int, default=0, help="seed of arrivals and the mix")
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    if a.seeds is not None and a.seeds < 1:
+        p.error("--seeds must be >= 1")
+    return a
 
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     t0 = time.perf_counter()
-    if a.quick:
-        scales, loads, target = [8, 64], [0.5, 0.8, 0.95], 1200
-        ms = [1, 2, 4, 8]
-    else:
-        scales, loads, target = [8, 64, 512], [0.3, 0.5, 0.7, 0.8, 0.9, 0.95], 5000
-        ms = [1, 2, 3, 4, 6, 8, 12, 16]
-    rows = parity(a.seed)
-    rows += matrix(scales, loads, target, a.seed)
-    rows += ablation(target, a.seed)
-    rows += sharing(target, a.seed, ms)
-    rows += lightx2v(a.seed)
-    print(markdown(rows))
-    lx = [r for r in rows if r["part"] == "lightx2v"]
-    summary: dict[str, Any] = {
-        "goodput_ratio_mixed": ratio(rows, "goodput_rps", "mixed", 8, 0.8),
-        "p99_ttff_ratio_interactive_80pct": ratio(rows, "p99_ttff_s", "mixed", 8, 0.8),
-        "lightx2v_setting_qps_ratio": lx[1]["qps_ratio"],
-        "lightx2v_claimed_qps_ratio": LIGHTX2V_CLAIM,
-        "lightx2v_qps_ratio_weights_still_offloaded": lx[2]["qps_ratio"],
-        "single_request_latency_ratio_max": max(r["ratio"] for r in rows if r["part"] == "parity"),
-        "headline_scale": "8 GPUs, 80 % load; per-scale values below",
-    }
-    for g in scales:
-        for load in (0.8, 0.95):
-            summary[f"goodput_ratio_mixed_{g}gpu_{round(load * 100)}pct"] = ratio(
-                rows, "goodput_rps", "mixed", g, load
-            )
-            summary[f"p99_ttff_ratio_interactive_{g}gpu_{round(load * 100)}pct"] = ratio(
-                rows, "p99_ttff_s", "mixed", g, load
-            )
+    n = a.seeds if a.seeds is not None else (3 if a.quick else 8)
+    seeds = list(range(n))
+    sched = Scheduler()
+    CONFIGS.clear()
+    rows = parity() + lightx2v() + matrix(seeds) + cost(seeds) + ablation(seeds)
+    summary = summarize_rows(rows, sched)
+    print(markdown(rows, sched))
     total = time.perf_counter() - t0
     print("\n| summary | value |\n|---|---:|")
     for k, v in summary.items():
@@ -527,21 +559,26 @@ def main(argv: list[str] | None = None) -> int:
             "machine": machine_info(),
             "config": {
                 "quick": a.quick,
-                "seed": a.seed,
-                "scales": scales,
-                "loads": loads,
-                "target_requests": target,
+                "seeds": n,
+                "scales": list(SCALES),
+                "loads": list(LOADS),
+                "target_requests": TARGET_REQUESTS,
+                "scheduler": asdict(sched),
                 "slo": "interactive 3 x isolated latency, batch 2 x (simulate/costs.py)",
-                "kinds": {k.name: asdict(k) for k in (WAN_720P, QWEN_1024, FLUX_1024, QWEN_4090)},
-                "workloads": {w.name: {k.name: sh for k, sh in w.kinds} for w in WORKLOADS},
+                "kinds": {
+                    k.name: asdict(k)
+                    for k in (WAN_720P, QWEN_1024, FLUX_1024, QWEN_4090, QWEN_4090_50)
+                },
+                "gpus": {g.name: asdict(g) for g in (H100, L40S, RTX_4090)},
             },
             "rows": rows,
             "summary": summary,
+            "markdown": markdown(rows, sched),
             "plots": written,
             "total_seconds": total,
         }
-        with open(a.json, "w") as f:
-            json.dump(doc, f, indent=2, default=lambda o: asdict(o))
+        with open(a.json, "w") as fh:
+            json.dump(doc, fh, indent=2)
     return 0
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from mooncake_diffusion.demo import make_tensor
+from mooncake_diffusion.handoff import make_tensor
 
 __all__ = ["make_tensor", "same_bytes"]
 

@@ -9,7 +9,6 @@ import torch
 
 from helpers import make_tensor, same_bytes
 from mooncake_diffusion import DiffusionConnector, LocalCluster, MooncakeSettings, StagePayload
-from mooncake_diffusion.demo import ProducerProcess
 from mooncake_diffusion.errors import (
     DeadlineExceededError,
     MasterUnavailableError,
@@ -17,6 +16,7 @@ from mooncake_diffusion.errors import (
     StoreFullError,
     TransferError,
 )
+from mooncake_diffusion.handoff import ProducerProcess
 from mooncake_diffusion.testing import assert_no_leaks
 
 pytestmark = pytest.mark.faults

@@ -10,8 +10,8 @@ import pytest
 
 from helpers import make_tensor, same_bytes
 from mooncake_diffusion import StagePayload, decode_handle
-from mooncake_diffusion.demo import ProducerProcess
 from mooncake_diffusion.errors import DeadlineExceededError, PayloadGoneError, TransferError
+from mooncake_diffusion.handoff import ProducerProcess
 
 pytestmark = pytest.mark.faults
 

@@ -21,8 +21,8 @@ from helpers import make_tensor, same_bytes
 from mooncake_diffusion import DiffusionConnector
 from mooncake_diffusion._mooncake.cluster import LocalCluster
 from mooncake_diffusion._mooncake.store import StoreClient
-from mooncake_diffusion.demo import ProducerProcess
 from mooncake_diffusion.errors import TransientStoreError
+from mooncake_diffusion.handoff import ProducerProcess
 from mooncake_diffusion.tensors import describe
 from mooncake_diffusion.testing import assert_no_leaks, thread_names
 

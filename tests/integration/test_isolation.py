@@ -45,9 +45,9 @@ def test_d_gets_a_running_cluster_again(mooncake_cluster):
 
 def test_a_leak_fails_only_its_own_test_and_a_dead_cluster_is_restarted(pytester):
     pytester.makepyfile(test_inner=INNER)
-    # the plugin as the suite loads it, whether or not an entry point also registers it
+    # the plugin loaded as the suite loads it (pyproject's addopts)
     result = pytester.runpytest_subprocess(
-        "-p", "no:mooncake_diffusion", "-p", "mooncake_diffusion.testing", "-p", "no:cacheprovider"
+        "-p", "mooncake_diffusion.testing", "-p", "no:cacheprovider"
     )
     result.assert_outcomes(passed=4, errors=1)
     result.stdout.fnmatch_lines(["*ERROR at teardown of test_a_leaks_a_key*"])

@@ -104,7 +104,7 @@ def start_role(model: str, role: str, *extra: str) -> Role:
 
 def make_fields() -> dict[str, Any]:
     """The request's tensors, deterministic: every process builds the same bytes."""
-    from mooncake_diffusion.demo import make_tensor
+    from mooncake_diffusion.handoff import make_tensor
 
     return {
         name: [make_tensor(dtype, shape, seed) for dtype, shape, seed in specs]

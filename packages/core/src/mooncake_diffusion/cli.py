@@ -79,18 +79,18 @@ def _cluster_up(args: argparse.Namespace) -> int:
     return 0
 
 
-def _system_demo(args: argparse.Namespace) -> int:
-    from mooncake_diffusion.system_demo import run_system_demo
+def _demo(args: argparse.Namespace) -> int:
+    from mooncake_diffusion.demo import run_demo
 
-    return run_system_demo(
+    return run_demo(
         args.images, args.videos, args.steps, args.denoise_workers, args.out, not args.no_verify
     )
 
 
-def _demo(args: argparse.Namespace) -> int:
-    from mooncake_diffusion.demo import run_demo
+def _handoff(args: argparse.Namespace) -> int:
+    from mooncake_diffusion.handoff import run_handoff
 
-    rows = run_demo(args.shape, args.dtype, args.modes, args.repeats)
+    rows = run_handoff(args.shape, args.dtype, args.modes, args.repeats)
     return 0 if all(r["verified"] for r in rows) else 1
 
 
@@ -101,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(embeddings, latents) between Encode, Denoise and Decode workers.",
     )
     sub = p.add_subparsers(dest="command", required=True)
-    system = sub.add_parser(
+    demo = sub.add_parser(
         "demo",
         help="the whole system: cluster, orchestrator, E/D/V workers, a mixed batch",
         description="Start a Mooncake master and store host, the orchestrator and Encode, "
@@ -112,46 +112,46 @@ def build_parser() -> argparse.ArgumentParser:
         "output is checked bitwise against a colocated run. Random weights: it measures "
         "the serving system, not image quality.",
     )
-    system.add_argument("--images", type=int, default=4, help="interactive images (default 4)")
-    system.add_argument("--videos", type=int, default=2, help="batch videos, 9 frames (default 2)")
-    system.add_argument("--steps", type=int, default=8, help="denoise steps (default 8)")
-    system.add_argument(
+    demo.add_argument("--images", type=int, default=4, help="interactive images (default 4)")
+    demo.add_argument("--videos", type=int, default=2, help="batch videos, 9 frames (default 2)")
+    demo.add_argument("--steps", type=int, default=8, help="denoise steps (default 8)")
+    demo.add_argument(
         "--denoise-workers", type=int, default=2, help="denoise worker processes (default 2)"
     )
-    system.add_argument("--out", help="output folder (default: a new temporary folder)")
-    system.add_argument(
+    demo.add_argument("--out", help="output folder (default: a new temporary folder)")
+    demo.add_argument(
         "--no-verify", action="store_true", help="skip the bitwise check against colocated"
     )
-    system.set_defaults(func=_system_demo)
+    demo.set_defaults(func=_demo)
 
-    demo = sub.add_parser(
+    handoff = sub.add_parser(
         "handoff",
         help="move a video-sized latent between two processes through p2p and store",
         description="Start an embedded Mooncake cluster and a producer process, move a "
         "Wan 720p video latent to this process through each path, check every byte "
         "and print what moved, how and how fast.",
     )
-    demo.add_argument(
+    handoff.add_argument(
         "--shape",
         type=_shape,
         default=(1, 16, 21, 90, 160),
         help="latent shape, comma separated (default: Wan 720p, 81 frames)",
     )
-    demo.add_argument(
+    handoff.add_argument(
         "--dtype",
         default="bfloat16",
         choices=["bfloat16", "float16", "float32"],
         help="latent dtype",
     )
-    demo.add_argument(
+    handoff.add_argument(
         "--modes",
         type=_modes,
         default=("p2p", "p2p-net", "store"),
         help="paths to show, comma separated: p2p (a same-host memory copy when possible), "
         "p2p-net (Transfer Engine only), store (default: all three)",
     )
-    demo.add_argument("--repeats", type=int, default=3, help="transfers per mode (default 3)")
-    demo.set_defaults(func=_demo)
+    handoff.add_argument("--repeats", type=int, default=3, help="transfers per mode (default 3)")
+    handoff.set_defaults(func=_handoff)
 
     cluster = sub.add_parser("cluster", help="run an embedded Mooncake cluster")
     csub = cluster.add_subparsers(dest="action", required=True)

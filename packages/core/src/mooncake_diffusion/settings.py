@@ -48,6 +48,10 @@ class MooncakeSettings:
     same_host: bool = True
     store_part_bytes: int = 16 << 20
     store_retry_s: float = 10.0
+    #: how device tensors travel: ``auto`` (GPU-direct where Mooncake is a CUDA
+    #: build and the NIC reaches GPU memory, else pinned host staging),
+    #: ``staged`` or ``gpu-direct``; ``MOONCAKE_DIFFUSION_GPU_PATH``.
+    gpu_path: str = "auto"
 
     def __post_init__(self) -> None:
         split_address(self.master, "master")
@@ -59,6 +63,10 @@ class MooncakeSettings:
             raise ConfigError("store_part_bytes must be 0 (never split) or positive")
         if self.store_retry_s < 0:
             raise ConfigError("store_retry_s must not be negative")
+        if self.gpu_path not in ("auto", "staged", "gpu-direct"):
+            raise ConfigError(
+                f"gpu_path must be 'auto', 'staged' or 'gpu-direct', got {self.gpu_path!r}"
+            )
 
     @property
     def admin_address(self) -> str:
@@ -93,6 +101,9 @@ class MooncakeSettings:
         same_host = os.environ.get("MOONCAKE_DIFFUSION_SAME_HOST")
         if same_host is not None:
             merged["same_host"] = same_host.strip().lower() not in ("0", "false", "no", "off")
+        gpu_path = os.environ.get("MOONCAKE_DIFFUSION_GPU_PATH")
+        if gpu_path is not None:
+            merged["gpu_path"] = gpu_path.strip().lower()
         merged.update({k: v for k, v in overrides.items() if v is not None})
         return replace(cls(), **merged)  # type: ignore[arg-type]
 

@@ -46,6 +46,9 @@ class Region:
     #: Registration covers this extent, so views of one allocation share it.
     base_ptr: int = 0
     base_nbytes: int = 0
+    #: device memory: the CUDA event recorded on the tensor's current stream when
+    #: it was described; bytes may be read (or overwritten) once it completed
+    ready: Any = None
 
     @property
     def extent(self) -> tuple[int, int]:
@@ -107,7 +110,19 @@ def describe(name: str, t: Any) -> tuple[TensorSpec, Region]:
         spec = TensorSpec(name, dtype, shape, _contiguous_strides(shape), ranges)
     except ValueError as e:  # name too long and the like
         raise PayloadError(f"tensor {name!r}: {e}") from None
-    return spec, Region(ptr, nbytes, t, device, *base)
+    ready = _record_ready(t) if device.startswith("cuda") else None
+    return spec, Region(ptr, nbytes, t, device, *base, ready=ready)
+
+
+def _record_ready(t: Any) -> Any:
+    """A CUDA event on ``t``'s device's current stream: the work queued so far
+    (the kernels producing ``t``) is done once it completes. Waiting for it never
+    synchronizes the whole device."""
+    import torch
+
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(t.device))
+    return event
 
 
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:

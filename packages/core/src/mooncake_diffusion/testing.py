@@ -1,4 +1,8 @@
-"""pytest plugin: a real Mooncake cluster and leak checks.
+"""pytest plugin, opt-in: a real Mooncake cluster and leak checks.
+
+Installing mooncake-diffusion registers no plugin. Load it with
+``pytest -p mooncake_diffusion.testing`` (or ``addopts`` in your pytest config,
+as this repository does, or ``pytest_plugins`` in a top-level ``conftest.py``).
 
 Fixtures:
     mooncake_cluster   session-wide LocalCluster (real master + store host)

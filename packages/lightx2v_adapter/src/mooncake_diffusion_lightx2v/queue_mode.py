@@ -52,7 +52,6 @@ from mooncake_diffusion import StagePayload
 from mooncake_diffusion.errors import ConfigError
 from mooncake_diffusion.orchestrator.model import WorkItem
 from mooncake_diffusion.orchestrator.worker import StageContext, StageWorker
-from mooncake_diffusion_lightx2v import runner as runner_methods
 
 __all__ = ["QueueItem", "QueueRole", "TaskData", "describe_result"]
 
@@ -224,11 +223,9 @@ class QueueRole:
         current = QueueItem(item, ctx)
         # the input moves while the runner may still be busy with the previous item
         if self.stage == "denoise" and item.input:
-            current.prefetched = runner_methods.fetch_phase1(
-                self.state, self.runner.config, item.input
-            )
+            current.prefetched = self.state.fetch_phase1(self.runner.config, item.input)
         elif self.stage == "decode" and item.input:
-            current.prefetched = runner_methods.fetch_phase2(self.state, item.input)
+            current.prefetched = self.state.fetch_phase2(item.input)
         with self._run_lock:
             if ctx.cancelled:
                 raise RuntimeError("cancelled before it ran")

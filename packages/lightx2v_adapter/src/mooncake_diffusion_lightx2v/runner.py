@@ -196,6 +196,39 @@ class AdapterState:
             "nbytes": sum(t.nbytes for t in got.handle.tensors),
         }
 
+    def fetch_phase1(self, config: Any, handle: bytes) -> dict:
+        """Consume a Phase 1 payload into LightX2V's dict (tensors copied to ``AI_DEVICE``)."""
+        dtype = lightx2v_dtype() or torch.bfloat16
+        with self.connector.consume(handle) as got:
+            meta = got.meta
+            if "crc32" in meta:
+                payloads.verify(got.tensors, meta["crc32"])
+            self.received(got)
+            return payloads.unpack_phase1(config, got.tensors, meta, dtype, lightx2v_device())
+
+    def fetch_phase2(self, handle: bytes) -> tuple[torch.Tensor, dict]:
+        """Consume a Phase 2 payload: the latents on ``AI_DEVICE`` (each temporal chunk
+        copied there as it lands) and their meta."""
+        with self.connector.consume(handle) as got:
+            spec = got.handle.tensors[0]
+            out = torch.empty(
+                spec.shape, dtype=getattr(torch, spec.dtype), device=lightx2v_device()
+            )
+            dim = got.handle.chunk_dim
+            start = 0
+            for chunk in got:
+                part = chunk.tensor
+                if dim is None:
+                    out.copy_(part)
+                else:
+                    out.narrow(dim, start, part.shape[dim]).copy_(part)
+                    start += part.shape[dim]
+            meta = got.meta
+            if "crc32" in meta:
+                payloads.verify(got.tensors, meta["crc32"])
+            self.received(got)
+        return out, meta
+
     def close(self) -> None:
         """Discard the handles of p2p payloads nobody took (their bytes die with the
         connector), then close mailbox and connector. Store payloads and their
@@ -306,21 +339,10 @@ def receive_encoder_outputs(self: Any) -> dict:
     if state.queue is not None:
         current = state.queue.current("receive_encoder_outputs")
         if current.prefetched is None:
-            current.prefetched = fetch_phase1(state, self.config, _item_input(current))
+            current.prefetched = state.fetch_phase1(self.config, _item_input(current))
         got, current.prefetched = current.prefetched, None
         return got
-    return fetch_phase1(state, self.config, state.take(1, state.cfg.room(self.config, 1)))
-
-
-def fetch_phase1(state: AdapterState, config: Any, handle: bytes) -> dict:
-    """Consume a Phase 1 payload into LightX2V's dict (tensors copied to ``AI_DEVICE``)."""
-    dtype = lightx2v_dtype() or torch.bfloat16
-    with state.connector.consume(handle) as got:
-        meta = got.meta
-        if "crc32" in meta:
-            payloads.verify(got.tensors, meta["crc32"])
-        state.received(got)
-        return payloads.unpack_phase1(config, got.tensors, meta, dtype, lightx2v_device())
+    return state.fetch_phase1(self.config, state.take(1, state.cfg.room(self.config, 1)))
 
 
 def send_transformer_outputs(self: Any, latents: torch.Tensor) -> None:
@@ -371,34 +393,12 @@ def receive_transformer_outputs(self: Any) -> torch.Tensor:
     if state.queue is not None:
         current = state.queue.current("receive_transformer_outputs")
         if current.prefetched is None:
-            current.prefetched = fetch_phase2(state, _item_input(current))
+            current.prefetched = state.fetch_phase2(_item_input(current))
         (out, meta), current.prefetched = current.prefetched, None
     else:
-        out, meta = fetch_phase2(state, state.take(2, state.cfg.room(self.config, 2)))
+        out, meta = state.fetch_phase2(state.take(2, state.cfg.room(self.config, 2)))
     self._p2_receive_meta = meta
     return out
-
-
-def fetch_phase2(state: AdapterState, handle: bytes) -> tuple[torch.Tensor, dict]:
-    """Consume a Phase 2 payload: the latents on ``AI_DEVICE`` (each temporal chunk
-    copied there as it lands) and their meta."""
-    with state.connector.consume(handle) as got:
-        spec = got.handle.tensors[0]
-        out = torch.empty(spec.shape, dtype=getattr(torch, spec.dtype), device=lightx2v_device())
-        dim = got.handle.chunk_dim
-        start = 0
-        for chunk in got:
-            part = chunk.tensor
-            if dim is None:
-                out.copy_(part)
-            else:
-                out.narrow(dim, start, part.shape[dim]).copy_(part)
-                start += part.shape[dim]
-        meta = got.meta
-        if "crc32" in meta:
-            payloads.verify(got.tensors, meta["crc32"])
-        state.received(got)
-    return out, meta
 
 
 def release_disagg(self: Any) -> None:

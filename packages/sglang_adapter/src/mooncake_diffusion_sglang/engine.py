@@ -19,12 +19,12 @@ other failure.
 
 from __future__ import annotations
 
-import importlib.metadata
 import logging
 import os
 
 from sglang.multimodal_gen.runtime.disaggregation.transport.engine import BaseTransferEngine
 
+from mooncake_diffusion.deployment import inspect_build
 from mooncake_diffusion.direct import (
     DirectEngine,
     DirectStats,
@@ -47,12 +47,10 @@ _CODES: tuple[tuple[type[BaseException], int], ...] = (
 
 
 def _cuda_mooncake() -> bool:
-    """Whether the installed Mooncake is its CUDA build (GPUDirect registration)."""
-    try:
-        importlib.metadata.version("mooncake-transfer-engine")
-        return True
-    except importlib.metadata.PackageNotFoundError:
-        return False
+    """Whether the installed Mooncake can register GPU memory: read from what its
+    native modules link against (any CUDA major, any distribution name)."""
+    build = inspect_build()
+    return build is not None and build.device_memory
 
 
 def resolve_pool(options: Options) -> str:

@@ -27,7 +27,7 @@ from typing import Any, TextIO
 from mooncake_diffusion.caches.embedding import EmbeddingCache
 from mooncake_diffusion.caches.keys import canonical_json
 from mooncake_diffusion.childproc import JsonLinesChild, serve_json_lines
-from mooncake_diffusion.demo import make_tensor
+from mooncake_diffusion.handoff import make_tensor
 from mooncake_diffusion.settings import MooncakeSettings
 
 __all__ = ["EncoderProcess", "fake_encode", "tensor_digest"]

@@ -83,7 +83,6 @@ from mooncake_diffusion.orchestrator.registry import (
     load_policy,
     register_policy,
 )
-from mooncake_diffusion.orchestrator.sim import SimConfig, SimReport, Simulation
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -123,9 +122,6 @@ __all__ = [
     "Revoke",
     "RoundRobin",
     "RoutingPolicy",
-    "SimConfig",
-    "SimReport",
-    "Simulation",
     "SloClass",
     "Stage",
     "Submit",

@@ -3,53 +3,63 @@
     result = simulate(MIXED, Layout("disaggregated", gpus=64, aux=2), Mechanisms(),
                       load=0.8, seed=0)
     summarize(result)        # goodput, throughput, P50/P99 TTFF, utilisation per pool
+    result.config            # the OrchestratorConfig both layouts ran under
 
 Each GPU is a serial executor; workers are registered with the real
-``Orchestrator`` (a ``VirtualClock``, the core's queues, credits, priorities and
-decode reservations decide every dispatch) and an item dispatched to a worker
-runs on that worker's GPU for the service time of ``costs.RequestKind``.
+``Orchestrator`` (a ``VirtualClock``, the core's queues, credits, priorities,
+step-boundary preemption and decode reservations decide every dispatch) and an
+item dispatched to a worker runs on that worker's GPU for the service time of
+``costs.RequestKind``.
 
-Colocated: every GPU serves whole requests in FIFO order, Encode + Denoise +
-Decode back to back (the VAE tiled where it does not fit beside the DiT). In
-the core this is one denoise worker per GPU whose item costs the whole request
-(Encode is skipped in the core and run inline; Decode passes through a
-zero-cost bookkeeping worker), with both SLO classes at one priority.
+**One scheduler for both layouts.** ``Scheduler`` (priorities, step-boundary
+preemption, ``max_preemptions``: the shipped defaults unless changed, and then
+for both sides) builds the one ``OrchestratorConfig`` that every layout runs
+under; only the routing policy's worker labels differ, because the layouts'
+workers differ.
 
-Disaggregated: ``aux`` GPUs each host an encode and a decode worker (sharing
-that GPU's time), the others one denoise worker each; 25 ms per stage boundary
-for the transfer. Mechanisms, each a switch (``Mechanisms``):
+Colocated: every GPU serves whole requests, Encode + Denoise + Decode back to
+back. In the core this is one denoise worker per GPU whose item costs the whole
+request (Encode runs inline, so the core skips it; Decode passes through a
+zero-cost bookkeeping worker). It yields at step boundaries like a denoise
+worker (its checkpoint holds the embeddings and latents; resuming reloads it for
+one transfer time). What a GPU holding all three stages pays when they do not
+fit its memory comes from ``costs.placement_penalty``.
 
-- ``priorities``: interactive before batch in every queue, and step-boundary
-  preemption: when an interactive job waits for denoise and every denoise
-  worker is busy, a running batch job stops at its next step boundary (its
-  step-checkpoint holds the progress) and goes back to the queue, resuming
-  later from the steps it had done. This is the core's own rule
-  (``OrchestratorConfig.preemption``): the core emits ``Preempt``, the
-  simulated worker stops at its next step boundary and answers
-  ``ItemYielded``, the core re-queues the job and gives the credit to the
-  waiting interactive job (``max_preemptions`` is lifted here, as before the
-  rule existed). Off: one FIFO class, no preemption.
-- ``embedding_cache``: a cluster-wide cache holds the shared negative prompt
-  (its share of encode time is saved) and a ``prompt_repeat`` share of
-  positive prompts (the request skips Encode; ``Submit.cached_embeddings``).
-- ``decode_off_dit``: decode runs on the aux GPUs, untiled. Off: each DiT GPU
-  decodes its own latents, tiled where the kind says so, blocking its next job.
-- ``no_offload``: on small-memory GPUs (``Layout.small_memory``) a GPU holding
-  only the DiT or only the encoder keeps its weights resident. Off (and in
-  colocated serving on such GPUs) the measured offloaded stage times apply.
+Disaggregated: ``aux`` GPUs (of type ``Layout.aux_gpu``) each host an encode and
+a decode worker (sharing that GPU's time), the others one denoise worker each;
+25 ms per stage boundary for the transfer. What only disaggregation changes,
+each a switch (``Mechanisms``):
+
+- ``fit_memory``: each GPU holds only its own stages' weights, so what did not
+  fit beside the DiT (the encoder, the untiled decode peak) now fits. Off: the
+  disaggregated GPUs pay the colocated placement penalties.
+- ``decode_off_dit``: decode runs on the aux GPUs, and the DiT GPU starts its
+  next job while the previous request decodes. Off: each DiT GPU decodes its
+  own latents, blocking its next job.
 - ``shared_decode``: one aux pool, sized for the whole cluster, serves every
   denoise worker. Off: every node of ``node_gpus`` GPUs has its own aux GPU(s)
   (``ceil(aux / nodes)`` each, at least one) and decodes only its own latents.
+- ``cross_instance_cache``: a repeated prompt's embedding is found in the
+  cluster-wide cache whichever instance encoded it (``Workload.prompt_repeat``).
+  Off, and for colocated serving by default: a repeat hits only if the same
+  instance served it before (one in ``instances``). Colocated instances could
+  share the cache through Mooncake Store too, so the ablation turns it on there.
+  The shared negative prompt is cached per instance on both sides.
+
+Heterogeneous pools are a layout, not a switch: ``Layout.aux_gpu`` puts Encode
+and Decode on a cheaper GPU type, slower by the bandwidth ratio; compare cost
+with ``Layout.price_per_hour``. A mix that shifts during the run
+(``Workload.later``) tests pools sized for the first mix.
 
 Assumptions not modelled (so no gain is claimed for them): larger denoise
 batches from the memory freed by moving the VAE off the DiT GPUs (no public
 measurement of batch scaling for these DiTs in workloads.md), network
-contention, sequence parallelism (every denoise worker is one GPU), failures.
+contention, sequence parallelism (every denoise worker is one GPU), failures,
+re-sizing pools during a run.
 """
 
 from __future__ import annotations
 
-import heapq
 import math
 import random
 from collections import deque
@@ -76,13 +86,22 @@ from mooncake_diffusion.orchestrator.model import (
     WorkItem,
 )
 from mooncake_diffusion.orchestrator.policy import WorkerView
-from mooncake_diffusion.simulate.costs import TRANSFER_S, RequestKind
+from mooncake_diffusion.simulate.costs import (
+    H100,
+    TRANSFER_S,
+    GpuType,
+    Placement,
+    RequestKind,
+    placement_penalty,
+)
+from mooncake_diffusion.simulate.events import EventQueue
 
 __all__ = [
     "Layout",
     "Mechanisms",
     "RequestRecord",
     "RunResult",
+    "Scheduler",
     "Workload",
     "default_aux",
     "simulate",
@@ -92,19 +111,57 @@ Mode = Literal["colocated", "disaggregated"]
 _NEVER = 1e15  # heartbeat timeout: simulated workers do not die
 
 
+_SHIPPED = OrchestratorConfig()
+
+
 @dataclass(frozen=True)
-class Mechanisms:
-    """Which disaggregation mechanisms are on (see the module docstring)."""
+class Scheduler:
+    """The orchestrator's settings, the same for every layout: the shipped defaults
+    (``OrchestratorConfig``) unless a field is changed here, which changes it for both
+    sides. ``priorities``: interactive before batch in every queue; ``preemption``:
+    a batch denoise job yields at a step boundary to a waiting interactive one."""
 
     priorities: bool = True
-    embedding_cache: bool = True
+    preemption: bool = True
+    max_preemptions: int = _SHIPPED.max_preemptions
+
+    def config(self) -> OrchestratorConfig:
+        """The one ``OrchestratorConfig`` both layouts run under."""
+        batch_priority = 1 if self.priorities else 0
+        classes = (
+            SloClass("interactive", priority=0, deadline=1e9),
+            SloClass("batch", priority=batch_priority, deadline=1e9),
+        )
+        return OrchestratorConfig(
+            classes=classes,
+            heartbeat_timeout=_NEVER,
+            preemption=self.preemption and self.priorities,
+            max_preemptions=self.max_preemptions,
+        )
+
+    def changed(self) -> dict[str, object]:
+        """The settings that differ from the shipped core (printed with results)."""
+        cfg = self.config()
+        out: dict[str, object] = {}
+        for name in ("preemption", "max_preemptions"):
+            if getattr(cfg, name) != getattr(_SHIPPED, name):
+                out[name] = getattr(cfg, name)
+        return out
+
+
+@dataclass(frozen=True)
+class Mechanisms:
+    """Which mechanisms only disaggregation brings are on (see the module docstring).
+    ``cross_instance_cache`` may also be turned on for colocated serving."""
+
+    fit_memory: bool = True
     decode_off_dit: bool = True
-    no_offload: bool = True
     shared_decode: bool = True
+    cross_instance_cache: bool = True
 
     @classmethod
     def none(cls) -> Mechanisms:
-        return cls(False, False, False, False, False)
+        return cls(False, False, False, False)
 
     def without(self, name: str) -> Mechanisms:
         return replace(self, **{name: False})
@@ -113,20 +170,35 @@ class Mechanisms:
 @dataclass(frozen=True)
 class Workload:
     """A request mix: ``(kind, share of arrivals)``. ``prompt_repeat``: the share of
-    requests whose positive prompt embedding is already cached (an assumption:
-    prompt reuse is reported by NIRVANA, workloads.md §9, without a rate)."""
+    requests whose positive prompt was seen before (0.25: DiffusionDB 2M has 1.5M
+    unique prompts in 2M requests, workloads.md §12). ``later``: a second mix that
+    replaces ``kinds`` from ``shift_at`` x the horizon on (a shifting mix).
+    ``cache_negative``: every instance keeps the shared negative prompt's embedding
+    (both layouts; off to reproduce an engine run without any cache)."""
 
     name: str
     kinds: tuple[tuple[RequestKind, float], ...]
-    prompt_repeat: float = 0.2
+    prompt_repeat: float = 0.25
+    later: tuple[tuple[RequestKind, float], ...] | None = None
+    shift_at: float = 0.5
+    cache_negative: bool = True
+
+    @staticmethod
+    def _mean(kinds: tuple[tuple[RequestKind, float], ...]) -> float:
+        total = sum(s for _, s in kinds)
+        return sum(k.isolated_s * s for k, s in kinds) / total
 
     def mean_gpu_seconds(self) -> float:
-        """Mean isolated GPU-seconds per request (what a load of 1.0 saturates)."""
-        total = sum(s for _, s in self.kinds)
-        return sum(k.isolated_s * s for k, s in self.kinds) / total
+        """Mean isolated GPU-seconds per request over the run (what a load of 1.0
+        saturates); with ``later``, weighted by the time each mix lasts."""
+        if self.later is None:
+            return self._mean(self.kinds)
+        a, b = self._mean(self.kinds), self._mean(self.later)
+        return self.shift_at * a + (1 - self.shift_at) * b
 
     def stage_seconds(self) -> tuple[float, float, float]:
-        """Mean (encode, denoise, decode) seconds per request."""
+        """Mean (encode, denoise, decode) seconds per request of the first mix (what
+        pools are sized for)."""
         total = sum(s for _, s in self.kinds)
         e = sum(k.encode_s * s for k, s in self.kinds) / total
         d = sum(k.denoise_s * s for k, s in self.kinds) / total
@@ -136,15 +208,28 @@ class Workload:
 
 @dataclass(frozen=True)
 class Layout:
-    """The cluster: ``gpus`` in all; for disaggregated serving ``aux`` of them host
-    the encode and decode workers. ``node_gpus``: node size when decode pools are
-    not shared. ``small_memory``: GPUs too small to hold encoder and DiT together."""
+    """The cluster: ``gpus`` in all, of type ``gpu``; for disaggregated serving
+    ``aux`` of them host the encode and decode workers and are of type ``aux_gpu``
+    (None: the same as ``gpu``). ``node_gpus``: node size when decode pools are not
+    shared."""
 
     mode: Mode
     gpus: int
     aux: int = 1
     node_gpus: int = 8
-    small_memory: bool = False
+    gpu: GpuType = H100
+    aux_gpu: GpuType | None = None
+
+    @property
+    def aux_type(self) -> GpuType:
+        return self.aux_gpu if self.aux_gpu is not None else self.gpu
+
+    def price_per_hour(self, aux_count: int | None = None) -> float:
+        """USD per hour for the cluster's GPUs (``aux_count``: aux GPUs really placed)."""
+        if self.mode == "colocated":
+            return self.gpus * self.gpu.price_per_hour
+        n = self.aux if aux_count is None else aux_count
+        return (self.gpus - n) * self.gpu.price_per_hour + n * self.aux_type.price_per_hour
 
 
 def default_aux(workload: Workload, gpus: int, headroom: float = 3.0) -> int:
@@ -174,6 +259,9 @@ class RequestRecord:
 
 @dataclass
 class RunResult:
+    """A run's records and accounting; ``config`` is the core's configuration and
+    ``price_per_hour`` the cluster's GPU price (USD/h)."""
+
     records: list[RequestRecord]
     busy: dict[str, float]
     pool_gpus: dict[str, int]
@@ -184,6 +272,8 @@ class RunResult:
     rejected: int
     failed: int
     steps_run: int
+    config: OrchestratorConfig
+    price_per_hour: float
 
 
 class _Worker:
@@ -249,6 +339,7 @@ class _Options:
     workload: Workload
     layout: Layout
     mech: Mechanisms
+    sched: Scheduler
     seed: int
     rate: float | None
     horizon: float
@@ -257,21 +348,14 @@ class _Options:
     records: dict[str, RequestRecord] = field(default_factory=dict)
 
 
-def _classes(priorities: bool) -> tuple[SloClass, ...]:
-    batch_priority = 1 if priorities else 0
-    return (
-        SloClass("interactive", priority=0, deadline=1e9),
-        SloClass("batch", priority=batch_priority, deadline=1e9),
-    )
-
-
 class _Sim:
     def __init__(self, o: _Options) -> None:
         self.o = o
         self.clock = VirtualClock()
         self.rng = random.Random(o.seed)
-        self.heap: list[tuple[float, int, str, object]] = []
-        self.seq = 0
+        # cache draws on their own stream: switching the cache leaves arrivals unchanged
+        self.cache_rng = random.Random(f"cache-{o.seed}")
+        self.queue = EventQueue(self.clock)
         self.token = 0
         self.events = 0
         self.rejected = 0
@@ -285,17 +369,16 @@ class _Sim:
         self.steps_run = 0  # denoise steps executed, preempted segments included
         self.kinds = [k for k, _ in o.workload.kinds]
         self.weights = [s for _, s in o.workload.kinds]
+        self.config = o.sched.config()
+        self.aux_count = 0
+        self.seen: dict[int, int] = {}  # prompt id -> the instance that encoded it
+        self._placements: dict[tuple[str, str], Placement] = {}
         self._build()
 
     # ------------------------------------------------------------ cluster
-    def _core(self, priorities: bool, policy: object | None = None) -> Orchestrator:
-        cfg = OrchestratorConfig(
-            classes=_classes(priorities),
-            heartbeat_timeout=_NEVER,
-            preemption=priorities,  # only the disaggregated layouts ask for priorities
-            max_preemptions=1_000_000,
-        )
-        return Orchestrator(cfg, clock=self.clock, policy=policy)  # type: ignore[arg-type]
+    def _core(self, policy: object) -> Orchestrator:
+        """The core, with the one configuration every layout uses."""
+        return Orchestrator(self.config, clock=self.clock, policy=policy)  # type: ignore[arg-type]
 
     def _gpu(self, name: str, pool: str, node: int) -> _Gpu:
         g = _Gpu(name, pool, str(node))
@@ -313,7 +396,7 @@ class _Sim:
     def _build(self) -> None:
         lay, mech = self.o.layout, self.o.mech
         if lay.mode == "colocated":
-            cell = _Cell("all", self._core(False, _Route(None)))
+            cell = _Cell("all", self._core(_Route(None)))
             self.cells.append(cell)
             for i in range(lay.gpus):
                 gpu = self._gpu(f"g{i}", "colocated", i // lay.node_gpus)
@@ -333,7 +416,8 @@ class _Sim:
         if not 1 <= len(aux_at) < lay.gpus:
             raise ValueError(f"aux GPUs must be in 1..{lay.gpus - 1}, got {len(aux_at)}")
         key = "gpu" if not mech.decode_off_dit else ("node" if per_node else None)
-        cell = _Cell("all", self._core(mech.priorities, _Route(key)))
+        cell = _Cell("all", self._core(_Route(key)))
+        self.aux_count = len(aux_at)
         self.cells.append(cell)
         dits = lay.gpus - len(aux_at)
         dits_per_aux = math.ceil(dits / len(aux_at))
@@ -354,8 +438,7 @@ class _Sim:
 
     # ------------------------------------------------------------ events
     def _at(self, t: float, kind: str, arg: object) -> None:
-        self.seq += 1
-        heapq.heappush(self.heap, (t, self.seq, kind, arg))
+        self.queue.at(t, kind, arg)
 
     def _feed(self, cell: _Cell, ev: Event) -> None:
         self.events += 1
@@ -389,26 +472,52 @@ class _Sim:
             self.rejected += 1
 
     # ------------------------------------------------------------ service times
-    def _offloaded(self) -> bool:
-        lay = self.o.layout
-        if not lay.small_memory:
-            return False
-        return lay.mode == "colocated" or not self.o.mech.no_offload
+    def _placement(self, kind: RequestKind, role: str) -> Placement:
+        """The penalty a GPU in ``role`` ("colocated", "denoise", "aux") pays for ``kind``."""
+        key = (kind.name, role)
+        pl = self._placements.get(key)
+        if pl is None:
+            lay, mech = self.o.layout, self.o.mech
+            if role == "colocated" or not mech.fit_memory:
+                pl = placement_penalty(kind, lay.gpu, True, True, True)
+            elif role == "denoise":
+                pl = placement_penalty(kind, lay.gpu, False, True, not mech.decode_off_dit)
+            else:
+                pl = placement_penalty(kind, lay.aux_type, True, False, mech.decode_off_dit)
+            self._placements[key] = pl
+        return pl
 
     def _encode_s(self, kind: RequestKind) -> float:
-        t = kind.offload_encode_s if self._offloaded() and kind.offload_encode_s else kind.encode_s
-        if self.o.layout.mode == "disaggregated" and self.o.mech.embedding_cache:
+        """Encode time; the shared negative prompt is always cached per instance."""
+        colocated = self.o.layout.mode == "colocated"
+        pl = self._placement(kind, "colocated" if colocated else "aux")
+        t = kind.offload_encode_s if pl.offload and kind.offload_encode_s else kind.encode_s
+        if not colocated:
+            t *= self.o.layout.aux_type.slowdown_vs(self.o.layout.gpu)
+        if self.o.workload.cache_negative:
             t *= 1.0 - kind.negative_share
         return t
 
     def _step_s(self, kind: RequestKind) -> float:
-        if self._offloaded() and kind.offload_step_s:
+        role = "colocated" if self.o.layout.mode == "colocated" else "denoise"
+        if self._placement(kind, role).offload and kind.offload_step_s:
             return kind.offload_step_s
         return kind.step_s
 
+    def _decode_s(self, kind: RequestKind, on_dit: bool) -> float:
+        """Whole-request decode time on the DiT's GPU (``on_dit``) or on an aux GPU."""
+        if self.o.layout.mode == "colocated":
+            pl = self._placement(kind, "colocated")
+        else:
+            pl = self._placement(kind, "denoise" if on_dit else "aux")
+        t = kind.decode_s * (kind.decode_tile_factor if pl.tile else 1.0)
+        if not on_dit and self.o.layout.mode == "disaggregated":
+            t *= self.o.layout.aux_type.slowdown_vs(self.o.layout.gpu)
+        return t
+
     def _next(self, gpu: _Gpu) -> tuple[_Worker, WorkItem]:
         """The GPU's next item: FIFO, or with priorities the oldest interactive one first."""
-        if self.o.layout.mode == "disaggregated" and self.o.mech.priorities:
+        if self.o.sched.priorities:
             for i, (_, item) in enumerate(gpu.queue):
                 if item.slo_class == "interactive":
                     if i == 0:
@@ -433,21 +542,24 @@ class _Sim:
         if item.stage == "encode":
             took = self._encode_s(kind)
         elif item.stage == "denoise":
-            pre = self._encode_s(kind) if colocated else TRANSFER_S
-            run.steps_left = kind.steps - self.progress.get(item.request_id, 0)
+            done_steps = self.progress.get(item.request_id, 0)
+            if colocated and not done_steps:  # encode inline (unless the cache held it)
+                pre = 0.0 if rec.encode_skipped else self._encode_s(kind)
+            else:  # the embeddings (or a checkpoint) arrive over one transfer
+                pre = TRANSFER_S
+            run.steps_left = kind.steps - done_steps
             run.step_s = self._step_s(kind)
             run.boundary0 = now + pre
             took = pre + run.steps_left * run.step_s
             if colocated:
-                dec = kind.decode_s * kind.decode_tile_factor
+                dec = self._decode_s(kind, on_dit=True)
                 rec.ttff = now + took + dec / kind.decode_chunks
                 took += dec
         else:  # decode, one temporal chunk per segment (the causal VAE streams)
             on_dit = not self.o.mech.decode_off_dit
             done = self.decoded.get(item.request_id, 0)
             pre = 0.0 if on_dit or done else TRANSFER_S
-            dec = kind.decode_s * (kind.decode_tile_factor if on_dit else 1.0)
-            took = pre + dec / kind.decode_chunks
+            took = pre + self._decode_s(kind, on_dit) / kind.decode_chunks
         self._at(now + took, "finish", (w, item, run.token))
 
     def _stop(self, gpu: _Gpu, end: float) -> None:
@@ -504,7 +616,7 @@ class _Sim:
                 rec.ttff = self.clock.now()  # the first chunk's frames are out
             if done < rec.kind.decode_chunks:
                 # between chunks an interactive item on this GPU goes first (priorities)
-                if self.o.mech.priorities and self._interactive_waits(gpu):
+                if self.o.sched.priorities and self._interactive_waits(gpu):
                     gpu.queue.append((w, item))
                 else:
                     gpu.queue.appendleft((w, item))
@@ -512,6 +624,9 @@ class _Sim:
                 return
         if item.stage == "denoise":
             cell.den_held -= 1
+            rec = self.o.records[item.request_id]
+            if rec.ttff is not None and rec.ttff > self.clock.now():
+                rec.ttff = self.clock.now()  # colocated, one chunk: the same instant (rounding)
         out = f"{item.stage}:{item.request_id}".encode()
         self._feed(cell, ItemDone(w.wid, item.request_id, item.stage, item.attempt, output=out))
         if gpu is not None and gpu.running is None and gpu.queue:
@@ -520,15 +635,20 @@ class _Sim:
     def _ev_submit(self, _: object) -> None:
         now = self.clock.now()
         o = self.o
-        kind = self.rng.choices(self.kinds, self.weights)[0]
+        w = o.workload
+        mix = w.kinds if w.later is None or now < w.shift_at * o.horizon else w.later
+        if mix is w.kinds:
+            kind = self.rng.choices(self.kinds, self.weights)[0]
+        else:
+            kind = self.rng.choices([k for k, _ in mix], [x for _, x in mix])[0]
         rid = f"r{self.submitted}"
         self.submitted += 1
         cell = self.cells[0]
         colocated = o.layout.mode == "colocated"
-        repeat = self.rng.random() < o.workload.prompt_repeat
-        skip = colocated or (o.mech.embedding_cache and repeat)
-        rec = RequestRecord(rid, kind, now, now + kind.slo_s, encode_skipped=skip and not colocated)
+        hit = self._cache_hit(colocated)
+        rec = RequestRecord(rid, kind, now, now + kind.slo_s, encode_skipped=hit)
         o.records[rid] = rec
+        skip = colocated or hit  # colocated: the GPU encodes inline, never the core
         cached = b"emb:" + rid.encode() if skip else None
         ev = Submit(
             rid,
@@ -542,6 +662,18 @@ class _Sim:
             nxt = now + self.rng.expovariate(o.rate)
             if nxt < o.horizon:
                 self._at(nxt, "submit", None)
+
+    def _cache_hit(self, colocated: bool) -> bool:
+        """Whether this request's positive-prompt embedding is cached: a repeat (share
+        ``prompt_repeat``) always hits a cross-instance cache; an instance-local cache
+        hits only when the earlier request landed on the same instance."""
+        if self.cache_rng.random() >= self.o.workload.prompt_repeat:
+            return False
+        if self.o.mech.cross_instance_cache:
+            return True
+        lay = self.o.layout
+        instances = lay.gpus if colocated else max(1, self.aux_count)
+        return self.cache_rng.random() < 1.0 / instances
 
     def run(self) -> RunResult:
         o = self.o
@@ -557,10 +689,7 @@ class _Sim:
             "finish": self._ev_finish,
             "preempt": self._ev_preempt,
         }
-        while self.heap:
-            t, _, kind, arg = heapq.heappop(self.heap)
-            self.clock.set(max(t, self.clock.now()))
-            handlers[kind](arg)
+        self.queue.run(handlers)
         busy: dict[str, float] = {}
         pool_gpus: dict[str, int] = {}
         for g in self.gpus:
@@ -580,6 +709,8 @@ class _Sim:
             self.rejected,
             self.failed,
             self.steps_run,
+            self.config,
+            self.o.layout.price_per_hour(self.aux_count or None),
         )
 
 
@@ -588,6 +719,7 @@ def simulate(
     layout: Layout,
     mech: Mechanisms | None = None,
     *,
+    sched: Scheduler | None = None,
     load: float | None = None,
     horizon: float = 10_000.0,
     warmup_share: float = 0.2,
@@ -598,13 +730,19 @@ def simulate(
     x the cluster's isolated capacity (``gpus / workload.mean_gpu_seconds()``), run
     until every request completed; metrics use arrivals after ``warmup_share`` of the
     horizon. Closed loop ``(concurrency, total)``: that many requests in flight
-    until ``total`` were submitted (LightX2V's method, workloads.md §9)."""
-    mech = mech if mech is not None else Mechanisms()
+    until ``total`` were submitted (LightX2V's method, workloads.md §9).
+
+    ``mech`` defaults to every mechanism on for disaggregated serving and to
+    ``Mechanisms.none()`` for colocated; ``sched`` (the same for both layouts)
+    to the shipped scheduler."""
+    if mech is None:
+        mech = Mechanisms() if layout.mode == "disaggregated" else Mechanisms.none()
+    sched = sched if sched is not None else Scheduler()
     rate = None
     if closed_loop is None:
         if load is None or not load > 0:
             raise ValueError("give load > 0 (open loop) or closed_loop")
         rate = load * layout.gpus / workload.mean_gpu_seconds()
     warmup = 0.0 if closed_loop is not None else warmup_share * horizon
-    opts = _Options(workload, layout, mech, seed, rate, horizon, closed_loop, warmup)
+    opts = _Options(workload, layout, mech, sched, seed, rate, horizon, closed_loop, warmup)
     return _Sim(opts).run()

@@ -14,10 +14,21 @@ desired result; where workloads.md gives a range the midpoint is used.
 
 Transfers between stages: 0.025 s per boundary (§6: LightX2V, ~4 ms
 serialisation + ~20 ms RDMA, M). Decode tiling when the VAE shares the DiT's
-GPU and does not fit: x1.5 time (§5: tiling costs 0-100% extra, M; midpoint).
-Memory (§1, §3, §5): Wan2.2-A14B experts 2 x 28 GB + umT5 11.4 GB + VAE decode
-peak 11.8 GB = 79.2 GB before activations on an 80 GB H100, so a colocated Wan
-decode is tiled; Qwen-Image 40.9 + 16.6 + 0.3 GB fits untiled; FLUX fits.
+GPU and does not fit: x1.5 time (§5: tiling costs 0-100% extra, M; midpoint),
+tiled peak / 3.5 (§5: tiling cuts memory 3-4x, M).
+
+Memory (GB, §1, §3, §5, §11): each kind carries its encoder weights, DiT weights
+and untiled VAE-decode peak; ``GpuType.usable_gb`` is what a GPU offers them
+(90 % of its memory: the rest is a stated reserve for activations and the
+allocator, an assumption). ``placement_penalty`` decides, from those numbers
+alone, what an engine does on a GPU that must hold a set of stages: nothing
+(fits), tile the decode, or offload weights to host memory (the measured
+offloaded stage times, where a source gives them).
+
+GPU types (``GPUS``): memory and bandwidth from the vendors' sheets, and an
+on-demand price per GPU-hour from one public table (workloads.md §12). An
+Encode or Decode stage on a different GPU type runs ``bandwidth ratio`` x
+slower (both stages are memory-bound at batch 1: an assumption, §12).
 """
 
 from __future__ import annotations
@@ -26,15 +37,84 @@ from dataclasses import dataclass, replace
 
 __all__ = [
     "FLUX_1024",
+    "GPUS",
+    "H100",
+    "L40S",
     "QWEN_1024",
     "QWEN_4090",
+    "QWEN_4090_50",
+    "RTX_4090",
     "TRANSFER_S",
     "WAN_720P",
+    "GpuType",
+    "Placement",
     "RequestKind",
+    "placement_penalty",
 ]
 
 #: Seconds per stage boundary in a disaggregated run (§6, M: LightX2V on H100 + IB).
 TRANSFER_S = 0.025
+
+#: Share of a GPU's memory the stages' weights and decode peak may use (assumption).
+USABLE_SHARE = 0.9
+#: Tiled decode: peak memory divided by this, time multiplied by ``decode_tile_factor``.
+TILE_MEMORY_DIVISOR = 3.5
+
+
+@dataclass(frozen=True)
+class GpuType:
+    """A GPU model: ``memory_gb``, memory ``bandwidth_tbs`` (TB/s) and the on-demand
+    ``price_per_hour`` (USD per GPU-hour) of workloads.md §12."""
+
+    name: str
+    memory_gb: float
+    bandwidth_tbs: float
+    price_per_hour: float
+
+    @property
+    def usable_gb(self) -> float:
+        return self.memory_gb * USABLE_SHARE
+
+    def slowdown_vs(self, other: GpuType) -> float:
+        """Stage-time multiplier of a memory-bound stage moved from ``other`` to this GPU."""
+        return other.bandwidth_tbs / self.bandwidth_tbs
+
+
+# workloads.md §12: memory and bandwidth from the vendor sheets (S), price from RunPod's
+# on-demand column as tabulated by deploybase.ai (S, one snapshot; prices change).
+H100 = GpuType("h100", 80.0, 3.35, 1.99)
+L40S = GpuType("l40s", 48.0, 0.864, 0.79)
+RTX_4090 = GpuType("rtx4090", 24.0, 1.008, 0.34)
+GPUS = {g.name: g for g in (H100, L40S, RTX_4090)}
+
+
+@dataclass(frozen=True)
+class Placement:
+    """What a GPU holding some stages pays: ``tile`` the decode, ``offload`` weights."""
+
+    tile: bool = False
+    offload: bool = False
+
+
+def placement_penalty(
+    kind: RequestKind, gpu: GpuType, encode: bool, denoise: bool, decode: bool
+) -> Placement:
+    """What an engine does on ``gpu`` holding the given stages of ``kind``: nothing if
+    weights + decode peak fit in ``gpu.usable_gb``; else a tiled decode if that fits;
+    else weights offloaded to host memory (``offload_*_s`` apply, and the decode is
+    tiled when it shares the GPU with the DiT). A DiT alone on a GPU it does not fit
+    is the measured "resident" figure of the source (block swap is in that number)."""
+    parts = (encode, denoise, decode)
+    if sum(parts) <= 1:
+        return Placement()
+    enc = kind.encoder_gb if encode else 0.0
+    dit = kind.dit_gb if denoise else 0.0
+    vae = kind.vae_peak_gb if decode else 0.0
+    if enc + dit + vae <= gpu.usable_gb:
+        return Placement()
+    if decode and enc + dit + vae / TILE_MEMORY_DIVISOR <= gpu.usable_gb:
+        return Placement(tile=True)
+    return Placement(tile=decode and denoise, offload=True)
 
 
 @dataclass(frozen=True)
@@ -50,6 +130,8 @@ class RequestKind:
     decode streams that many temporal chunks; time to first frame counts the
     first. ``offload_encode_s`` / ``offload_step_s``: the same stages with weights
     offloaded to host memory (small-memory GPUs), or None where not measured.
+    ``encoder_gb`` / ``dit_gb`` / ``vae_peak_gb``: resident weights and the untiled
+    decode's peak (``placement_penalty``).
     ``slo_s``: the deadline from submit, goodput counts completions within it.
     """
 
@@ -65,6 +147,9 @@ class RequestKind:
     offload_encode_s: float | None = None
     offload_step_s: float | None = None
     slo_s: float = 60.0
+    encoder_gb: float = 0.0
+    dit_gb: float = 0.0
+    vae_peak_gb: float = 0.0
 
     @property
     def denoise_s(self) -> float:
@@ -94,6 +179,9 @@ WAN_720P = RequestKind(
     decode_s=5.0,
     decode_tile_factor=1.5,
     decode_chunks=4,
+    encoder_gb=11.4,  # umT5-XXL bf16 (§3, M)
+    dit_gb=56.0,  # two 28 GB experts resident (§11)
+    vae_peak_gb=11.8,  # 720p 81 f decode peak (§5, M on A800)
 ).with_slo(2.0)
 
 # Qwen-Image 1024^2, 50 steps, true CFG: ~0.25 s/step on H100 (§11, SGLang; D);
@@ -105,6 +193,9 @@ QWEN_1024 = RequestKind(
     steps=50,
     step_s=0.25,
     decode_s=0.2,
+    encoder_gb=16.6,  # Qwen2.5-VL-7B (§3, S)
+    dit_gb=40.9,  # §11
+    vae_peak_gb=8.5,  # 1024^2 decode peak: the SDXL VAE's measured 35.5 % of 24 GB (§5, M)
 ).with_slo(3.0)
 
 # FLUX.1-dev 1024^2, 28 steps, guidance-distilled (no CFG, one prompt): 0.15-0.24 s/step
@@ -117,12 +208,16 @@ FLUX_1024 = RequestKind(
     step_s=0.20,
     decode_s=0.15,
     negative_share=0.0,
+    encoder_gb=9.8,  # T5-XXL + CLIP-L (§1, M: file sizes)
+    dit_gb=23.8,  # §11
+    vae_peak_gb=8.5,  # as Qwen-Image: 1024^2 (§5, M for the SDXL VAE)
 ).with_slo(3.0)
 
 # LightX2V's 8 x RTX 4090 Qwen-Image-2512 T2I (§7.1, M: LightX2V blog): text encoder
-# 12.89 s offloaded / 0.40 s resident; DiT step 2.90 s offloaded / 1.88 s resident at
-# 8 steps (the QPS runs look like 8 steps, §7.1 D). VAE: the SDXL VAE at 1024^2 on a
-# 4090 takes 0.256 s (§5, M), used as the 4090 decode time.
+# 12.89 s offloaded / 0.40 s resident; DiT step 2.90 s offloaded / 1.88 s alone on its
+# GPU at 8 steps, 5.75 / 3.76 s at 50 steps. The blog does not state the step count of
+# its QPS runs, so the simulator sweeps both (QWEN_4090 and QWEN_4090_50). VAE: the
+# SDXL VAE at 1024^2 on a 4090 takes 0.256 s (§5, M), used as the 4090 decode time.
 QWEN_4090 = RequestKind(
     name="qwen-4090",
     slo_class="interactive",
@@ -133,4 +228,8 @@ QWEN_4090 = RequestKind(
     offload_encode_s=12.89,
     offload_step_s=2.90,
     slo_s=60.0,
+    encoder_gb=16.6,
+    dit_gb=40.9,
+    vae_peak_gb=8.5,
 )
+QWEN_4090_50 = replace(QWEN_4090, name="qwen-4090-50", steps=50, step_s=3.76, offload_step_s=5.75)

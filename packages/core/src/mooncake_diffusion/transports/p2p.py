@@ -27,6 +27,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from mooncake_diffusion._mooncake.engine import Engine
+from mooncake_diffusion.deployment import cuda_build
+from mooncake_diffusion.device import nic_reaches_gpu
 from mooncake_diffusion.errors import (
     AlreadyConsumedError,
     DeadlineExceededError,
@@ -47,6 +49,7 @@ from mooncake_diffusion.schema import (
 )
 from mooncake_diffusion.settings import MooncakeSettings
 from mooncake_diffusion.sidechannel import SideChannelClient, SideChannelServer
+from mooncake_diffusion.staging import Staged, Stager
 from mooncake_diffusion.tensors import Region
 from mooncake_diffusion.transports.base import Plan, Transport
 
@@ -64,6 +67,7 @@ class _Held:
     plan: Plan
     ready: list[threading.Event] = field(default_factory=list)
     claimed: bool = False
+    staged: Staged | None = None  # device tensors: what regions stand for
 
 
 class P2PTransport(Transport):
@@ -82,6 +86,10 @@ class P2PTransport(Transport):
         self._shm_ok = settings.same_host  # turned off for good once the kernel refuses
         self._peer_pools = PeerPools()  # consumers' shared receive pools, mapped here
         self._own_pool: SharedPool | None = None  # this consumer's, announced in fetches
+        self._late_staging: list[Staged] = []  # freed at close(): a write may still land
+        self._stager = Stager(
+            cuda_build, lambda: nic_reaches_gpu(settings.protocol), settings.gpu_path
+        )
 
     # producer side -----------------------------------------------------------
     def prepare(
@@ -90,6 +98,9 @@ class P2PTransport(Transport):
         with self._lock:
             if self._server is None:
                 self._server = SideChannelServer(self.settings.local_hostname, self._serve)
+        staged = self._stager.outbound(regions)
+        if staged is not None:
+            regions = staged.regions
         leases: list[int] = []
         try:
             for r in regions:
@@ -100,7 +111,7 @@ class P2PTransport(Transport):
             raise
         ready = [threading.Event() for _ in plan]
         with self._lock:
-            self._held[payload_id] = _Held(list(regions), leases, lease, plan, ready)
+            self._held[payload_id] = _Held(list(regions), leases, lease, plan, ready, staged=staged)
         return P2PSource(self._engine.segment, self._server.endpoint)
 
     def commit(
@@ -112,10 +123,13 @@ class P2PTransport(Transport):
         plan: Plan,
         chunk: int,
     ) -> None:
-        """Mark ``chunk`` ready: its bytes wait in the producer's registered memory."""
+        """Mark ``chunk`` ready: its bytes wait in the producer's registered memory
+        (device tensors: once their producing stream got there, or staged to host)."""
         with self._lock:
             held = self._held.get(payload_id)
         if held is not None:
+            if held.staged is not None:
+                held.staged.send(plan[chunk])
             held.ready[chunk].set()
 
     def discard(self, handle: PayloadHandle) -> None:
@@ -132,6 +146,8 @@ class P2PTransport(Transport):
         if held is not None:
             for lease_id in held.leases:
                 self._engine.regs.release(lease_id)
+            if held.staged is not None:
+                held.staged.release()
 
     def _claim(self, req: FetchRequest) -> _Held | FetchReply:
         with self._lock:
@@ -158,6 +174,8 @@ class P2PTransport(Transport):
                 if not self._await_ready(req.payload_id, held, i):
                     return FetchReply("gone", f"payload {req.payload_id} was withdrawn")
                 path = self._move(req, held, segments)
+                if held.staged is not None and held.staged.path:
+                    path = f"{path}|src={held.staged.path}"
                 progress(ChunkDone(i, path))
         except MooncakeDiffusionError as e:
             with self._lock:
@@ -182,7 +200,8 @@ class P2PTransport(Transport):
             (held.regions[s.tensor].ptr + s.offset, req.addrs[s.tensor] + s.offset, s.length)
             for s in segments
         ]
-        if self._shm_ok and req.pid and req.host and req.host == host_identity():
+        direct = held.staged is not None and held.staged.device_direct
+        if self._shm_ok and req.pid and req.host and req.host == host_identity() and not direct:
             try:
                 self._copy_local(req, parts)
                 return "shm"
@@ -222,8 +241,11 @@ class P2PTransport(Transport):
     ) -> str:
         source = handle.source
         assert isinstance(source, P2PSource)
+        staged = self._stager.inbound(regions)
+        if staged is not None:
+            regions = staged.regions
         leases = [self._engine.regs.acquire(r) for r in regions]
-        same_host = self.settings.same_host
+        same_host = self.settings.same_host and not (staged and staged.device_direct)
         try:
             pool = self._own_pool if same_host else None
             req = FetchRequest(
@@ -242,14 +264,24 @@ class P2PTransport(Transport):
 
             def landed(done: ChunkDone) -> None:
                 paths.add(done.path)
+                if staged is not None:
+                    staged.receive(plan[done.index])
                 on_chunk(done.index)
 
             reply = self._client.call(source.endpoint, req, deadline, landed)
+        except self.late_write_errors:
+            if staged is not None:  # the producer may still be writing into it
+                self._late_staging.append(staged)
+                staged = None
+            raise
         finally:
             for lease_id in leases:
                 self._engine.regs.release(lease_id)
+            if staged is not None:
+                staged.release()
         if reply.status == "ok":
-            return "p2p/" + ("+".join(sorted(paths)) or "net")
+            path = "p2p/" + ("+".join(sorted(paths)) or "net")
+            return f"{path}|dst={staged.path}" if staged is not None else path
         if reply.status == "consumed":
             raise AlreadyConsumedError(reply.detail)
         if reply.status == "gone":
@@ -280,3 +312,6 @@ class P2PTransport(Transport):
             self._drop(payload_id)
         self._peer_pools.close()  # after the server: no copy into them is running
         self._engine.close()
+        for staged in self._late_staging:  # the engine is gone: nothing writes any more
+            staged.release()
+        self._late_staging.clear()

@@ -29,9 +29,12 @@ from collections.abc import Callable, Sequence
 
 from mooncake_diffusion._mooncake.store import StoreClient
 from mooncake_diffusion.chunks import Segment, plan_for
+from mooncake_diffusion.deployment import cuda_build
+from mooncake_diffusion.device import nic_reaches_gpu
 from mooncake_diffusion.errors import DeadlineExceededError, PayloadGoneError
 from mooncake_diffusion.schema import LeaseMode, PayloadHandle, StoreSource
 from mooncake_diffusion.settings import MooncakeSettings
+from mooncake_diffusion.staging import Stager
 from mooncake_diffusion.tensors import Region
 from mooncake_diffusion.transports.base import Plan, Transport
 
@@ -93,6 +96,9 @@ class StoreTransport(Transport):
     def __init__(self, settings: MooncakeSettings) -> None:
         super().__init__(settings)
         self._client = StoreClient(settings)
+        self._stager = Stager(
+            cuda_build, lambda: nic_reaches_gpu(settings.protocol), settings.gpu_path
+        )
 
     def prepare(
         self, payload_id: str, regions: Sequence[Region], lease: LeaseMode, plan: Plan
@@ -111,6 +117,10 @@ class StoreTransport(Transport):
         assert isinstance(source, StoreSource)
         objects = _objects(source, plan, chunk)
         used = sorted({s.tensor for _, segs in objects for s in segs})
+        staged = self._stager.outbound(regions)  # device tensors: staged per commit
+        if staged is not None:
+            staged.send(plan[chunk])
+            regions = staged.regions
         leases = []
         try:
             for t in used:
@@ -122,6 +132,8 @@ class StoreTransport(Transport):
         finally:
             for lease_id in leases:
                 self._client.regs.release(lease_id)
+            if staged is not None:
+                staged.release()
 
     def _all_keys(self, handle: PayloadHandle, plan: Plan) -> list[str]:
         assert isinstance(handle.source, StoreSource)
@@ -142,6 +154,9 @@ class StoreTransport(Transport):
         soon as it is read, and reset the backoff whenever one arrives."""
         assert isinstance(handle.source, StoreSource)
         objects = [_objects(handle.source, plan, c) for c in range(len(plan))]
+        staged = self._stager.inbound(regions)
+        if staged is not None:
+            regions = staged.regions
         leases = [self._client.regs.acquire(r) for r in regions if r.nbytes]
         try:
             delay = _POLL_MIN_S
@@ -157,12 +172,18 @@ class StoreTransport(Transport):
                     time.sleep(delay)
                     delay = min(delay * 2, _POLL_MAX_S)
                 delay = _POLL_MIN_S  # progress: the next chunk is probably close behind
+                if staged is not None:
+                    staged.receive(plan[chunk])
                 on_chunk(chunk)
         finally:
             for lease_id in leases:
                 self._client.regs.release(lease_id)
+            if staged is not None:
+                staged.release()
         if handle.lease == "delete_on_consume":
             self._client.remove_many([k for objs in objects for k, _ in objs])
+        if staged is not None and staged.path:
+            return f"store|dst={staged.path}"
         return "store"
 
     @staticmethod

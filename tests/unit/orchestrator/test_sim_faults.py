@@ -17,10 +17,9 @@ from mooncake_diffusion.orchestrator import (
     RequestCancelled,
     RequestCompleted,
     RequestFailed,
-    SimConfig,
-    Simulation,
     create_policy,
 )
+from mooncake_diffusion.simulate import SimConfig, Simulation
 
 pytestmark = pytest.mark.unit
 

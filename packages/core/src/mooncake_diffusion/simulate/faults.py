@@ -1,4 +1,4 @@
-"""A small discrete-event cluster simulator around the real core (virtual time).
+"""Fault simulation: worker deaths, zombies and cancels around the real core (virtual time).
 
     report = Simulation(SimConfig(requests=1000, death_rate=0.05, seed=7)).run()
     assert report.lost == 0 and report.duplicate_completions == 0
@@ -20,7 +20,6 @@ runs after every event (tests check invariants there); ``timer`` (e.g.
 
 from __future__ import annotations
 
-import heapq
 import random
 from collections import Counter
 from collections.abc import Callable
@@ -52,6 +51,8 @@ from mooncake_diffusion.orchestrator.model import (
     WorkerLost,
 )
 from mooncake_diffusion.orchestrator.policy import RoutingPolicy
+from mooncake_diffusion.simulate.events import EventQueue
+from mooncake_diffusion.simulate.metrics import quantile
 
 __all__ = ["SimConfig", "SimReport", "Simulation"]
 
@@ -133,13 +134,6 @@ class _Proc:
         self.gen = 0  # incarnation; bumped at every restart
 
 
-def _quantile(xs: list[float], q: float) -> float:
-    if not xs:
-        return 0.0
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(q * len(s)))]
-
-
 class Simulation:
     """One simulated run; call ``run()`` once."""
 
@@ -158,8 +152,7 @@ class Simulation:
         self._observer = observer
         self._timer = timer
         self._rng = random.Random(config.seed)
-        self._heap: list[tuple[float, int, str, Any]] = []
-        self._seq = 0
+        self._events = EventQueue(self.clock)
         self._procs: dict[str, _Proc] = {}
         self._revoked: set[tuple[str, str, int]] = set()
         self._outcome: dict[str, str] = {}
@@ -173,8 +166,7 @@ class Simulation:
 
     # ---------------------------------------------------------------- driving
     def _at(self, t: float, kind: str, arg: Any = None) -> None:
-        self._seq += 1
-        heapq.heappush(self._heap, (t, self._seq, kind, arg))
+        self._events.at(t, kind, arg)
 
     def _feed(self, ev: Event) -> list[Action]:
         self._count["events"] += 1
@@ -251,12 +243,8 @@ class Simulation:
         for i in range(c.requests):
             t += rng.expovariate(c.arrival_rate)
             self._at(t, "submit", i)
-        while self._heap:
-            now, _, kind, arg = heapq.heappop(self._heap)
-            if now > c.max_virtual_seconds:
-                break
-            self.clock.set(max(now, self.clock.now()))
-            getattr(self, "_ev_" + kind)(arg)
+        kinds = ("submit", "cancel", "wake", "beat", "finish", "late", "die", "restart")
+        self._events.run({k: getattr(self, "_ev_" + k) for k in kinds}, c.max_virtual_seconds)
         return self._report()
 
     def _ev_submit(self, i: int) -> None:
@@ -345,6 +333,6 @@ class Simulation:
             virtual_seconds=self.clock.now(),
             core_seconds=self._core_seconds,
             deadline_met={k: self._met[k] / len(v) for k, v in sorted(lat.items())},
-            latency_p50={k: _quantile(v, 0.5) for k, v in sorted(lat.items())},
-            latency_p99={k: _quantile(v, 0.99) for k, v in sorted(lat.items())},
+            latency_p50={k: quantile(v, 0.5) for k, v in sorted(lat.items())},
+            latency_p99={k: quantile(v, 0.99) for k, v in sorted(lat.items())},
         )

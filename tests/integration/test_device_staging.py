@@ -1,0 +1,83 @@
+"""The staged device path through real Mooncake transports, on CPU.
+
+Regions claim ``cuda:0`` but live in host memory and are copied by ``HostOps``
+(the same contract as the CUDA copies): the payload is staged through a pinned
+buffer on the producer, crosses a real p2p or store transport, and is copied
+out of the consumer's staging buffer chunk by chunk. What only a GPU proves
+(real device copies, CUDA event ordering, GPU-direct) is in ``tests/gpu``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from mooncake_diffusion.chunks import plan
+from mooncake_diffusion.schema import PayloadHandle
+from mooncake_diffusion.staging import HostOps, Stager
+from mooncake_diffusion.tensors import describe
+from mooncake_diffusion.testing import assert_no_leaks
+from mooncake_diffusion.transports.p2p import P2PTransport
+from mooncake_diffusion.transports.store import StoreTransport
+
+pytestmark = pytest.mark.integration
+
+CASES = [("p2p", True), ("p2p", False), ("store", True)]
+
+
+def _on_device(arr: np.ndarray, ready=None):
+    spec, region = describe("latent", arr)
+    return spec, dataclasses.replace(region, device="cuda:0", ready=ready)
+
+
+@pytest.mark.parametrize(("mode", "same_host"), CASES)
+def test_device_payload_is_staged_both_ways_chunk_by_chunk(mooncake_cluster, mode, same_host):
+    baseline = {f"{t.name}#{t.ident}" for t in threading.enumerate()}
+    settings = dataclasses.replace(mooncake_cluster.settings, same_host=same_host)
+    kind = P2PTransport if mode == "p2p" else StoreTransport
+    prod, cons = kind(settings), kind(settings)
+    ops = HostOps()
+    for t in (prod, cons):  # the CPU stand-in for TorchCudaOps, same contract
+        t._stager = Stager(lambda: False, lambda: False, "auto", lambda: ops)
+    try:
+        src = np.random.default_rng(3).integers(0, 255, (4, 3, 1000), dtype=np.uint8)
+        produced = []
+        spec, region = _on_device(src, ready=lambda: produced.append(1))
+        chunks = plan([spec], 0, 2)
+        payload_id = f"r1/latent/{mode}{same_host}"
+        source = prod.prepare(payload_id, [region], "delete_on_consume", chunks)
+        for c in range(2):
+            prod.commit(payload_id, source, [region], "delete_on_consume", chunks, c)
+        assert produced, "the producer copied before its stream was known to be done"
+        handle = PayloadHandle(
+            payload_id, "r1", "latent", mode, "delete_on_consume", (spec,), source,
+            chunk_dim=0, num_chunks=2,
+        )  # fmt: skip
+        dst = np.zeros_like(src)
+        _, dst_region = _on_device(dst)
+        landed: list[int] = []
+        seen: list[bool] = []
+
+        def on_chunk(i: int) -> None:  # the chunk is in the destination when reported
+            landed.append(i)
+            half = dst.shape[0] // 2
+            rows = slice(0, half) if i == 0 else slice(half, None)
+            seen.append(bool(np.array_equal(dst[rows], src[rows])))
+
+        path = cons.fetch(handle, [dst_region], chunks, time.monotonic() + 30, on_chunk)
+        assert np.array_equal(dst, src)
+        assert sorted(landed) == [0, 1] and all(seen)
+        if mode == "p2p":
+            assert path.startswith("p2p/") and path.endswith("|src=staged|dst=staged"), path
+        else:
+            assert path == "store|dst=staged"
+        assert prod.registered()[2] == 0 and cons.registered() == (0, 0, 0)
+    finally:
+        prod.close()
+        cons.close()
+    assert prod.registered() == (0, 0, 0)
+    assert_no_leaks(mooncake_cluster, baseline)
