@@ -7,6 +7,7 @@ on a duplicate publish. The orchestrator is played by hand over the real wire
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -79,11 +80,15 @@ def test_a_newer_attempt_withdraws_the_stale_attempts_output():
         with conn.consume(second.output) as got:
             assert np.asarray(got.tensor).tolist() == [2.0] * 16
         router.send_multipart([wid, encode(Release("r1"))])  # the request ended
+        deadline = time.monotonic() + 30  # the worker handles it on its loop thread
+        while fabric_keys() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert fabric_keys() == []  # the Release withdrew attempt 2's output
     finally:
         gates[1].set()
         gates[2].set()
         worker.stop()
         router.close()
         ctx.term()
-    conn.close()
-    assert fabric_keys() == []  # nothing of either attempt is left
+        conn.cleanup("r1")  # on failure too: the memory fabric is shared by later tests
+        conn.close()
