@@ -15,6 +15,13 @@ from pathlib import Path
 
 from mooncake_diffusion.orchestrator.client import OrchestratorClient
 
+#: Bounds on waiting for a child to come up or to exit after SIGTERM. They are
+#: bounds, not sleeps (a healthy child returns far sooner); generous because a
+#: start-up imports torch and Mooncake, which takes minutes on a 2-core machine
+#: shared with a CPU hog and other test runs.
+START_TIMEOUT_S = 240.0
+EXIT_TIMEOUT_S = 120.0
+
 CLI = [sys.executable, "-m", "mooncake_diffusion.cli"]
 TOY = "mooncake_diffusion.orchestrator.toy"
 
@@ -51,7 +58,7 @@ class Proc:
         with self._cv:
             self._cv.notify_all()
 
-    def wait_for(self, pattern: str, timeout: float = 60.0) -> re.Match[str]:
+    def wait_for(self, pattern: str, timeout: float = START_TIMEOUT_S) -> re.Match[str]:
         rx = re.compile(pattern)
         deadline = time.monotonic() + timeout
         with self._cv:
@@ -78,7 +85,16 @@ class Proc:
         self.popen.wait(10)
         self._reader.join(5)
 
-    def terminate(self, timeout: float = 30.0) -> int:
+    def started(self, pattern: str) -> re.Match[str]:
+        """``wait_for(pattern)``; if it never comes, kill the child (and its reader
+        thread) before raising, so a failed start leaves nothing behind."""
+        try:
+            return self.wait_for(pattern)
+        except AssertionError:
+            self.kill()
+            raise
+
+    def terminate(self, timeout: float = EXIT_TIMEOUT_S) -> int:
         if self.popen.poll() is None:
             self.popen.send_signal(signal.SIGTERM)
         try:
@@ -126,7 +142,7 @@ class ServiceStack:
             *extra,
         ]
         self.orchestrator = Proc(argv)
-        self.orchestrator.wait_for(r"orchestrator ready: api (\S+)")
+        self.orchestrator.started(r"orchestrator ready: api (\S+)")
         if self.client is None:
             self.client = OrchestratorClient(f"http://127.0.0.1:{self.api_port}")
         return self.orchestrator
@@ -157,7 +173,7 @@ class ServiceStack:
             "node=n0",
         ]
         p = Proc(argv, {**self.env, **(env or {})})
-        p.wait_for(r"worker ready: ")
+        p.started(r"worker ready: ")
         self.workers[worker_id] = p
         return p
 

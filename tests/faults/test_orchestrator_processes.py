@@ -1,49 +1,48 @@
 """The orchestrator service and stage workers as real processes over real Mooncake
 (store mode): a worker SIGKILLed mid-item, an orchestrator SIGKILLed mid-run and
 restarted on its journal, a worker drained with SIGTERM. Nothing accepted is lost,
-nothing completes twice, and no store key is left behind."""
+nothing completes twice, and no store key is left behind.
+
+Each fault lands at a known point: the denoise workers run ``gated:toy_denoise``,
+which holds a request inside a given step until the test releases it, so the
+kill or SIGTERM always finds the item in flight, however fast or slow the
+machine is."""
 
 from __future__ import annotations
 
 import base64
 import json
+import signal
 import time
 
 import pytest
+from gated import Gate
 
 from mooncake_diffusion.orchestrator import toy
 
 pytestmark = pytest.mark.faults
+
+GATED = "gated:toy_denoise"
 
 
 def checksum(st: dict) -> float:
     return json.loads(base64.b64decode(st["output"]))["checksum"]
 
 
-def wait_step(client, rid: str, step: int, timeout: float = 60) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        st = client.status(rid)
-        if st["state"] == "running" and st.get("stage") == "denoise" and st.get("step", 0) >= step:
-            return st
-        assert st["state"] not in ("completed", "failed", "cancelled"), st
-        time.sleep(0.05)
-    raise AssertionError(f"{rid} never reached denoise step {step}: {client.status(rid)}")
-
-
-def test_a_worker_killed_mid_item_loses_nothing(stack):
+def test_a_worker_killed_mid_item_loses_nothing(stack, tmp_path):
+    gate = Gate(tmp_path)
     stack.start_orchestrator()
     stack.start_worker("encode", "enc-0")
-    stack.start_worker("denoise", "den-0")
-    stack.start_worker("denoise", "den-1")
+    stack.start_worker("denoise", "den-0", fn=GATED, env=gate.env(3))
+    stack.start_worker("denoise", "den-1", fn=GATED, env=gate.env(3))
     stack.start_worker("decode", "dec-0")
     stack.clean_exit = ("enc-0", "dec-0", "orchestrator")
     c = stack.client
-    params = {"prompt": "kill me", "size": 4096, "steps": 30, "step_s": 0.05}
+    params = {"prompt": "kill me", "size": 4096, "steps": 30}
     rid = c.submit(params)
-    st = wait_step(c, rid, 3)
-    victim = st["worker_id"]
+    victim = gate.wait_reached(rid)  # held inside step 3
     stack.workers[victim].kill()  # SIGKILL: no goodbye, no cleanup
+    gate.release(rid)  # the survivor redoes the item and passes step 3 on its own
     st = c.wait(rid, timeout=90)
     assert st["state"] == "completed", st
     assert checksum(st) == pytest.approx(toy.expected_checksum(params), rel=1e-6)
@@ -57,19 +56,22 @@ def test_a_worker_killed_mid_item_loses_nothing(stack):
     assert 'mcd_orchestrator_requeues_total{stage="denoise"} 1.0' in text
 
 
-def test_an_orchestrator_restarted_mid_run_loses_no_accepted_request(stack):
+def test_an_orchestrator_restarted_mid_run_loses_no_accepted_request(stack, tmp_path):
+    gate = Gate(tmp_path)
     stack.start_orchestrator()
     stack.start_worker("encode", "enc-0")
-    stack.start_worker("denoise", "den-0", credits=2)
+    stack.start_worker("denoise", "den-0", credits=2, fn=GATED, env=gate.env(2))
     stack.start_worker("decode", "dec-0")
     stack.clean_exit = ("enc-0", "den-0", "dec-0", "orchestrator")
     c = stack.client
-    params = [{"prompt": f"r{i}", "size": 2048, "steps": 8, "step_s": 0.1} for i in range(6)]
+    params = [{"prompt": f"r{i}", "size": 2048, "steps": 8} for i in range(6)]
     rids = [c.submit(p) for p in params]
-    wait_step(c, rids[0], 2)
+    gate.wait_reached(rids[0])  # rids[0] is inside step 2 of denoise, the rest queued
     stack.orchestrator.kill()  # SIGKILL mid-run: the journal is all that is left
-    time.sleep(0.5)
+    time.sleep(0.5)  # let the old process's listening sockets go before rebinding the ports
     stack.start_orchestrator()  # same ports, same journal; workers reconnect by themselves
+    for rid in rids:
+        gate.release(rid)
     finals = [c.wait(rid, timeout=120) for rid in rids]
     assert [f["state"] for f in finals] == ["completed"] * 6, [f.get("reasons") for f in finals]
     for f, p in zip(finals, params, strict=True):
@@ -78,18 +80,21 @@ def test_an_orchestrator_restarted_mid_run_loses_no_accepted_request(stack):
         assert [e["kind"] for e in f["events"]].count("completed") == 1, f["events"]
 
 
-def test_sigterm_drains_a_worker_its_item_completes(stack):
+def test_sigterm_drains_a_worker_its_item_completes(stack, tmp_path):
+    gate = Gate(tmp_path)
     stack.start_orchestrator()
     stack.start_worker("encode", "enc-0")
-    den = stack.start_worker("denoise", "den-0")
+    den = stack.start_worker("denoise", "den-0", fn=GATED, env=gate.env(2))
     stack.start_worker("decode", "dec-0")
     stack.clean_exit = ("enc-0", "den-0", "dec-0", "orchestrator")
     c = stack.client
-    params = {"prompt": "drain", "size": 1024, "steps": 10, "step_s": 0.1}
+    params = {"prompt": "drain", "size": 1024, "steps": 10}
     rid = c.submit(params)
-    wait_step(c, rid, 2)
+    gate.wait_reached(rid)  # the item is in flight, inside step 2
+    den.popen.send_signal(signal.SIGTERM)  # drain starts while the item is held
+    gate.release(rid)
     assert den.terminate(timeout=90) == 0  # returns once the worker has drained and left
     assert den.wait_for(r"stopped: 1 done")
-    st = c.wait(rid, timeout=30)
+    st = c.wait(rid, timeout=180)
     assert st["state"] == "completed" and not st.get("reasons"), st
     assert checksum(st) == pytest.approx(toy.expected_checksum(params), rel=1e-6)

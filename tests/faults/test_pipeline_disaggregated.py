@@ -1,15 +1,19 @@
 """The reference pipeline disaggregated: Encode, Denoise and Decode worker processes
 behind the orchestrator, bytes through real Mooncake Store. The outputs are bitwise
 identical to the colocated run, and a denoise worker SIGKILLed mid-job is resumed on
-another worker from its last step checkpoint (not from step 0), still bitwise."""
+another worker from its last step checkpoint (not from step 0), still bitwise.
+
+The fault tests hold the denoise at a known step (``gated``: the worker blocks
+inside step 5 until the test lets it go), so the kill and the preemption land
+at step 5 on a fast idle machine and on a loaded one alike."""
 
 from __future__ import annotations
 
 import base64
 import json
-import time
 
 import pytest
+from gated import Gate
 from servicestack import ServiceStack
 
 from mooncake_diffusion.caches.embedding import EmbeddingCache
@@ -42,12 +46,17 @@ def result(st: dict) -> dict:
     return json.loads(base64.b64decode(st["output"]))
 
 
-def start(stack: ServiceStack, denoise: int = 1, *extra: str) -> None:
+def start(
+    stack: ServiceStack, denoise: int = 1, *extra: str, gate: dict[str, str] | None = None
+) -> None:
+    """Orchestrator, one encode, ``denoise`` denoise and one decode worker; with ``gate``
+    (``Gate.env(...)``) the denoise workers run ``gated:denoise`` under it."""
     stack.after_close.append(clear_embeddings)
     stack.start_orchestrator(*extra)
     stack.start_worker("encode", "enc-0", fn=f"{STAGES}:encode")
     for i in range(denoise):
-        stack.start_worker("denoise", f"den-{i}", fn=f"{STAGES}:denoise")
+        fn = "gated:denoise" if gate else f"{STAGES}:denoise"
+        stack.start_worker("denoise", f"den-{i}", fn=fn, env=gate)
     stack.start_worker("decode", "dec-0", fn=f"{STAGES}:decode")
 
 
@@ -77,55 +86,45 @@ def test_disaggregated_outputs_are_bitwise_identical_to_colocated(stack, tmp_pat
     assert hits.count(True) >= 1 and hits.count(False) >= 1, hits
 
 
-def test_a_denoise_worker_killed_mid_job_resumes_from_its_checkpoint(stack):
-    start(stack, denoise=2)
+def test_a_denoise_worker_killed_mid_job_resumes_from_its_checkpoint(stack, tmp_path):
+    gate = Gate(tmp_path)
+    start(stack, denoise=2, gate=gate.env(5))  # checkpoints every 2 steps: 2 and 4 saved
     stack.clean_exit = ("enc-0", "dec-0", "orchestrator")
     p = {"prompt": "a long one", "negative_prompt": "bad", "seed": 9, "steps": 16, "frames": 5}
     rid = stack.client.submit(p)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        st = stack.client.status(rid)
-        if st.get("stage") == "denoise" and st.get("step", 0) >= 5:
-            break
-        time.sleep(0.02)
-    else:
-        raise AssertionError(stack.client.status(rid))
-    victim = st["worker_id"]
+    victim = gate.wait_reached(rid)  # held inside step 5
     stack.workers[victim].kill()
+    gate.release(rid)  # the survivor passes step 5 on its own (held once only)
     st = stack.client.wait(rid, timeout=180)
     assert st["state"] == "completed", st
     den = [e for e in st["events"] if e["kind"] == "done" and e["stage"] == "denoise"]
     assert len(den) == 1 and den[0]["worker_id"] != victim, den
-    assert den[0]["info"]["resumed_from"] >= 4, den  # from a checkpoint, not from step 0
+    assert den[0]["info"]["resumed_from"] == 4, den  # its last checkpoint, not step 0
     assert result(st)["sha256"] == colocated(p)
 
 
-def test_a_batch_video_yields_to_an_interactive_image_and_resumes_bitwise(stack):
-    start(stack, 1, "--preemption")
+def test_a_batch_video_yields_to_an_interactive_image_and_resumes_bitwise(stack, tmp_path):
+    gate = Gate(tmp_path)
+    # the video is held inside step 5 until the orchestrator asks it to yield
+    start(stack, 1, "--preemption", gate=gate.env(5, until="yield"))
     stack.clean_exit = ("enc-0", "den-0", "dec-0", "orchestrator")
     c = stack.client
     video = {"prompt": "slow video", "negative_prompt": "bad", "seed": 5, "steps": 24, "frames": 9}
     image = {"prompt": "quick image", "negative_prompt": "bad", "seed": 6, "steps": 4}
     vid = c.submit(video, slo_class="batch")
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        st = c.status(vid)
-        if st.get("stage") == "denoise" and st.get("step", 0) >= 5:
-            break
-        time.sleep(0.02)
-    else:
-        raise AssertionError(c.status(vid))
-    img = c.submit(image, slo_class="interactive")
-    img_st = c.wait(img, timeout=120)
+    gate.wait_reached(vid)
+    img = c.submit(image, slo_class="interactive")  # 4 steps: never reaches the gate
+    img_st = c.wait(img, timeout=180)
     assert img_st["state"] == "completed", img_st
-    vid_now = c.status(vid)
-    assert vid_now["state"] != "completed", "the image did not pass the video"
     vid_st = c.wait(vid, timeout=180)
     assert vid_st["state"] == "completed", vid_st
     kinds = [e["kind"] for e in vid_st["events"]]
     assert "preempted" in kinds and "yielded" in kinds, kinds
     assert not vid_st.get("reasons"), vid_st  # a yield is not a failure
     den = [e for e in vid_st["events"] if e["kind"] == "done" and e["stage"] == "denoise"]
-    assert den[0]["info"]["resumed_from"] >= 4, den  # resumed from its checkpoint
+    img_den = [e for e in img_st["events"] if e["kind"] == "done" and e["stage"] == "denoise"]
+    assert len(den) == 1 and len(img_den) == 1, (den, img_den)
+    assert img_den[0]["t"] < den[0]["t"], "the image did not pass the video on den-0"
+    assert den[0]["info"]["resumed_from"] == 4, den  # resumed from its last checkpoint
     assert result(vid_st)["sha256"] == colocated(video)
     assert result(img_st)["sha256"] == colocated(image)

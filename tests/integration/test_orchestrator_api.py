@@ -15,6 +15,7 @@ import time
 import msgspec
 import pytest
 import zmq
+from gated import held
 from prometheus_client.parser import text_string_to_metric_families
 
 from mooncake_diffusion.connector import DiffusionConnector
@@ -168,11 +169,17 @@ def test_cached_embeddings_skip_encode(stack):
         enc.close()
 
 
+def until_cancelled(ctx, _step) -> None:
+    while not ctx.cancelled:
+        time.sleep(0.005)
+
+
 def test_progress_is_streamed_and_cancel_stops_a_running_item(stack):
     stack.worker("encode")
-    den = stack.worker("denoise")
+    # held inside step 3 until cancelled: the cancel always finds the item running
+    den = stack.worker("denoise", held(toy.denoise, 3, until_cancelled))
     stack.worker("decode")
-    rid = stack.svc.submit({"steps": 200, "step_s": 0.02, "size": 64})
+    rid = stack.svc.submit({"steps": 10, "size": 64})
     steps = []
     for ev in stack.svc.events(rid, timeout=30):
         if ev.kind == "progress":
@@ -297,15 +304,18 @@ def test_non_loopback_needs_a_token_and_the_token_is_enforced():
 
 
 def test_a_worker_that_drains_finishes_its_item_and_takes_no_more(stack):
+    drained = threading.Event()
     stack.worker("encode")
-    den = stack.worker("denoise")
+    # the first item is held inside step 1 until the worker is draining
+    den = stack.worker("denoise", held(toy.denoise, 1, lambda _ctx, _k: drained.wait(30)))
     stack.worker("decode")
-    first = stack.svc.submit({"steps": 20, "step_s": 0.02, "size": 64})
+    first = stack.svc.submit({"steps": 5, "size": 64})
     for ev in stack.svc.events(first, timeout=30):
         if ev.kind == "progress":
             break
     second = stack.svc.submit({"steps": 1, "size": 64})
     den.drain()
+    drained.set()
     assert stack.svc.wait(first, timeout=30).state == "completed"
     den.join(10)
     assert den.items_done == 1

@@ -14,7 +14,9 @@ boundary, so no caller above them ever sees a raw code such as ``-706``.
     │   └── AlreadyConsumedError      a delete-on-consume payload was consumed before
     ├── MasterUnavailableError      no healthy mooncake_master at the address  [retryable]
     ├── TransferError               bytes did not move                          [retryable]
-    │   └── PeerGoneError             the producer or store host is unreachable  [retryable]
+    │   ├── PeerGoneError             the producer or store host is unreachable  [retryable]
+    │   └── TransientStoreError       a read outlived its lease (-707), or a master
+    │                                 RPC failed or timed out (-900/-901)       [retryable]
     ├── StoreFullError              the store pool has no room (-200)           [retryable]
     ├── LeasedError                 leased by a reader (-706) or mid-put (-703) [retryable]
     ├── DeadlineExceededError (TimeoutError)  a wait ran past its deadline      [retryable]
@@ -27,7 +29,9 @@ boundary, so no caller above them ever sees a raw code such as ``-706``.
         └── orchestrator.JournalError             an unreadable, foreign or failing journal
 
 ``retryable`` is a class attribute: ``True`` means the same call may succeed
-later without changing its input. ``PayloadGoneError`` means "treat as a cache
+later without changing its input. ``TransientStoreError`` is already retried by
+the Store wrapper until the operation's deadline; seeing it means the deadline
+passed with the fault still there. ``PayloadGoneError`` means "treat as a cache
 miss": recompute or re-publish.
 """
 
@@ -49,6 +53,7 @@ __all__ = [
     "PeerGoneError",
     "StoreFullError",
     "TransferError",
+    "TransientStoreError",
 ]
 
 
@@ -100,6 +105,13 @@ class TransferError(MooncakeDiffusionError):
 
 class PeerGoneError(TransferError):
     """The producer, consumer or store host process is unreachable or died."""
+
+
+class TransientStoreError(TransferError):
+    """A Store call hit a fault that a repeat of the same call clears: the object's read
+    lease ran out mid-transfer (Mooncake -707, the bytes cannot be trusted), or the
+    master RPC failed or timed out (-900/-901). ``StoreClient`` retries these within
+    the call's deadline; this surfaces only when the deadline passed."""
 
 
 class StoreFullError(MooncakeDiffusionError):

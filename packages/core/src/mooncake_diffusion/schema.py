@@ -15,6 +15,9 @@ Version history:
     2  lease ``retained``: hard-pinned like ``delete_on_consume``, but reading it
        does not remove it (a re-queued stage can read its input again); the
        producer releases it when the request ends.
+    3  ``StoreSource.part_bytes``: a store chunk larger than this is stored as
+       several objects of at most this many bytes (0: one object per chunk), so
+       no single read outlives its lease.
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ __all__ = [
 ]
 
 MAGIC = "mcd"
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 #: Element size in bytes of every dtype a handle may carry.
 DTYPE_SIZES: dict[str, int] = {
@@ -167,9 +170,16 @@ class P2PSource(msgspec.Struct, frozen=True, array_like=True, tag=1):
 
 
 class StoreSource(msgspec.Struct, frozen=True, array_like=True, tag=2):
-    """Bytes live in Mooncake Store under ``f"{prefix}/{i}"`` for each non-empty tensor i."""
+    """Bytes live in Mooncake Store under ``prefix``: one object per (tensor, chunk),
+    split into parts of at most ``part_bytes`` (0: never split); see
+    ``transports.store``."""
 
     prefix: str
+    part_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if self.part_bytes < 0:
+            raise ValueError(f"part_bytes must not be negative, got {self.part_bytes}")
 
 
 class MemorySource(msgspec.Struct, frozen=True, array_like=True, tag=3):

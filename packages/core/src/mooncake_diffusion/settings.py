@@ -27,6 +27,14 @@ class MooncakeSettings:
     and for listing keys; when ``None`` it is the master's host with port 9003.
     ``local_hostname`` is the address peers use to reach this process.
     ``MOONCAKE_DIFFUSION_SAME_HOST=0`` turns the same-host path off.
+
+    ``store_part_bytes`` caps one Store object (and one batched read): a larger
+    chunk is split into parts, so no read runs long enough to outlive the lease
+    the master grants it (``-default_kv_lease_ttl``: 10 s by default, 1 s in the
+    embedded cluster; 16 MiB takes ~0.15 s at the slowest rate measured on a
+    loaded 2-core machine, 0.11 GB/s). 0 means never split. ``store_retry_s``
+    bounds the retries of transient Store faults for calls that have no deadline
+    of their own.
     """
 
     master: str = "127.0.0.1:50051"
@@ -38,6 +46,8 @@ class MooncakeSettings:
     #: p2p between two processes of one host copies memory directly
     #: (``process_vm_writev``) instead of going through loopback TCP.
     same_host: bool = True
+    store_part_bytes: int = 16 << 20
+    store_retry_s: float = 10.0
     #: how device tensors travel: ``auto`` (GPU-direct where Mooncake is a CUDA
     #: build and the NIC reaches GPU memory, else pinned host staging),
     #: ``staged`` or ``gpu-direct``; ``MOONCAKE_DIFFUSION_GPU_PATH``.
@@ -49,6 +59,10 @@ class MooncakeSettings:
             split_address(self.admin, "admin")
         if self.connect_timeout_s <= 0:
             raise ConfigError("connect_timeout_s must be positive")
+        if self.store_part_bytes < 0:
+            raise ConfigError("store_part_bytes must be 0 (never split) or positive")
+        if self.store_retry_s < 0:
+            raise ConfigError("store_retry_s must not be negative")
         if self.gpu_path not in ("auto", "staged", "gpu-direct"):
             raise ConfigError(
                 f"gpu_path must be 'auto', 'staged' or 'gpu-direct', got {self.gpu_path!r}"
@@ -63,7 +77,9 @@ class MooncakeSettings:
     @classmethod
     def from_env(cls, **overrides: object) -> MooncakeSettings:
         """Settings from ``MOONCAKE_MASTER``, ``MOONCAKE_ADMIN``, ``MOONCAKE_LOCAL_HOSTNAME``,
-        ``MOONCAKE_PROTOCOL`` and ``MOONCAKE_DEVICE``; explicit ``overrides`` win."""
+        ``MOONCAKE_PROTOCOL``, ``MOONCAKE_DEVICE``, ``MOONCAKE_DIFFUSION_STORE_PART_BYTES``
+        and ``MOONCAKE_DIFFUSION_STORE_RETRY_S``; explicit ``overrides`` win. A
+        malformed number raises ``ConfigError``."""
         env = {
             "master": os.environ.get("MOONCAKE_MASTER"),
             "admin": os.environ.get("MOONCAKE_ADMIN"),
@@ -72,6 +88,16 @@ class MooncakeSettings:
             "device": os.environ.get("MOONCAKE_DEVICE"),
         }
         merged: dict[str, object] = {k: v for k, v in env.items() if v is not None}
+        for field, var, conv in (
+            ("store_part_bytes", "MOONCAKE_DIFFUSION_STORE_PART_BYTES", int),
+            ("store_retry_s", "MOONCAKE_DIFFUSION_STORE_RETRY_S", float),
+        ):
+            raw = os.environ.get(var)
+            if raw is not None:
+                try:
+                    merged[field] = conv(raw)
+                except ValueError:
+                    raise ConfigError(f"{var} must be a number, got {raw!r}") from None
         same_host = os.environ.get("MOONCAKE_DIFFUSION_SAME_HOST")
         if same_host is not None:
             merged["same_host"] = same_host.strip().lower() not in ("0", "false", "no", "off")
@@ -88,4 +114,6 @@ class MooncakeSettings:
             "MOONCAKE_ADMIN": self.admin_address,
             "MOONCAKE_LOCAL_HOSTNAME": self.local_hostname,
             "MOONCAKE_PROTOCOL": self.protocol,
+            "MOONCAKE_DIFFUSION_STORE_PART_BYTES": str(self.store_part_bytes),
+            "MOONCAKE_DIFFUSION_STORE_RETRY_S": str(self.store_retry_s),
         }

@@ -10,7 +10,13 @@ Fixtures:
                        checks each is idle (no in-flight registrations, receive
                        pool empty), closes it, and checks no store key and no
                        extra thread is left
-Helpers: ``assert_no_leaks(cluster, thread_baseline)``.
+Helpers: ``assert_no_leaks(cluster, thread_baseline)``, ``thread_names()``.
+
+Isolation: one failure reports one failure. Before each test that uses the
+cluster, a cluster that died (a crashed master or store host) is restarted
+rather than failing every later test. After each such test, keys it left in
+the store are reported as that test's error and then removed, so the next test
+starts from an empty store; ``assert_no_leaks`` removes the keys it reports too.
 """
 
 from __future__ import annotations
@@ -25,11 +31,15 @@ import pytest
 from mooncake_diffusion._mooncake.cluster import LocalCluster
 from mooncake_diffusion.connector import DiffusionConnector
 
-__all__ = ["assert_no_leaks"]
+__all__ = ["assert_no_leaks", "thread_names"]
 
 
-def _threads() -> set[str]:
+def thread_names() -> set[str]:
+    """The live threads of this process, as names that ``assert_no_leaks`` compares."""
     return {f"{t.name}#{t.ident}" for t in threading.enumerate()}
+
+
+_threads = thread_names
 
 
 def assert_no_leaks(
@@ -45,7 +55,10 @@ def assert_no_leaks(
         if time.monotonic() > deadline:
             break
         time.sleep(0.05)
-    assert not keys, f"store keys left behind: {keys[:10]}"
+    if keys:
+        assert cluster is not None
+        cluster.clear()  # reported below; the next test starts from an empty store
+    assert not keys, f"store keys left behind (now removed): {keys[:10]}"
     assert not extra, f"threads left behind: {sorted(extra)}"
 
 
@@ -54,6 +67,25 @@ def mooncake_cluster() -> Iterator[LocalCluster]:
     """A real mooncake_master plus a 1 GiB store host for the whole session."""
     with LocalCluster(pool_bytes=1 << 30) as cluster:
         yield cluster
+
+
+@pytest.fixture(autouse=True)
+def _mooncake_isolation(request: pytest.FixtureRequest) -> Iterator[None]:
+    """For tests that use ``mooncake_cluster``: restart it first if it died; after
+    the test (and every other fixture's teardown), report and remove leftover keys."""
+    if "mooncake_cluster" not in request.fixturenames:
+        yield
+        return
+    cluster: LocalCluster = request.getfixturevalue("mooncake_cluster")
+    if not cluster.healthy():
+        cluster.restart()
+    yield
+    if not cluster.healthy():
+        return  # the next test that needs it restarts it
+    left = cluster.keys()
+    if left:
+        cluster.clear()
+        pytest.fail(f"store keys left behind by this test (now removed): {left[:10]}")
 
 
 @pytest.fixture

@@ -4,6 +4,8 @@
         conn = DiffusionConnector(role="denoise", settings=cluster.settings)
         ...
         cluster.keys()        # what the store holds right now (leak checks)
+        cluster.clear()       # remove every key (a test's leftovers, after reporting them)
+        cluster.healthy()     # both processes up and the master ready; else restart()
 
 Start-up takes about 1.5 s; ``close()`` stops the store host, then the master.
 Children run in their own sessions and the store host exits when this process
@@ -19,6 +21,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 
 from mooncake_diffusion._mooncake.master import MasterProcess, admin_get
 from mooncake_diffusion.errors import MasterUnavailableError
@@ -102,6 +105,34 @@ class LocalCluster:
         assert self.settings is not None, "cluster not started"
         text = admin_get(self.settings.admin_address, "/get_all_keys").decode()
         return [k for k in text.splitlines() if k]
+
+    def clear(self) -> int:
+        """Remove every key in the store, pinned or leased (the master's admin
+        ``remove_all``); returns how many. For test isolation, not for serving."""
+        assert self.settings is not None, "cluster not started"
+        req = urllib.request.Request(
+            f"http://{self.settings.admin_address}/api/v1/remove_all", method="POST"
+        )
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return int(json.loads(r.read()).get("removed_count", 0))
+
+    def healthy(self) -> bool:
+        """Whether the master and the store host are both running and the master
+        reports ready. Never raises."""
+        procs = (self._master.proc, self._store_host)
+        if self.settings is None or any(p is None or p.poll() is not None for p in procs):
+            return False
+        try:
+            health = json.loads(admin_get(self.settings.admin_address, "/health", 2.0))
+        except (OSError, ValueError):
+            return False
+        return bool(health.get("service_ready"))
+
+    def restart(self, timeout: float = 30.0) -> MooncakeSettings:
+        """Stop whatever is left of the cluster and start a fresh one (new ports: read
+        ``settings`` again); its previous keys are gone."""
+        self.close()
+        return self.start(timeout)
 
     def kill_store_host(self) -> None:
         """SIGKILL the store host (fault tests: every object in the pool dies with it)."""

@@ -8,7 +8,7 @@ from mooncake_diffusion.errors import (
     PayloadGoneError,
     PeerGoneError,
     StoreFullError,
-    TransferError,
+    TransientStoreError,
 )
 
 NO_AVAILABLE_HANDLE = -200
@@ -21,6 +21,10 @@ LEASE_EXPIRED = -707
 TRANSFER_FAIL = -800
 RPC_FAIL = -900
 RPC_TIMEOUT = -901
+
+#: Results a repeat of the same call clears (``StoreClient`` retries them until the
+#: call's deadline): a read that outlived its lease, a failed or timed-out master RPC.
+TRANSIENT = frozenset({LEASE_EXPIRED, RPC_FAIL, RPC_TIMEOUT})
 
 _NAMES = {
     NO_AVAILABLE_HANDLE: "NO_AVAILABLE_HANDLE",
@@ -50,8 +54,10 @@ def error_for(code: int, what: str) -> Exception:
         return PeerGoneError(f"{msg}: the process holding the bytes is unreachable")
     if code == REPLICA_NOT_READY:
         return LeasedError(f"{msg}: the object is still being written")
-    if code in (LEASE_EXPIRED, RPC_FAIL, RPC_TIMEOUT):
-        return TransferError(msg)
+    if code == LEASE_EXPIRED:
+        return TransientStoreError(f"{msg}: the read outlived the object's lease")
+    if code in TRANSIENT:
+        return TransientStoreError(msg)
     return MooncakeError(msg, code)
 
 

@@ -3,17 +3,26 @@
 One ``StoreClient`` per process role: a pure client (``segment_bytes=0``) in
 producers and consumers, a segment owner in the store host. Calls block and
 release the GIL inside Mooncake; the client is safe to share between threads.
+
+Transient results (``codes.TRANSIENT``: a read that outlived its lease, a failed
+or timed-out master RPC) are retried here, only for the keys they hit, with
+backoff (10 ms doubling to 200 ms) until the call's deadline (``deadline=``, a
+``time.monotonic()`` value, else ``settings.store_retry_s`` from the call);
+past it they raise ``TransientStoreError``. Reads are issued in batches of at
+most ``settings.store_part_bytes`` so that one batch cannot outlive its leases.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 from mooncake_diffusion._mooncake import import_mooncake
 from mooncake_diffusion._mooncake.codes import (
     OBJECT_NOT_FOUND,
     REPLICA_NOT_READY,
+    TRANSIENT,
     check,
     error_for,
 )
@@ -23,6 +32,24 @@ from mooncake_diffusion.registration import Registrations
 from mooncake_diffusion.settings import MooncakeSettings
 
 __all__ = ["StoreClient"]
+
+_RETRY_MIN_S = 0.01
+_RETRY_MAX_S = 0.2
+
+
+def _batches(sizes: Sequence[Sequence[int]], limit: int) -> list[list[int]]:
+    """Indices grouped in order so each group's bytes stay within ``limit`` (a larger
+    single item is a group of its own; ``limit`` 0: one group)."""
+    groups: list[list[int]] = []
+    total = 0
+    for i, parts in enumerate(sizes):
+        n = sum(parts)
+        if not groups or (limit and total + n > limit):
+            groups.append([])
+            total = 0
+        groups[-1].append(i)
+        total += n
+    return groups
 
 
 class StoreClient:
@@ -47,7 +74,34 @@ class StoreClient:
                 f"Mooncake Store setup against master {settings.master} failed ({rc})"
             )
         self.regs = Registrations(self._register, self._unregister)
+        self._part_bytes = settings.store_part_bytes
+        self._retry_s = settings.store_retry_s
+        #: transient results retried so far (per key and attempt), for tests and metrics
+        self.retries = 0
         self._closed = False
+
+    def _deadline(self, deadline: float | None) -> float:
+        return time.monotonic() + self._retry_s if deadline is None else deadline
+
+    def _retrying(
+        self, n: int, call: Callable[[list[int]], Sequence[int]], deadline: float | None
+    ) -> list[int]:
+        """Run ``call`` on item indices ``0..n-1`` (it returns one code per index given),
+        then again on those with a transient code until none is left or ``deadline``
+        passes. Returns every index's last code (still transient past the deadline)."""
+        end = self._deadline(deadline)
+        final = [0] * n
+        todo = list(range(n))
+        delay = _RETRY_MIN_S
+        while True:
+            for i, code in zip(todo, call(todo), strict=True):
+                final[i] = code
+            todo = [i for i in todo if final[i] in TRANSIENT]
+            if not todo or time.monotonic() + delay > end:
+                return final
+            self.retries += len(todo)
+            time.sleep(delay)
+            delay = min(delay * 2, _RETRY_MAX_S)
 
     def _register(self, ptr: int, nbytes: int, device: str) -> None:
         check(self._store.register_buffer(ptr, nbytes), "store register_buffer")
@@ -73,19 +127,29 @@ class StoreClient:
         sizes: Sequence[Sequence[int]],
         *,
         pin: str,
+        deadline: float | None = None,
     ) -> None:
         """Store under ``keys[i]`` the bytes of registered buffers ``ptrs[i]`` (sizes
         ``sizes[i]``), gathered in order into one object; all or nothing.
 
         ``pin`` is ``"hard"`` (never evicted), ``"soft"`` (evicted last) or
-        ``"none"``. On any failure the keys that did land are removed and the
-        first error is raised (``StoreFullError`` when the pool is full).
+        ``"none"``. Transient faults are retried until ``deadline``. On any other
+        failure the keys that did land are removed and the first error is raised
+        (``StoreFullError`` when the pool is full).
         """
         if not keys:
             return
-        codes = self._store.batch_put_from_multi_buffers(
-            list(keys), [list(p) for p in ptrs], [list(n) for n in sizes], self._config(pin)
-        )
+        cfg = self._config(pin)
+
+        def put(idx: list[int]) -> Sequence[int]:
+            return self._store.batch_put_from_multi_buffers(
+                [keys[i] for i in idx],
+                [list(ptrs[i]) for i in idx],
+                [list(sizes[i]) for i in idx],
+                cfg,
+            )
+
+        codes = self._retrying(len(keys), put, deadline)
         failed = [(k, c) for k, c in zip(keys, codes, strict=True) if c < 0]
         if failed:
             self.remove_many([k for k, c in zip(keys, codes, strict=True) if c >= 0])
@@ -97,17 +161,29 @@ class StoreClient:
         keys: Sequence[str],
         ptrs: Sequence[Sequence[int]],
         sizes: Sequence[Sequence[int]],
+        *,
+        deadline: float | None = None,
     ) -> list[bool]:
         """Read each key, scattered in order into registered buffers ``ptrs[i]``
         (sizes ``sizes[i]``); ``False`` where the key is absent or still being put.
 
-        Any other failure raises (``PeerGoneError`` when the store host died).
+        Reads go in batches of at most ``store_part_bytes``; transient faults are
+        retried until ``deadline``. Any other failure raises (``PeerGoneError``
+        when the store host died).
         """
         if not keys:
             return []
-        codes = self._store.batch_get_into_multi_buffers(
-            list(keys), [list(p) for p in ptrs], [list(n) for n in sizes]
-        )
+        codes: list[int] = []
+        for group in _batches(sizes, self._part_bytes):
+
+            def get(idx: list[int], group: list[int] = group) -> Sequence[int]:
+                return self._store.batch_get_into_multi_buffers(
+                    [keys[group[i]] for i in idx],
+                    [list(ptrs[group[i]]) for i in idx],
+                    [list(sizes[group[i]]) for i in idx],
+                )
+
+            codes += self._retrying(len(group), get, deadline)
         found = []
         for key, code in zip(keys, codes, strict=True):
             if code in (OBJECT_NOT_FOUND, REPLICA_NOT_READY):
@@ -117,31 +193,49 @@ class StoreClient:
                 found.append(True)
         return found
 
-    def read(self, key: str, ptr: int, capacity: int) -> int | None:
+    def read(
+        self, key: str, ptr: int, capacity: int, *, deadline: float | None = None
+    ) -> int | None:
         """Read object ``key`` of unknown size into registered memory at ``ptr`` that
         holds ``capacity`` bytes; returns its size, or ``None`` when the key is absent
         or still being put. An object larger than ``capacity`` raises ``MooncakeError``;
-        any other failure raises as in ``get_many``. One round trip, no size query."""
-        code = self._store.get_into(key, ptr, capacity)
+        any other failure raises as in ``get_many``. One round trip, no size query
+        (more only when a transient fault is retried, until ``deadline``)."""
+        (code,) = self._retrying(
+            1,
+            lambda _i: [self._store.get_into(key, ptr, capacity)],
+            deadline,
+        )
         if code in (OBJECT_NOT_FOUND, REPLICA_NOT_READY):
             return None
         return check(code, f"store read of {key!r}")
 
     def exists_many(self, keys: Sequence[str]) -> list[bool]:
-        """Whether each key is in the store (one round trip); any failure raises."""
+        """Whether each key is in the store (one round trip, more only to retry transient
+        faults); any other failure raises."""
         if not keys:
             return []
+        codes = self._retrying(
+            len(keys),
+            lambda idx: self._store.batch_is_exist([keys[i] for i in idx]),
+            None,
+        )
         found = []
-        for key, code in zip(keys, self._store.batch_is_exist(list(keys)), strict=True):
+        for key, code in zip(keys, codes, strict=True):
             found.append(check(code, f"store existence check of {key!r}") == 1)
         return found
 
     def remove_many(self, keys: Sequence[str]) -> None:
         """Remove keys with force (leases granted by reads do not block); absent keys
-        are fine."""
+        are fine; transient faults are retried."""
         if not keys:
             return
-        for key, code in zip(keys, self._store.batch_remove(list(keys), True), strict=True):
+        codes = self._retrying(
+            len(keys),
+            lambda idx: self._store.batch_remove([keys[i] for i in idx], True),
+            None,
+        )
+        for key, code in zip(keys, codes, strict=True):
             if code < 0 and code != OBJECT_NOT_FOUND:
                 raise error_for(code, f"store remove of {key!r}")
 

@@ -2,8 +2,11 @@
 
 Each (tensor, chunk) is one object, ``f"{prefix}/{tensor}.{chunk}"``, gathered
 from (and scattered into) the chunk's byte ranges with the multi-buffer batch
-calls, so an inner-dim chunk needs no staging copy. The prefix is unique per
-publication (Store's ``put`` never overwrites, so keys are never reused).
+calls, so an inner-dim chunk needs no staging copy. One larger than the
+handle's ``part_bytes`` (the producer's ``settings.store_part_bytes``) is cut
+into parts ``f"{prefix}/{tensor}.{chunk}.{part}"`` of at most that many bytes,
+so no single read can outlive the lease the master grants it (Mooncake -707).
+The prefix is unique per publication (Store's ``put`` never overwrites, so keys are never reused).
 Delete-on-consume objects are hard-pinned (never evicted before their consumer
 comes) and removed with force right after the read; retained objects are
 hard-pinned too but stay after reads until released; shared objects are
@@ -43,12 +46,39 @@ _POLL_MIN_S = 0.0005  # bounded backoff while a chunk is not there yet
 _POLL_MAX_S = 0.02
 
 
-def _objects(prefix: str, plan: Plan, chunk: int) -> list[tuple[str, list[Segment]]]:
-    """The objects of one chunk: (key, segments of one tensor), tensors in order."""
+def _split(segs: list[Segment], limit: int) -> list[list[Segment]]:
+    """``segs`` cut into consecutive parts of at most ``limit`` bytes each (0: one part)."""
+    if not limit or sum(s.length for s in segs) <= limit:
+        return [segs]
+    parts: list[list[Segment]] = [[]]
+    room = limit
+    for seg in segs:
+        offset, left = seg.offset, seg.length
+        while left:
+            if room == 0:
+                parts.append([])
+                room = limit
+            n = min(left, room)
+            parts[-1].append(Segment(seg.tensor, offset, n))
+            offset, left, room = offset + n, left - n, room - n
+    return parts
+
+
+def _objects(source: StoreSource, plan: Plan, chunk: int) -> list[tuple[str, list[Segment]]]:
+    """The objects of one chunk: (key, segments), tensors in order, each tensor's
+    bytes in one object or in parts of at most ``source.part_bytes``."""
     by_tensor: dict[int, list[Segment]] = {}
     for seg in plan[chunk]:
         by_tensor.setdefault(seg.tensor, []).append(seg)
-    return [(f"{prefix}/{t}.{chunk}", segs) for t, segs in by_tensor.items()]
+    out = []
+    for t, segs in by_tensor.items():
+        parts = _split(segs, source.part_bytes)
+        base = f"{source.prefix}/{t}.{chunk}"
+        if len(parts) == 1:
+            out.append((base, parts[0]))
+        else:
+            out.extend((f"{base}.{p}", part) for p, part in enumerate(parts))
+    return out
 
 
 def _buffers(
@@ -73,7 +103,7 @@ class StoreTransport(Transport):
     def prepare(
         self, payload_id: str, regions: Sequence[Region], lease: LeaseMode, plan: Plan
     ) -> StoreSource:
-        return StoreSource(KEY_ROOT + payload_id)
+        return StoreSource(KEY_ROOT + payload_id, self.settings.store_part_bytes)
 
     def commit(
         self,
@@ -85,7 +115,7 @@ class StoreTransport(Transport):
         chunk: int,
     ) -> None:
         assert isinstance(source, StoreSource)
-        objects = _objects(source.prefix, plan, chunk)
+        objects = _objects(source, plan, chunk)
         used = sorted({s.tensor for _, segs in objects for s in segs})
         staged = self._stager.outbound(regions)  # device tensors: staged per commit
         if staged is not None:
@@ -107,7 +137,7 @@ class StoreTransport(Transport):
 
     def _all_keys(self, handle: PayloadHandle, plan: Plan) -> list[str]:
         assert isinstance(handle.source, StoreSource)
-        return [k for c in range(len(plan)) for k, _ in _objects(handle.source.prefix, plan, c)]
+        return [k for c in range(len(plan)) for k, _ in _objects(handle.source, plan, c)]
 
     def discard(self, handle: PayloadHandle) -> None:
         self._client.remove_many(self._all_keys(handle, plan_for(handle)))
@@ -123,7 +153,7 @@ class StoreTransport(Transport):
         """Poll the lowest missing chunk (producers commit in order), report each as
         soon as it is read, and reset the backoff whenever one arrives."""
         assert isinstance(handle.source, StoreSource)
-        objects = [_objects(handle.source.prefix, plan, c) for c in range(len(plan))]
+        objects = [_objects(handle.source, plan, c) for c in range(len(plan))]
         staged = self._stager.inbound(regions)
         if staged is not None:
             regions = staged.regions
@@ -133,7 +163,7 @@ class StoreTransport(Transport):
             for chunk, objs in enumerate(objects):
                 pending = list(objs)
                 while pending:
-                    found = self._client.get_many(*_buffers(pending, regions))
+                    found = self._client.get_many(*_buffers(pending, regions), deadline=deadline)
                     pending = [o for o, ok in zip(pending, found, strict=True) if not ok]
                     if not pending:
                         break

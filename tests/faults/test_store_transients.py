@@ -1,0 +1,126 @@
+"""Transient Store faults are absorbed in the product, provoked deterministically.
+
+A master started with a 20 ms read lease (``-default_kv_lease_ttl``) makes any
+read that takes longer than that fail with ``LEASE_EXPIRED`` (-707). A 64 MiB
+object takes several times that over loopback TCP even on an idle machine
+(>= 32 ms at the 2 GB/s best case), so an unsplit read fails every time; a
+payload published in 1 MiB parts is read part by part, and a part that still
+outlives its lease on a loaded machine is retried within the consume deadline.
+A consume that fails leaves the payload for a retry, and its TTL still reaps it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import pytest
+import torch
+
+from helpers import make_tensor, same_bytes
+from mooncake_diffusion import DiffusionConnector
+from mooncake_diffusion._mooncake.cluster import LocalCluster
+from mooncake_diffusion._mooncake.store import StoreClient
+from mooncake_diffusion.errors import TransientStoreError
+from mooncake_diffusion.handoff import ProducerProcess
+from mooncake_diffusion.tensors import describe
+from mooncake_diffusion.testing import assert_no_leaks, thread_names
+
+pytestmark = pytest.mark.faults
+
+MB = 1 << 20
+SHAPE = (64 * MB // 4 // 256, 256)  # 64 MiB of float32
+
+
+@pytest.fixture(scope="module")
+def short_lease():
+    """A cluster of its own whose master grants 20 ms read leases; reaps every 0.2 s."""
+    with LocalCluster(pool_bytes=512 * MB, lease_ttl_ms=20, reap_interval_s=0.2) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def clean(short_lease):
+    baseline = thread_names()
+    yield short_lease
+    assert_no_leaks(short_lease, baseline, timeout=15)
+
+
+@pytest.fixture
+def producer(clean, request):
+    """A producer process whose settings split store objects at the test's ``part_bytes``
+    mark (bytes; 0: never split); it stays up while the test consumes."""
+    part = request.node.get_closest_marker("part_bytes").args[0]
+    with ProducerProcess(dataclasses.replace(clean.settings, store_part_bytes=part)) as p:
+        yield p
+
+
+def publish(producer, request_id: str, **kw) -> bytes:
+    """Publish 64 MiB (delete-on-consume) from the producer process; the handle."""
+    r = producer.request(
+        op="publish",
+        mode="store",
+        request_id=request_id,
+        dtype="float32",
+        shape=list(SHAPE),
+        seed=7,
+        **kw,
+    )
+    assert r["ok"], r
+    return bytes.fromhex(r["handle"])
+
+
+def test_an_unsplit_read_outlives_a_short_lease_every_time(clean):
+    """The fault is real and provoked on purpose: 64 MiB in one read, 20 ms lease."""
+    settings = dataclasses.replace(clean.settings, store_part_bytes=0, store_retry_s=0.5)
+    client = StoreClient(settings)
+    src, dst = make_tensor("float32", SHAPE, 1), torch.zeros(SHAPE, dtype=torch.float32)
+    regions = [describe("src", src)[1], describe("dst", dst)[1]]
+    try:
+        for r in regions:
+            client.regs.pin(r)
+        client.put_many(["t/unsplit"], [[src.data_ptr()]], [[src.nbytes]], pin="hard")
+        with pytest.raises(TransientStoreError, match="LEASE_EXPIRED"):
+            client.get_many(["t/unsplit"], [[dst.data_ptr()]], [[dst.nbytes]])
+        assert client.retries >= 1  # it was retried until the deadline, not given up at once
+    finally:
+        client.remove_many(["t/unsplit"])
+        for r in regions:
+            client.regs.unpin(r)
+        client.close()
+
+
+@pytest.mark.part_bytes(1 * MB)
+def test_a_payload_in_parts_crosses_a_short_lease(clean, producer):
+    handle = publish(producer, "split")
+    keys = clean.keys()
+    assert sum(k.startswith("mcd/split/") for k in keys) == 64  # 64 parts of 1 MiB
+    conn = DiffusionConnector("decode", "store", clean.settings)
+    try:
+        dst = torch.empty(SHAPE, dtype=torch.float32)
+        conn.register(dst)
+        conn.consume(handle, dst=dst, timeout=60).release()
+        assert same_bytes(dst, make_tensor("float32", SHAPE, 7))
+    finally:
+        conn.close()
+    assert clean.keys() == []  # delete-on-consume removed every part
+
+
+@pytest.mark.part_bytes(0)
+def test_a_failed_consume_leaves_the_payload_and_its_ttl_still_reaps_it(clean, producer):
+    handle = publish(producer, "doomed", ttl_s=8)
+    keys = clean.keys()
+    assert len(keys) == 1
+    settings = dataclasses.replace(clean.settings, store_retry_s=0.5)
+    conn = DiffusionConnector("decode", "store", settings)
+    try:
+        with pytest.raises(TransientStoreError):
+            conn.consume(handle, timeout=2)  # every read of the one 64 MiB object expires
+        assert clean.keys() == keys  # still there for a consumer that can read it
+        assert conn.stats().pool_bytes_in_use == 0  # nothing of it kept on this side
+    finally:
+        conn.close()
+    deadline = time.monotonic() + 60  # the 8 s TTL, then the 0.2 s reaper
+    while clean.keys() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert clean.keys() == []
