@@ -2,7 +2,7 @@
 
 Layout (one host each): ``master`` (mooncake_master), ``store`` (the store host),
 ``orch`` (the orchestrator, with a journal), ``enc`` (encode), ``den0``/``den1``
-(denoise), ``dec0``/``dec1`` (decode). Workers run ``gated`` stage functions
+(denoise), ``dec0``/``dec1`` (decode). Workers run ``chaos_gates`` stage functions
 (the reference pipeline, holding where a test asks). Every process reaches the
 others over the bridge by the hosts' addresses; nothing uses loopback across
 hosts, and the same-host copy path is off.
@@ -177,7 +177,7 @@ class Deployment:
                 "--stage",
                 stage,
                 "--fn",
-                f"gated:{stage}",
+                f"chaos_gates:{stage}",
                 "--orchestrator",
                 f"tcp://{self.net.ip('orch')}:{WPORT}",
                 "--worker-id",
@@ -219,7 +219,7 @@ class Deployment:
     # ------------------------------------------------------------------ requests
     def submit(self, rid: str, hold: dict[str, int] | None = None, **params: Any) -> str:
         """Submit request ``rid``; ``hold`` maps a stage to the step its first attempt
-        holds at (see ``gated``)."""
+        holds at (see ``chaos_gates``)."""
         for stage, step in (hold or {}).items():
             (self.gates / f"{rid}.{stage}.hold").write_text(json.dumps({"step": step}))
         p = {"prompt": f"chaos {rid}", "seed": len(self.requests), "steps": 4, **params}

@@ -1,5 +1,5 @@
 """The chaos scenarios: each lands one fault on a running deployment (``deploy``) at a
-point where work is held (``gated``), then accounts for every request it accepted.
+point where work is held (``chaos_gates``), then accounts for every request it accepted.
 
 Each ``scenario_*(d)`` returns an ``Outcome`` and leaves the deployment whole again
 (what it killed is restarted). ``SCENARIOS`` lists them in run order; the tests in

@@ -1,6 +1,6 @@
 """Faults landed on the reference pipeline deployed across network-namespace hosts.
 
-Each scenario holds work at the point where its fault must land (``gated``), lands
+Each scenario holds work at the point where its fault must land (``chaos_gates``), lands
 it, and accounts for every request it accepted: none lost, none completed twice,
 every completed output bitwise equal to the colocated run, detection within twice
 the heartbeat timeout, and no store key left over afterwards (fds and threads are
