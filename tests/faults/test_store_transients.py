@@ -12,6 +12,8 @@ A consume that fails leaves the payload for a retry, and its TTL still reaps it.
 from __future__ import annotations
 
 import dataclasses
+import os
+import signal
 import time
 
 import pytest
@@ -20,8 +22,9 @@ import torch
 from helpers import make_tensor, same_bytes
 from mooncake_diffusion import DiffusionConnector
 from mooncake_diffusion._mooncake.cluster import LocalCluster
+from mooncake_diffusion._mooncake.master import MasterProcess
 from mooncake_diffusion._mooncake.store import StoreClient
-from mooncake_diffusion.errors import TransientStoreError
+from mooncake_diffusion.errors import MasterUnavailableError, TransientStoreError
 from mooncake_diffusion.handoff import ProducerProcess
 from mooncake_diffusion.tensors import describe
 from mooncake_diffusion.testing import assert_no_leaks, thread_names
@@ -124,3 +127,26 @@ def test_a_failed_consume_leaves_the_payload_and_its_ttl_still_reaps_it(clean, p
     while clean.keys() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert clean.keys() == []
+
+
+def test_a_dead_master_is_not_retried_until_the_deadline():
+    """A failed master RPC is retried only while the master answers: once it is dead,
+    the probe after the first failure ends the call with ``MasterUnavailableError``
+    (without the probe it would retry for the whole 600 s deadline and then raise
+    ``TransientStoreError``)."""
+    baseline = thread_names()
+    master = MasterProcess()
+    settings = dataclasses.replace(master.start(), store_retry_s=600.0)
+    client = StoreClient(settings)
+    try:
+        assert client.exists_many(["t/absent"]) == [False]
+        assert client.master_probes == 0  # a healthy call probes nothing
+        os.killpg(master.proc.pid, signal.SIGKILL)
+        master.proc.wait()
+        with pytest.raises(MasterUnavailableError, match=settings.master.rsplit(":", 1)[1]):
+            client.exists_many(["t/absent"])
+        assert (client.master_probes, client.master_down) == (1, 1)
+    finally:
+        client.close()
+        master.stop()
+    assert_no_leaks(None, baseline, timeout=15)

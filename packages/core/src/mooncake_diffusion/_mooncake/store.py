@@ -8,12 +8,18 @@ Transient results (``codes.TRANSIENT``: a read that outlived its lease, a failed
 or timed-out master RPC) are retried here, only for the keys they hit, with
 backoff (10 ms doubling to 200 ms) until the call's deadline (``deadline=``, a
 ``time.monotonic()`` value, else ``settings.store_retry_s`` from the call);
-past it they raise ``TransientStoreError``. Reads are issued in batches of at
-most ``settings.store_part_bytes`` so that one batch cannot outlive its leases.
+past it they raise ``TransientStoreError``. A failed or timed-out master RPC is
+retried only while the master is alive: on the first one in a call the client
+probes the master (TCP connect and ``/health``, within ``MASTER_PROBE_S``) and, if
+it does not answer, stops retrying and raises ``MasterUnavailableError`` at once,
+so a dead master costs a caller about a second, not ``store_retry_s``. Reads are
+issued in batches of at most ``settings.store_part_bytes`` so that one batch cannot
+outlive its leases.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -22,6 +28,8 @@ from mooncake_diffusion._mooncake import import_mooncake
 from mooncake_diffusion._mooncake.codes import (
     OBJECT_NOT_FOUND,
     REPLICA_NOT_READY,
+    RPC_FAIL,
+    RPC_TIMEOUT,
     TRANSIENT,
     check,
     error_for,
@@ -35,6 +43,9 @@ __all__ = ["StoreClient"]
 
 _RETRY_MIN_S = 0.01
 _RETRY_MAX_S = 0.2
+#: how long the master probe after a failed RPC may take (a live master answers in ms)
+MASTER_PROBE_S = 1.0
+_RPC_FAULTS = frozenset({RPC_FAIL, RPC_TIMEOUT})
 
 
 def _batches(sizes: Sequence[Sequence[int]], limit: int) -> list[list[int]]:
@@ -76,8 +87,14 @@ class StoreClient:
         self.regs = Registrations(self._register, self._unregister)
         self._part_bytes = settings.store_part_bytes
         self._retry_s = settings.store_retry_s
+        self._probe_settings = dataclasses.replace(
+            settings, connect_timeout_s=min(MASTER_PROBE_S, settings.connect_timeout_s)
+        )
         #: transient results retried so far (per key and attempt), for tests and metrics
         self.retries = 0
+        #: master probes after a failed RPC, and how many found it down (tests, metrics)
+        self.master_probes = 0
+        self.master_down = 0
         self._closed = False
 
     def _deadline(self, deadline: float | None) -> float:
@@ -88,20 +105,40 @@ class StoreClient:
     ) -> list[int]:
         """Run ``call`` on item indices ``0..n-1`` (it returns one code per index given),
         then again on those with a transient code until none is left or ``deadline``
-        passes. Returns every index's last code (still transient past the deadline)."""
+        passes. Returns every index's last code (still transient past the deadline).
+
+        Raises ``MasterUnavailableError`` when an RPC failed and the probe that follows
+        the first such failure finds the master down (no retry can succeed then)."""
         end = self._deadline(deadline)
         final = [0] * n
         todo = list(range(n))
         delay = _RETRY_MIN_S
+        probed = False
         while True:
             for i, code in zip(todo, call(todo), strict=True):
                 final[i] = code
             todo = [i for i in todo if final[i] in TRANSIENT]
             if not todo or time.monotonic() + delay > end:
                 return final
+            if not probed and any(final[i] in _RPC_FAULTS for i in todo):
+                probed = True
+                self._probe_master(final[todo[0]])
             self.retries += len(todo)
             time.sleep(delay)
             delay = min(delay * 2, _RETRY_MAX_S)
+
+    def _probe_master(self, code: int) -> None:
+        """After a failed master RPC (``code``): return if the master answers, else
+        raise ``MasterUnavailableError`` saying so."""
+        self.master_probes += 1
+        try:
+            probe_master(self._probe_settings)
+        except MasterUnavailableError as e:
+            self.master_down += 1
+            raise MasterUnavailableError(
+                f"{error_for(code, 'a store call')}; the master does not answer, so it is "
+                f"not retried: {e}"
+            ) from None
 
     def _register(self, ptr: int, nbytes: int, device: str) -> None:
         check(self._store.register_buffer(ptr, nbytes), "store register_buffer")
