@@ -1,13 +1,22 @@
-"""Stage functions that hold their work at a known step, so a fault test injects
-its fault exactly there instead of polling status and racing the work.
+"""Stage functions that hold their work at a known point, so a fault test injects
+its fault exactly there instead of polling status and racing the work. One helper
+for the fault tests (``tests/faults``) and the chaos tier (``tests/chaos``).
 
-The worker side: run a worker with ``--fn gated:denoise`` (the reference
-pipeline's denoise) or ``--fn gated:toy_denoise`` (the toy one) and the
-environment of ``Gate.env(step)``. The first time a request's denoise reports
-progress ``step`` in any worker of the test, that worker writes a *reached*
-file (its worker id) and blocks until the test releases the request, or, with
-``until="yield"``, until the orchestrator asks the item to yield (preemption).
-Later arrivals at that step (the job resumed elsewhere) pass straight through.
+The worker side: run a worker with ``--fn gated:STAGE`` (``encode``, ``denoise``,
+``decode``: the reference pipeline's; ``toy_denoise``: the toy one) and the
+environment of ``Gate.env(...)`` (it puts this folder on ``PYTHONPATH``). A
+request's stage holds where the test asked:
+
+- per request: ``Gate.hold(rid, stage, k)`` before submitting. Denoise holds right
+  after it reports progress step ``k`` (``k == 0``: before it consumed its input);
+  decode after ``k`` latent chunks; encode before it runs;
+- for every request's denoise: ``Gate.env(step)``, the step to hold at.
+
+The first arrival at the point, in any worker of the test, writes a *reached*
+file (worker id, step, pid, time) and blocks until the test releases it, or, with
+``until="yield"``, until the orchestrator asks the item to yield (preemption), or
+the item is cancelled. Later arrivals (the job resumed or re-run elsewhere) pass
+straight through.
 
 The test side::
 
@@ -18,8 +27,9 @@ The test side::
     stack.workers[at].kill()         # the fault lands at step 5, every time
     gate.release(rid)                # (or let the held work go on)
 
-Files, not signals, so it works across processes with nothing else shared; a
-held stage gives up after ``HOLD_MAX_S`` so a broken test cannot hang a worker.
+Files, not signals, so it works across processes and namespaces with nothing else
+shared; a held stage gives up after ``HOLD_MAX_S`` so a broken test cannot hang a
+worker.
 """
 
 from __future__ import annotations
@@ -27,13 +37,14 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from mooncake_diffusion.orchestrator import toy
 from mooncake_diffusion.pipeline import stages
 
-__all__ = ["Gate", "denoise", "held", "toy_denoise"]
+__all__ = ["Gate", "decode", "denoise", "encode", "held", "toy_denoise"]
 
 DIR_ENV = "MCD_TEST_GATE_DIR"
 STEP_ENV = "MCD_TEST_GATE_STEP"
@@ -42,27 +53,50 @@ HOLD_MAX_S = 300.0
 _POLL_S = 0.005
 
 
-def _reached(root: Path, rid: str) -> Path:
-    return root / f"{rid}.reached"
+def _file(root: Path, rid: str, stage: str, what: str) -> Path:
+    return root / f"{rid}.{stage}.{what}"
 
 
-def _released(root: Path, rid: str) -> Path:
-    return root / f"{rid}.released"
+# ------------------------------------------------------------------ worker side
+def _root() -> Path | None:
+    d = os.environ.get(DIR_ENV)
+    return Path(d) if d else None
 
 
-def _hold(ctx: Any, step: int) -> None:
-    """Called after the stage reported ``step``: hold there if this is the first arrival."""
-    root, until = Path(os.environ[DIR_ENV]), os.environ.get(UNTIL_ENV, "release")
-    rid = ctx.item.request_id
+def _asked(rid: str, stage: str) -> tuple[int, str] | None:
+    """(point, until) where ``rid``'s ``stage`` holds, or None: the request's own hold
+    file, else (denoise only) the environment's step."""
+    root = _root()
+    if root is None:
+        return None
+    own = _file(root, rid, stage, "hold")
+    if own.exists():
+        spec = json.loads(own.read_text())
+        return int(spec["step"]), str(spec.get("until", "release"))
+    step = int(os.environ.get(STEP_ENV, "0"))
+    if stage == "denoise" and step > 0:
+        return step, os.environ.get(UNTIL_ENV, "release")
+    return None
+
+
+def _hold(ctx: Any, step: int, until: str = "release") -> None:
+    """Hold ``ctx``'s item here if this is the first arrival (see the module doc)."""
+    root, item = _root(), ctx.item
+    assert root is not None
     try:
-        fd = os.open(_reached(root, rid), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        fd = os.open(
+            _file(root, item.request_id, item.stage, "reached"),
+            os.O_CREAT | os.O_EXCL | os.O_WRONLY,
+        )
     except FileExistsError:
-        return  # held once already (this is the job resumed after the fault)
+        return  # held once already (this is the job resumed or re-run)
+    info = {"worker_id": ctx.worker_id, "step": step, "pid": os.getpid(), "t": time.time()}
     with os.fdopen(fd, "w") as f:
-        json.dump({"worker_id": ctx.worker_id, "step": step, "pid": os.getpid()}, f)
+        json.dump(info, f)
+    go = _file(root, item.request_id, item.stage, "go")
     deadline = time.monotonic() + HOLD_MAX_S
     while time.monotonic() < deadline:
-        if _released(root, rid).exists() or ctx.cancelled:
+        if go.exists() or ctx.cancelled:
             return
         if until == "yield" and ctx.should_yield:
             return
@@ -89,18 +123,87 @@ def held(fn: Any, step: int, hold: Any) -> Any:
     return run
 
 
-def _gated(fn: Any) -> Any:
-    def run(item: Any, ctx: Any) -> Any:
-        return held(fn, int(os.environ.get(STEP_ENV, "0")), _hold)(item, ctx)
+def _stepped(fn: Any) -> Any:
+    """``fn`` (a denoise) held at the asked step; step 0 holds before it starts."""
 
-    run.__doc__ = f"{fn.__module__}.{fn.__name__}, held at step ${STEP_ENV} (see module doc)"
+    def run(item: Any, ctx: Any) -> Any:
+        asked = _asked(item.request_id, item.stage)
+        if asked is None:
+            return fn(item, ctx)
+        step, until = asked
+        if step == 0:
+            _hold(ctx, 0, until)
+            return fn(item, ctx)
+        return held(fn, step, lambda c, k: _hold(c, k, until))(item, ctx)
+
+    run.__doc__ = f"{fn.__module__}.{fn.__name__}, held where the test asks (module doc)"
     return run
 
 
-denoise = _gated(stages.denoise)
-toy_denoise = _gated(toy.denoise)
+denoise = _stepped(stages.denoise)
+toy_denoise = _stepped(toy.denoise)
 
 
+def encode(item: Any, ctx: Any) -> Any:
+    if _asked(item.request_id, item.stage) is not None:
+        _hold(ctx, 0)
+    return stages.encode(item, ctx)
+
+
+class _HeldConsumer:
+    """The connector, except that the received payload's chunk iterator holds after
+    ``k`` chunks (the rest of the transfer happens after the fault)."""
+
+    def __init__(self, connector: Any, ctx: Any, k: int) -> None:
+        self._c, self._ctx, self._k = connector, ctx, k
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._c, name)
+
+    def consume(self, *a: Any, **kw: Any) -> Any:
+        got = self._c.consume(*a, **kw)
+        ctx, k = self._ctx, self._k
+        inner_iter = got.__iter__
+
+        def chunks() -> Iterator[Any]:
+            for i, chunk in enumerate(inner_iter()):
+                if i == k:
+                    _hold(ctx, k)
+                yield chunk
+
+        return _Iter(got, chunks)
+
+
+class _Iter:
+    def __init__(self, got: Any, it: Any) -> None:
+        self._got, self._it = got, it
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._got, name)
+
+    def __enter__(self) -> _Iter:
+        self._got.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> Any:
+        return self._got.__exit__(*exc)
+
+    def __iter__(self) -> Iterator[Any]:
+        return self._it()
+
+
+def decode(item: Any, ctx: Any) -> Any:
+    asked = _asked(item.request_id, item.stage)
+    if asked is not None:
+        k = asked[0]
+        if k == 0:
+            _hold(ctx, 0)
+        else:
+            ctx.connector = _HeldConsumer(ctx.connector, ctx, k)
+    return stages.decode(item, ctx)
+
+
+# ------------------------------------------------------------------ test side
 class Gate:
     """The test's side of the gate, on a directory of its own (e.g. ``tmp_path``)."""
 
@@ -108,9 +211,10 @@ class Gate:
         self.root = Path(root) / "gate"
         self.root.mkdir(parents=True, exist_ok=True)
 
-    def env(self, step: int, until: str = "release") -> dict[str, str]:
-        """Worker environment: hold each request at ``step`` until ``release()``
-        (``until="release"``) or until the item is asked to yield (``"yield"``)."""
+    def env(self, step: int = 0, until: str = "release") -> dict[str, str]:
+        """Worker environment: gated stages read this folder; with ``step`` > 0 every
+        request's denoise holds at ``step`` until ``release()`` (``until="release"``)
+        or until the item is asked to yield (``"yield"``)."""
         assert until in ("release", "yield"), until
         return {
             DIR_ENV: str(self.root),
@@ -121,17 +225,27 @@ class Gate:
             ),
         }
 
-    def wait_reached(self, rid: str, timeout: float = 180.0) -> str:
-        """Block until a worker holds ``rid`` at the gate; that worker's id."""
-        path = _reached(self.root, rid)
+    def hold(self, rid: str, stage: str, step: int, until: str = "release") -> None:
+        """Before ``rid`` is submitted: hold its ``stage`` at ``step`` (module doc)."""
+        spec = json.dumps({"step": step, "until": until})
+        _file(self.root, rid, stage, "hold").write_text(spec)
+
+    def reached(self, rid: str, stage: str = "denoise", timeout: float = 180.0) -> dict:
+        """Block until a worker holds ``rid``'s ``stage``; what it wrote (worker_id,
+        step, pid, t)."""
+        path = _file(self.root, rid, stage, "reached")
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
-                return json.loads(path.read_text())["worker_id"]
+                return json.loads(path.read_text())
             except (FileNotFoundError, ValueError):  # not there, or being written
                 time.sleep(0.01)
-        raise AssertionError(f"{rid} never reached the gate within {timeout}s")
+        raise AssertionError(f"{rid} never reached its {stage} gate within {timeout}s")
 
-    def release(self, rid: str) -> None:
-        """Let ``rid`` go on from the gate (no-op if it was never held)."""
-        _released(self.root, rid).touch()
+    def wait_reached(self, rid: str, timeout: float = 180.0) -> str:
+        """Block until a worker holds ``rid``'s denoise at the gate; that worker's id."""
+        return str(self.reached(rid, "denoise", timeout)["worker_id"])
+
+    def release(self, rid: str, stage: str = "denoise") -> None:
+        """Let ``rid``'s ``stage`` go on from the gate (no-op if it was never held)."""
+        _file(self.root, rid, stage, "go").touch()

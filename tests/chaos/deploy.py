@@ -2,8 +2,8 @@
 
 Layout (one host each): ``master`` (mooncake_master), ``store`` (the store host),
 ``orch`` (the orchestrator, with a journal), ``enc`` (encode), ``den0``/``den1``
-(denoise), ``dec0``/``dec1`` (decode). Workers run ``chaos_gates`` stage functions
-(the reference pipeline, holding where a test asks). Every process reaches the
+(denoise), ``dec0``/``dec1`` (decode). Workers run ``gated`` stage functions
+(``tests/gated.py``: the reference pipeline, holding where a test asks). Every process reaches the
 others over the bridge by the hosts' addresses; nothing uses loopback across
 hosts, and the same-host copy path is off.
 
@@ -23,6 +23,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from gated import Gate
 from hosts import Hosts, Spawned
 
 from mooncake_diffusion._mooncake import mooncake_dir
@@ -56,8 +57,7 @@ class Deployment:
     ) -> None:
         self.net = net
         self.work = work
-        self.gates = work / "gates"
-        self.gates.mkdir(parents=True, exist_ok=True)
+        self.gate = Gate(work)
         self.heartbeat_timeout = heartbeat_timeout
         self.pool_bytes = pool_bytes
         self.transfer_mode = transfer_mode
@@ -83,9 +83,11 @@ class Deployment:
             "MOONCAKE_PROTOCOL": "tcp",
             "MOONCAKE_DIFFUSION_SAME_HOST": "0",
             "MCD_ORCHESTRATOR_TOKEN": TOKEN,
-            "MCD_CHAOS_GATES": str(self.gates),
             "MCD_CHECKPOINT_EVERY": "1",
-            "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
+            **self.gate.env(),
+            "PYTHONPATH": os.pathsep.join(
+                [str(HERE.parent), str(HERE), os.environ.get("PYTHONPATH", "")]
+            ),
         }
 
     # ------------------------------------------------------------------ processes
@@ -177,7 +179,7 @@ class Deployment:
                 "--stage",
                 stage,
                 "--fn",
-                f"chaos_gates:{stage}",
+                f"gated:{stage}",
                 "--orchestrator",
                 f"tcp://{self.net.ip('orch')}:{WPORT}",
                 "--worker-id",
@@ -218,10 +220,11 @@ class Deployment:
 
     # ------------------------------------------------------------------ requests
     def submit(self, rid: str, hold: dict[str, int] | None = None, **params: Any) -> str:
-        """Submit request ``rid``; ``hold`` maps a stage to the step its first attempt
-        holds at (see ``chaos_gates``)."""
+        """Submit request ``rid``; ``hold`` maps a stage to where its first arrival
+        holds (``Gate.hold``: a denoise step, 0 before its input is consumed; decode:
+        latent chunks consumed)."""
         for stage, step in (hold or {}).items():
-            (self.gates / f"{rid}.{stage}.hold").write_text(json.dumps({"step": step}))
+            self.gate.hold(rid, stage, step)
         p = {"prompt": f"chaos {rid}", "seed": len(self.requests), "steps": 4, **params}
         assert self.client is not None
         got = self.client.submit(p, request_id=rid)
@@ -230,17 +233,14 @@ class Deployment:
 
     def reached(self, rid: str, stage: str, timeout: float = 120.0) -> float:
         """Wait until ``rid``'s ``stage`` holds at its gate; the wall time it got there."""
-        f = self.gates / f"{rid}.{stage}.reached"
-        deadline = time.monotonic() + timeout
-        while not f.exists():
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{rid} never reached its {stage} gate")
-            time.sleep(0.02)
-        time.sleep(0.01)
-        return float(f.read_text() or time.time())
+        return float(self.gate.reached(rid, stage, timeout)["t"])
 
     def release(self, rid: str, stage: str) -> None:
-        (self.gates / f"{rid}.{stage}.go").write_text("go")
+        self.gate.release(rid, stage)
+
+    def segments(self) -> list[str]:
+        """The store segments the master lists (``host:port`` of each store host)."""
+        return [k for k in self._admin("/get_all_segments").decode().splitlines() if k]
 
     def store_keys(self) -> list[str]:
         return [k for k in self._admin("/get_all_keys").decode().splitlines() if k]

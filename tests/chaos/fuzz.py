@@ -328,9 +328,13 @@ TARGETS: dict[str, tuple[st.SearchStrategy[Any], Callable[[Any], None]]] = {
 }
 
 
-def run(name: str, n: int, seed: int | None = 0) -> int:
-    """Run ``n`` examples of target ``name`` (``"http_api"`` too); how many ran.
-    Raises what the failing example raised (Hypothesis shrinks it first)."""
+def run(name: str, n: int, seed: int | None = 0, batch: int = 1) -> int:
+    """Run about ``n`` cases of target ``name`` (``"http_api"`` too); how many ran.
+    Raises what the failing case raised (Hypothesis shrinks it first).
+
+    ``batch`` > 1: each Hypothesis example is a list of ``batch`` inputs, each checked
+    (a case each). Same inputs, same checks, a fraction of the engine's per-example
+    cost; a failing list shrinks to the failing input as usual."""
     api = None
     if name == "http_api":
         api = ApiTarget()
@@ -339,12 +343,20 @@ def run(name: str, n: int, seed: int | None = 0) -> int:
         strategy, check = TARGETS[name]
     ran = [0]
 
-    def body(x: Any) -> None:
+    def one(x: Any) -> None:
         ran[0] += 1
         check(x)
 
+    body = one
+    if batch > 1:
+        strategy = st.lists(strategy, min_size=batch, max_size=batch)
+
+        def body(xs: list[Any]) -> None:
+            for x in xs:
+                one(x)
+
     test = settings(
-        max_examples=n,
+        max_examples=max(1, -(-n // batch)),
         database=None,
         deadline=None,
         derandomize=seed is not None,

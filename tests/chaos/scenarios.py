@@ -1,5 +1,5 @@
 """The chaos scenarios: each lands one fault on a running deployment (``deploy``) at a
-point where work is held (``chaos_gates``), then accounts for every request it accepted.
+point where work is held (``gated``), then accounts for every request it accepted.
 
 Each ``scenario_*(d)`` returns an ``Outcome`` and leaves the deployment whole again
 (what it killed is restarted). ``SCENARIOS`` lists them in run order; the tests in
@@ -30,8 +30,9 @@ SETTLE_S = 8.0
 @dataclass
 class Outcome:
     """One scenario's account. ``lost``: accepted but unknown or unfinished at the end;
-    ``duplicates``: a stage reported done twice for one request, or a request
-    completed twice; ``detect_s``: fault to the orchestrator acting on it (None when
+    ``duplicates``: a stage reported done twice for one request (beyond the re-runs
+    the orchestrator asked for after a lost output, counted in ``reruns``), or a
+    request completed twice; ``detect_s``: fault to the orchestrator acting on it (None when
     the fault is not meant to be detected); ``leaked_*``: left over after the
     scenario against the baseline taken before it."""
 
@@ -43,6 +44,7 @@ class Outcome:
     lost: int = 0
     duplicates: int = 0
     detect_s: float | None = None
+    reruns: int = 0
     leaked_keys: int = 0
     leaked_fds: int = 0
     leaked_threads: int = 0
@@ -110,7 +112,13 @@ def account(
             o.reasons.append(f"{rid}: lost ({None if st is None else st['state']})")
             continue
         kinds = Counter((e["kind"], e.get("stage")) for e in st["events"])
-        o.duplicates += sum(n - 1 for (k, _), n in kinds.items() if k == "done" and n > 1)
+        # a stage is done once, and once more per Rerun of it (its output was lost)
+        o.duplicates += sum(
+            max(0, n - 1 - kinds[("rerun", stage)])
+            for (k, stage), n in kinds.items()
+            if k == "done"
+        )
+        o.reruns += sum(n for (k, _), n in kinds.items() if k == "rerun")
         o.duplicates += max(0, kinds[("completed", None)] - 1)
         if st["state"] == "completed":
             o.completed += 1
@@ -126,7 +134,7 @@ def account(
             acted = [
                 e["t"]
                 for e in st["events"]
-                if e["kind"] in ("requeued", "failed") and e["t"] >= fault_t
+                if e["kind"] in ("requeued", "rerun", "failed") and e["t"] >= fault_t
             ]
             if acted:
                 dt = min(acted) - fault_t
@@ -250,33 +258,61 @@ def scenario_denoise_partition(d: Deployment) -> Outcome:
 
 
 def scenario_store_kill(d: Deployment) -> Outcome:
-    """The store host is SIGKILLed while a denoise job holds at step 1 (its embeddings
-    and first checkpoint are in the pool) and restarted with an empty pool."""
+    """The store host is SIGKILLed while request ``a`` holds at denoise step 1 (its
+    first checkpoint in the pool) and ``b`` holds before its denoise consumed its
+    embeddings (they are in the pool), and restarted with an empty pool. Once the
+    master lists only the new store host the held work goes on: ``a`` checkpoints into
+    the new pool, ``b`` finds its embeddings gone and the orchestrator re-runs its
+    encode (``Rerun``). Both complete. The time to detect is counted from that
+    release: the orchestrator can only learn of a store fault through a store call."""
     r = Run(d, "store-kill")
     a = r.submit("a", {"denoise": 1}, steps=3)
-    r.submit("b")
+    b = r.submit("b", {"denoise": 0})
     d.reached(a, "denoise")
-    fault_t = time.time()
+    d.reached(b, "denoise")
+    old = set(d.segments())
     d.procs["store"].kill()
     d.start_store()
-    d.release(a, "denoise")
-    return r.finish(fault_t, notes="store host killed and restarted")
+    return _resume(d, r, old, (a, b), "store host killed and restarted")
 
 
 def scenario_master_kill(d: Deployment) -> Outcome:
-    """The Mooncake master is SIGKILLed while a job holds mid-denoise, then restarted
-    on its address (metadata is gone: the store host re-mounts its pool)."""
+    """The Mooncake master is SIGKILLed while ``a`` holds mid-denoise and ``b`` holds
+    before its denoise consumed its embeddings, then restarted on its address
+    (metadata is gone: the store host re-mounts an empty pool). Released, ``a`` goes
+    on; ``b`` finds its embeddings gone and its encode is re-run. Both complete."""
     r = Run(d, "master-kill")
     a = r.submit("a", {"denoise": 1}, steps=3)
-    r.submit("b")
+    b = r.submit("b", {"denoise": 0})
     d.reached(a, "denoise")
-    fault_t = time.time()
+    d.reached(b, "denoise")
+    old = set(d.segments())
     d.procs["master"].kill()
     d.start_master()
     d.procs["store"].stop()  # its segment died with the master's metadata
     d.start_store()
-    d.release(a, "denoise")
-    return r.finish(fault_t, notes="master killed and restarted; store host restarted")
+    return _resume(d, r, old, (a, b), "master killed and restarted; store host restarted")
+
+
+def _resume(d: Deployment, r: Run, old: set[str], held: tuple[str, ...], notes: str) -> Outcome:
+    """Once the master lists one store segment, not one of ``old`` (a killed store
+    host's segment stays listed until its client TTL runs out), release the ``held``
+    denoise jobs: the fault meets the work from then on (``fault_t``)."""
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            now = d.segments()
+        except OSError:  # the master is still coming up
+            now = []
+        if len(now) == 1 and now[0] not in old:
+            break
+        if time.monotonic() > deadline:
+            raise AssertionError(f"store segments {now} (before the fault: {sorted(old)})")
+        time.sleep(0.1)
+    fault_t = time.time()
+    for rid in held:
+        d.release(rid, "denoise")
+    return r.finish(fault_t, notes=notes)
 
 
 def scenario_decode_stopped(d: Deployment) -> Outcome:

@@ -24,7 +24,11 @@ from mooncake_diffusion import DiffusionConnector
 from mooncake_diffusion._mooncake.cluster import LocalCluster
 from mooncake_diffusion._mooncake.master import MasterProcess
 from mooncake_diffusion._mooncake.store import StoreClient
-from mooncake_diffusion.errors import MasterUnavailableError, TransientStoreError
+from mooncake_diffusion.errors import (
+    MasterUnavailableError,
+    PayloadGoneError,
+    TransientStoreError,
+)
 from mooncake_diffusion.handoff import ProducerProcess
 from mooncake_diffusion.tensors import describe
 from mooncake_diffusion.testing import assert_no_leaks, thread_names
@@ -150,3 +154,18 @@ def test_a_dead_master_is_not_retried_until_the_deadline():
         client.close()
         master.stop()
     assert_no_leaks(None, baseline, timeout=15)
+
+
+@pytest.mark.part_bytes(0)
+def test_a_committed_payload_that_is_gone_fails_at_once_not_at_its_deadline(clean, producer):
+    """A stage's acknowledged input is fully published, so absent means gone: with
+    ``committed=True`` the consume says so at once instead of polling for an hour."""
+    handle = publish(producer, "vanished")
+    clean.clear()  # as if it died with its store host
+    conn = DiffusionConnector("decode", "store", clean.settings)
+    try:
+        with pytest.raises(PayloadGoneError, match="gone from the store"):
+            conn.consume(handle, timeout=3600, committed=True)
+        assert conn.stats().pool_bytes_in_use == 0
+    finally:
+        conn.close()

@@ -364,7 +364,9 @@ class _Receiver:
         self._quarantine: list[tuple[float, list[int]]] = []
         self._lock = threading.Lock()
 
-    def consume(self, handle: Any, dst: Any, timeout: float) -> ReceivedPayload:
+    def consume(
+        self, handle: Any, dst: Any, timeout: float, committed: bool = False
+    ) -> ReceivedPayload:
         h = _as_handle(handle)
         with self._lock:
             if h.payload_id in self._consumed:
@@ -385,7 +387,7 @@ class _Receiver:
         )
         if h.num_chunks == 1:  # nothing to overlap: fetch here and raise here
             try:
-                self._fetch(transport, h, regions, deadline, got)
+                self._fetch(transport, h, regions, deadline, got, committed)
             except BaseException as e:
                 self._settle(transport, e, offsets)
                 raise
@@ -394,7 +396,7 @@ class _Receiver:
             if self._fetchers is None:
                 self._fetchers = ThreadPoolExecutor(4, thread_name_prefix="mcd-consume")
             fetchers = self._fetchers
-        fetchers.submit(self._fetch_quietly, transport, h, regions, deadline, got)
+        fetchers.submit(self._fetch_quietly, transport, h, regions, deadline, got, committed)
         return got
 
     def _fetch(
@@ -404,9 +406,12 @@ class _Receiver:
         regions: list[Region],
         deadline: float,
         got: ReceivedPayload,
+        committed: bool = False,
     ) -> None:
         try:
-            got.path = transport.fetch(h, regions, plan_for(h), deadline, got._chunk_landed)
+            got.path = transport.fetch(
+                h, regions, plan_for(h), deadline, got._chunk_landed, committed=committed
+            )
         except BaseException as e:
             got._finish(e)
             raise
@@ -609,6 +614,7 @@ class DiffusionConnector:
         dst: Any = None,
         *,
         timeout: float | None = None,
+        committed: bool = False,
     ) -> ReceivedPayload:
         """Receive a payload in place.
 
@@ -620,10 +626,13 @@ class DiffusionConnector:
         lands. Bad input raises here (``HandleError``, ``DestinationMismatchError``,
         ``AlreadyConsumedError`` for a payload this connector consumed); transfer
         errors (``PayloadGoneError``, ``TransferError``, ``DeadlineExceededError``)
-        raise here or, for chunked payloads, from the iteration.
+        raise here or, for chunked payloads, from the iteration. ``committed``: the
+        caller knows the whole payload was committed (e.g. a stage output the
+        orchestrator acknowledged): one not found is gone at once
+        (``PayloadGoneError``), not waited for until ``timeout``.
         """
         self._check_open()
-        return self._receiver.consume(handle, dst, timeout or self.timeout_s)
+        return self._receiver.consume(handle, dst, timeout or self.timeout_s, committed)
 
     def register(self, tensor: Any) -> None:
         """Register ``tensor``'s whole allocation once with every transport this

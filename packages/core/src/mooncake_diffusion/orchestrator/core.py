@@ -40,6 +40,14 @@ Rules:
   attempt of that (request, stage); anything else is ``Rejected`` and dropped.
   After ``max_attempts`` dispatches of a stage, or a non-retryable failure,
   the request fails with one reason per failed attempt.
+- Lost inputs: a failure that says its input is gone (``ItemFailed.input_lost``,
+  e.g. the store host died with the embeddings) sends the request back to the
+  stage that produced that input (``Rerun``), at most ``max_reruns`` times per
+  request and only while both stages have attempts left; otherwise (or at the
+  first stage) it is an ordinary failure. Attempt numbers of a stage keep
+  growing across reruns, so a result of an attempt from before the rerun is
+  stale, and every attempt counts against ``max_attempts``. The lost handle is
+  kept for the final ``ReleasePayloads``.
 - Preemption (``OrchestratorConfig.preemption``): when denoise jobs of a
   higher-priority class wait and no denoise credit is free, the most recently
   started running job of the lowest class below them gets one ``Preempt``
@@ -87,6 +95,7 @@ from mooncake_diffusion.orchestrator.model import (
     RequestFailed,
     RequestSnapshot,
     Requeued,
+    Rerun,
     Revoke,
     SloClass,
     Stage,
@@ -122,13 +131,16 @@ class _Request:
         "attempt",
         "cls",
         "deadline",
+        "first_input",
         "handles",
         "hint",
         "index",
         "input",
+        "lost",
         "params",
         "preempting",
         "reasons",
+        "reruns",
         "reserved",
         "rid",
         "since",
@@ -136,6 +148,7 @@ class _Request:
         "started",
         "submitted_at",
         "token",
+        "tried",
         "worker",
         "yields",
     )
@@ -160,6 +173,7 @@ class _Request:
         self.attempt = 0
         self.worker: Worker | None = None
         self.input = first_input
+        self.first_input = first_input
         self.hint: dict[str, str] = {}
         self.since = now
         self.token = 0
@@ -169,6 +183,9 @@ class _Request:
         self.yields = 0  # dispatches that ended in ItemYielded (not failures)
         self.preempting = False  # a Preempt was sent for the running attempt
         self.started = now  # when the running attempt was dispatched
+        self.reruns = 0  # Rerun actions taken for this request
+        self.tried: dict[str, int] = {}  # highest attempt dispatched per stage
+        self.lost: list[bytes] = []  # handles of outputs lost (released at the end)
 
     @property
     def stage(self) -> Stage:
@@ -392,7 +409,7 @@ class Orchestrator:
             return
         req.handles.append(ev.output)
         req.index += 1
-        req.attempt = 0
+        req.attempt = req.tried.get(req.stage, 0)
         req.input = ev.output
         req.hint = w.labels
         self._enqueue(req, now)
@@ -403,7 +420,32 @@ class Orchestrator:
             return
         self._release_worker(req, now)
         reason = f"{req.stage} attempt {req.attempt} on {ev.worker_id}: {ev.reason[:MAX_REASON]}"
+        if ev.input_lost is True and self._may_rerun(req):
+            return self._rerun(req, reason, out)
         self._retry_or_fail(req, reason, bool(ev.retryable), out)
+
+    def _may_rerun(self, req: _Request) -> bool:
+        """A stage before this one made its input, reruns are left, and both stages
+        have attempts left (the failed one would be retried; the upstream one re-runs)."""
+        if req.index == 0 or req.reruns >= self.config.max_reruns:
+            return False
+        upstream = req.stages[req.index - 1]
+        budget = self.config.max_attempts
+        return req.attempt - req.yields < budget and req.tried.get(upstream, 0) < budget
+
+    def _rerun(self, req: _Request, reason: str, out: list[Action]) -> None:
+        """The current stage's input is gone: go back to the stage that produced it."""
+        lost_stage = req.stage
+        req.reasons.append(reason)
+        req.reruns += 1
+        if lost_stage == "denoise":
+            self._unreserve(req)  # admission reserves again
+        req.lost.append(req.handles.pop())
+        req.index -= 1
+        req.input = req.handles[req.index - 1] if req.index > 0 else req.first_input
+        req.attempt = req.tried.get(req.stage, 0)
+        out.append(Rerun(req.rid, req.stage, lost_stage, reason))
+        self._enqueue(req, req.since)
 
     def _on_yielded(self, ev: ItemYielded, now: float, out: list[Action]) -> None:
         req = self._held(ev, out)
@@ -515,7 +557,7 @@ class Orchestrator:
         if len(self._finished) > self.config.finished_memory:
             self._finished.popitem(last=False)
         out.append(action)
-        out.append(ReleasePayloads(req.rid, tuple(req.handles)))
+        out.append(ReleasePayloads(req.rid, (*req.lost, *req.handles)))
 
     def _reserve(self, req: _Request) -> None:
         if not req.reserved:
@@ -588,6 +630,7 @@ class Orchestrator:
                 f"routing policy chose {w!r}, not one of the {len(candidates)} candidates"
             )
         req.attempt = attempt
+        req.tried[stage] = attempt
         req.started = now
         req.worker = w
         w.running[req.rid] = req

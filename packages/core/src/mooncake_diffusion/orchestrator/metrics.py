@@ -42,6 +42,12 @@ class ServiceMetrics:
         self.requeues = Counter(
             P + "requeues", "Items sent back to their queue.", ["stage"], registry=r
         )
+        self.reruns = Counter(
+            P + "reruns",
+            "Stages run again because the output they had made was lost, by that stage.",
+            ["stage"],
+            registry=r,
+        )
         self.rejected = Counter(
             P + "rejected", "Events the core rejected, by code.", ["code"], registry=r
         )
@@ -107,7 +113,13 @@ class ServiceMetrics:
             registry=r,
         )
         for s in _STAGES:  # every stage's series exists from the start, at 0
-            for m in (self.dispatches, self.requeues, self.queue_wait, self.run_seconds):
+            for m in (
+                self.dispatches,
+                self.requeues,
+                self.reruns,
+                self.queue_wait,
+                self.run_seconds,
+            ):
                 m.labels(stage=s)
         for o in ("completed", "failed", "cancelled"):
             self.finished.labels(outcome=o)
@@ -115,7 +127,7 @@ class ServiceMetrics:
 
     def sync(self, counters: Mapping[str, int]) -> None:
         """Bring the counters up to the service's tallies (``submitted``, ``completed``,
-        ``dispatched:STAGE``, ``requeued:STAGE``, ``rejected:CODE``, ...)."""
+        ``dispatched:STAGE``, ``requeued:STAGE``, ``rerun:STAGE``, ``rejected:CODE``, ...)."""
         for key, n in counters.items():
             delta = n - self._seen.get(key, 0)
             if delta <= 0:
@@ -130,6 +142,8 @@ class ServiceMetrics:
                 self.dispatches.labels(stage=arg).inc(delta)
             elif kind == "requeued":
                 self.requeues.labels(stage=arg).inc(delta)
+            elif kind == "rerun":
+                self.reruns.labels(stage=arg).inc(delta)
             elif kind == "rejected":
                 self.rejected.labels(code=arg).inc(delta)
             elif key in self.events:

@@ -18,6 +18,7 @@ Events (driver -> core)            Actions (core -> driver)
     ItemFailed      a worker gave up   ReleasePayloads   drop what a finished request holds
     ItemYielded     stopped on request WorkerRemoved     a worker left or missed its deadline
     Tick            time passed        Preempt           ask a worker to yield a denoise job
+                                       Rerun             an input was lost: its stage again
                                        Rejected          a bad event, ignored; says why
 Payload handles (``params``, ``input``, ``output``) are opaque bytes of at most
 ``MAX_HANDLE_BYTES``; the tensors they name move through the connector.
@@ -55,6 +56,7 @@ __all__ = [
     "RequestFailed",
     "RequestSnapshot",
     "Requeued",
+    "Rerun",
     "Revoke",
     "SloClass",
     "Stage",
@@ -147,6 +149,10 @@ class OrchestratorConfig(msgspec.Struct, frozen=True, kw_only=True):
     preemption: bool = False
     #: How often one request may be preempted (a bound, so it cannot starve).
     max_preemptions: int = 2
+    #: How often a stage whose input was lost (``ItemFailed.input_lost``: the store
+    #: host or the producer died with it) may send its request back to re-run the
+    #: stage that made the input (see ``Rerun``). 0: such a failure is an ordinary one.
+    max_reruns: int = 2
 
     def __post_init__(self) -> None:
         names = [c.name for c in self.classes]
@@ -164,6 +170,8 @@ class OrchestratorConfig(msgspec.Struct, frozen=True, kw_only=True):
             _fail(f"finished_memory must be >= 0, got {self.finished_memory}")
         if self.max_preemptions < 0:
             _fail(f"max_preemptions must be >= 0, got {self.max_preemptions}")
+        if self.max_reruns < 0:
+            _fail(f"max_reruns must be >= 0, got {self.max_reruns}")
 
 
 # --------------------------------------------------------------------------- the work item
@@ -250,7 +258,9 @@ class ItemDone(msgspec.Struct, frozen=True, tag=True):
 
 
 class ItemFailed(msgspec.Struct, frozen=True, tag=True):
-    """The worker gave the item up; ``retryable=False`` fails the request at once."""
+    """The worker gave the item up; ``retryable=False`` fails the request at once.
+    ``input_lost``: the item's input payload is gone (not merely late), so only
+    re-running the stage that produced it can help (see ``Rerun``)."""
 
     worker_id: str
     request_id: str
@@ -258,6 +268,7 @@ class ItemFailed(msgspec.Struct, frozen=True, tag=True):
     attempt: int
     reason: str
     retryable: bool = True
+    input_lost: bool = False
 
 
 class ItemYielded(msgspec.Struct, frozen=True, tag=True):
@@ -328,6 +339,17 @@ class Requeued(msgspec.Struct, frozen=True, tag=True):
     reason: str
 
 
+class Rerun(msgspec.Struct, frozen=True, tag=True):
+    """The input of ``lost_stage`` is gone (``ItemFailed.input_lost``): the request went
+    back to ``stage``, the one that produced it, which is queued again (a new attempt;
+    at most ``OrchestratorConfig.max_reruns`` times per request)."""
+
+    request_id: str
+    stage: Stage
+    lost_stage: Stage
+    reason: str
+
+
 class RequestCompleted(msgspec.Struct, frozen=True, tag=True):
     """The request's final output (the last stage's output handle), for the client."""
 
@@ -392,6 +414,7 @@ Action = (
     | Revoke
     | Preempt
     | Requeued
+    | Rerun
     | RequestCompleted
     | RequestFailed
     | RequestCancelled

@@ -74,6 +74,7 @@ from mooncake_diffusion.orchestrator.model import (
     RequestCompleted,
     RequestFailed,
     Requeued,
+    Rerun,
     Revoke,
     Submit,
     Tick,
@@ -499,6 +500,9 @@ class OrchestratorService:
         elif isinstance(a, Requeued):
             self._counters[f"requeued:{a.stage}"] += 1
             self._forget(ItemRef(a.request_id, a.stage, a.attempt))
+        elif isinstance(a, Rerun):
+            self._counters[f"rerun:{a.stage}"] += 1
+            log.warning("orchestrator: %s: %s runs again: %s", a.request_id, a.stage, a.reason)
         elif isinstance(a, ReleasePayloads):
             self._release(a.request_id)
         elif isinstance(a, RequestCompleted):
@@ -609,7 +613,9 @@ class OrchestratorService:
                     self._producers.setdefault(r.request_id, set()).add(wid)
         elif isinstance(msg, Failed):
             r = msg.item
-            ev = ItemFailed(wid, r.request_id, r.stage, r.attempt, msg.reason, msg.retryable)
+            ev = ItemFailed(
+                wid, r.request_id, r.stage, r.attempt, msg.reason, msg.retryable, msg.input_lost
+            )
             if not _rejected(self._feed(ev, ident), "ItemFailed"):
                 self._forget(r)
         elif isinstance(msg, Yielded):

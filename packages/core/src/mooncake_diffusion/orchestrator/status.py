@@ -31,6 +31,7 @@ from mooncake_diffusion.orchestrator.model import (
     RequestCompleted,
     RequestFailed,
     Requeued,
+    Rerun,
 )
 from mooncake_diffusion.orchestrator.wire import Info, ItemRef
 
@@ -44,7 +45,8 @@ MAX_EVENTS = 256
 
 class RequestEvent(msgspec.Struct, frozen=True, omit_defaults=True):
     """One thing that happened to a request. ``kind``: submitted, dispatched, progress,
-    done (a stage's output is published; ``info`` from the worker), requeued,
+    done (a stage's output is published; ``info`` from the worker), requeued, rerun
+    (an output was lost: ``stage`` made it and runs again),
     preempted (asked to yield), yielded (back in its queue), completed, failed,
     cancelled."""
 
@@ -140,17 +142,18 @@ class RequestTable:
                 st.worker_id, st.step, st.total = action.worker_id, None, None
                 ev = RequestEvent(it.request_id, "dispatched", time.time(), it.stage, it.attempt)
                 self._emit(it.request_id, msgspec.structs.replace(ev, worker_id=action.worker_id))
-        elif isinstance(action, Requeued):
+        elif isinstance(action, Requeued | Rerun):
             st = self._live.get(action.request_id)
             if st is not None:
                 st.state, st.worker_id = "queued", None
                 st.reasons.append(action.reason)
+                requeued = isinstance(action, Requeued)
                 ev = RequestEvent(
                     action.request_id,
-                    "requeued",
+                    "requeued" if requeued else "rerun",
                     time.time(),
                     action.stage,
-                    action.attempt,
+                    action.attempt if isinstance(action, Requeued) else None,
                     reason=action.reason,
                 )
                 self._emit(action.request_id, ev)

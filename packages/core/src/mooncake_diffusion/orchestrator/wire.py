@@ -113,6 +113,7 @@ class Failed(msgspec.Struct, frozen=True, tag=True):
     item: ItemRef
     reason: str
     retryable: bool = True
+    input_lost: bool = False  # the item's input payload is gone (see ItemFailed)
 
 
 class Yielded(msgspec.Struct, frozen=True, tag=True):

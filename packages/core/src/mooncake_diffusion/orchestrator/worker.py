@@ -52,6 +52,7 @@ from mooncake_diffusion.connector import DiffusionConnector
 from mooncake_diffusion.errors import PayloadError
 from mooncake_diffusion.orchestrator.errors import OrchestratorError
 from mooncake_diffusion.orchestrator.inbox import Inbox
+from mooncake_diffusion.orchestrator.lost_input import InputWatch
 from mooncake_diffusion.orchestrator.model import WorkItem
 from mooncake_diffusion.orchestrator.wire import (
     Beat,
@@ -83,13 +84,17 @@ _REMEMBER_DONE = 256
 
 class StageContext:
     """What a stage function gets besides its item. ``info``: small facts it may set
-    for the client's event stream (``bytes``, ``path``, ``cache_hit``)."""
+    for the client's event stream (``bytes``, ``path``, ``cache_hit``). ``connector``
+    is the worker's, watched (``lost_input.InputWatch``): if consuming the item's
+    input finds it gone, the failure is reported with ``input_lost`` and the
+    orchestrator re-runs the stage that produced it."""
 
     def __init__(self, worker: StageWorker, item: WorkItem) -> None:
         self.item = item
         self.worker_id = worker.worker_id
         self.labels = dict(worker.labels)
-        self.connector = worker.connector
+        self._watch = InputWatch(worker.connector, item.input)
+        self.connector: Any = self._watch
         self.info: Info = {}
         self._worker = worker
         self._cancelled = threading.Event()
@@ -408,8 +413,10 @@ class StageWorker:
                 self._post(("yielded", ref))
                 return
             retryable = not isinstance(e, PayloadError | ValueError)
-            log.warning("worker %s: %s failed: %s", self.worker_id, ref, e)
-            self._post(("failed", ref, f"{type(e).__name__}: {e}", retryable))
+            lost = ctx._watch.lost
+            why = " (its input is lost)" if lost else ""
+            log.warning("worker %s: %s failed%s: %s", self.worker_id, ref, why, e)
+            self._post(("failed", ref, f"{type(e).__name__}: {e}", retryable, lost))
 
     def _on_mail(self, msg: tuple[Any, ...], send: Callable[[Any], None]) -> None:
         kind, ref = msg[0], msg[1]
@@ -434,4 +441,4 @@ class StageWorker:
             send(frame)
         else:
             self.items_failed += 1
-            send(Failed(self.worker_id, ref, msg[2], msg[3]))
+            send(Failed(self.worker_id, ref, msg[2], msg[3], msg[4] if len(msg) > 4 else False))

@@ -35,7 +35,10 @@ unchanged, until ``commit`` of that chunk returns (store) or the payload is
 consumed or discarded (p2p); the connector holds them. ``fetch`` regions are
 written in place. Errors are those of ``mooncake_diffusion.errors``;
 ``PayloadGoneError`` from ``fetch`` means the payload is not there (consumed,
-expired or never published).
+expired or never published). ``fetch(..., committed=True)``: the caller knows the
+whole payload was committed before (an acknowledged stage output), so a transport
+that would wait for a payload still being published (store) reports one it does not
+find as gone at once instead of at the deadline.
 """
 
 from __future__ import annotations
@@ -93,6 +96,8 @@ class Transport(ABC):
         plan: Plan,
         deadline: float,
         on_chunk: Callable[[int], None],
+        *,
+        committed: bool = False,
     ) -> str: ...
 
     @abstractmethod

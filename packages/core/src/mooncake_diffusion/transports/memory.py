@@ -91,6 +91,8 @@ class MemoryTransport(Transport):
         plan: Plan,
         deadline: float,
         on_chunk: Callable[[int], None],
+        *,
+        committed: bool = False,
     ) -> str:
         pid = handle.payload_id
         with _LOCK:

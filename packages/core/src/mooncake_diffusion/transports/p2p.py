@@ -238,6 +238,8 @@ class P2PTransport(Transport):
         plan: Plan,
         deadline: float,
         on_chunk: Callable[[int], None],
+        *,
+        committed: bool = False,
     ) -> str:
         source = handle.source
         assert isinstance(source, P2PSource)

@@ -149,9 +149,12 @@ class StoreTransport(Transport):
         plan: Plan,
         deadline: float,
         on_chunk: Callable[[int], None],
+        *,
+        committed: bool = False,
     ) -> str:
         """Poll the lowest missing chunk (producers commit in order), report each as
-        soon as it is read, and reset the backoff whenever one arrives."""
+        soon as it is read, and reset the backoff whenever one arrives. ``committed``:
+        nothing is still being published, so a missing object is gone (no polling)."""
         assert isinstance(handle.source, StoreSource)
         objects = [_objects(handle.source, plan, c) for c in range(len(plan))]
         staged = self._stager.inbound(regions)
@@ -167,6 +170,12 @@ class StoreTransport(Transport):
                     pending = [o for o, ok in zip(pending, found, strict=True) if not ok]
                     if not pending:
                         break
+                    if committed:
+                        raise PayloadGoneError(
+                            f"payload {handle.payload_id} is gone from the store: it was "
+                            f"committed, and {len(pending)} of its objects are not there "
+                            "(consumed, removed, or lost with a store host or the master)"
+                        )
                     if time.monotonic() + delay > deadline:
                         self._give_up(handle, len(plan) - chunk, len(plan))
                     time.sleep(delay)
