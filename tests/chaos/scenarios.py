@@ -226,9 +226,11 @@ def _holder(d: Deployment, rid: str) -> str:
 # ------------------------------------------------------------------ scenarios
 def warm_up(d: Deployment) -> Outcome:
     """Two requests held at every stage so that each worker runs one (credits are 1):
-    every process has made its connections and threads before baselines are taken."""
+    every process has made its connections and threads before baselines are taken.
+    They are chunked like the scenarios' decode jobs (5 frames, 2 chunks), so each
+    worker's Transfer Engine has opened the connections such a transfer uses."""
     r = Run(d, "warm")
-    rids = [r.submit(f"w{i}", {"denoise": 1, "decode": 0}) for i in range(2)]
+    rids = [r.submit(f"w{i}", {"denoise": 1, "decode": 0}, frames=5, chunks=2) for i in range(2)]
     for stage in ("denoise", "decode"):
         holders = set()
         for rid in rids:
