@@ -10,6 +10,7 @@ JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="py
 <testcase classname="tests.faults.t" name="test_bad" time="1"><failure message="x"/></testcase>
 <testcase classname="tests.faults.t" name="test_err" time="1"><error message="y"/></testcase>
 <testcase classname="tests.faults.t" name="test_skip" time="0"><skipped message="z"/></testcase>
+<testcase classname="" name="" time="0"><error message="KeyboardInterrupt"/></testcase>
 </testsuite></testsuites>"""
 
 
