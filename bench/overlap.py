@@ -355,6 +355,10 @@ class Row:
     decode_ms: float
     overlap_efficiency: float
     ttff_ratio: float
+    #: [min, max] of the TTFF ratio and the overlap efficiency over the timed runs (each
+    #: run against the 1-chunk row's medians): the spread a quick run is read with
+    ttff_ratio_range: list[float]
+    overlap_efficiency_range: list[float]
     #: end to end of the same latent and path sent whole (the 1-chunk row), ms
     unchunked_e2e_ms: float
     handle_ms: float
@@ -404,6 +408,8 @@ def make_row(latent: str, path: str, chunks: int, transfer: list[Sample], e2e: l
         decode_ms=d_ms,
         overlap_efficiency=float("nan"),  # filled in once the 1-chunk row is known
         ttff_ratio=float("nan"),
+        ttff_ratio_range=[],
+        overlap_efficiency_range=[],
         unchunked_e2e_ms=float("nan"),
         handle_ms=med_ms([s.handle_s for s in e2e]),
         chunk_landed_ms=[
@@ -434,6 +440,10 @@ def fill_ratios(rows: list[Row]) -> None:
         r.ttff_ratio = r.ttff_ms / b.ttff_ms
         r.unchunked_e2e_ms = b.e2e_ms
         r.overlap_efficiency = max(b.transfer_ms, b.decode_ms) / r.e2e_ms
+        ratios = [t / b.ttff_ms for t in r.runs_ms["ttff"]]
+        effs = [max(b.transfer_ms, b.decode_ms) / e for e in r.runs_ms["e2e"]]
+        r.ttff_ratio_range = [round(min(ratios), 3), round(max(ratios), 3)]
+        r.overlap_efficiency_range = [round(min(effs), 3), round(max(effs), 3)]
 
 
 def calibrate(bench: Bench, cfg: Config, runs: int) -> tuple[Decoder, dict[str, float]]:
@@ -480,15 +490,18 @@ def machine_info() -> dict[str, Any]:
 def markdown(rows: list[Row]) -> str:
     lines = [
         "| latent | path | chunks | TTFF ms | end-to-end ms | unchunked end-to-end ms "
-        "| transfer ms | decode ms | overlap eff | TTFF ratio |",
+        "| transfer ms | decode ms | overlap eff (min-max) | TTFF ratio (min-max) |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
+        e_lo, e_hi = r.overlap_efficiency_range or [float("nan")] * 2
+        t_lo, t_hi = r.ttff_ratio_range or [float("nan")] * 2
         lines.append(
             f"| {r.latent} | {r.path} | {r.chunks} | {r.ttff_ms:.2f} | {r.e2e_ms:.2f} "
             f"| {r.unchunked_e2e_ms:.2f} "
-            f"| {r.transfer_ms:.2f} | {r.decode_ms:.2f} | {r.overlap_efficiency:.3f} "
-            f"| {r.ttff_ratio:.3f} |"
+            f"| {r.transfer_ms:.2f} | {r.decode_ms:.2f} "
+            f"| {r.overlap_efficiency:.3f} ({e_lo:.2f}-{e_hi:.2f}) "
+            f"| {r.ttff_ratio:.3f} ({t_lo:.2f}-{t_hi:.2f}) |"
         )
     return "\n".join(lines)
 
@@ -506,10 +519,14 @@ def summary(rows: list[Row], decoder: Decoder, whole_ms: dict[str, float]) -> di
         "overlap_target_min": TARGET_OVERLAP,
         "ttff_target_met": worst_ttff.ttff_ratio <= TARGET_TTFF_RATIO,
         "overlap_target_met": worst_eff.overlap_efficiency >= TARGET_OVERLAP,
+        "ttff_ratio_8_chunks_range": worst_ttff.ttff_ratio_range,
+        "overlap_efficiency_8_chunks_range": worst_eff.overlap_efficiency_range,
         "at_8_chunks": {
             f"{r.latent}/{r.path}": {
                 "ttff_ratio": r.ttff_ratio,
+                "ttff_ratio_range": r.ttff_ratio_range,
                 "overlap_efficiency": r.overlap_efficiency,
+                "overlap_efficiency_range": r.overlap_efficiency_range,
             }
             for r in at8
         },

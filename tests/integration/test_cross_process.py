@@ -139,20 +139,6 @@ def test_same_host_p2p_copies_memory_directly_unless_turned_off(
         consumer.close()
 
 
-def test_store_consumer_reads_each_chunk_on_the_producers_notification(producer, connector_factory):
-    handle = publish(
-        producer, "store", "notified", "bfloat16", (1, 16, 8, 64, 64), 23, chunk_dim=2,
-        num_chunks=8,
-    )  # fmt: skip
-    consumer = connector_factory("store", "decode")
-    expected = torch.tensor_split(make_tensor("bfloat16", (1, 16, 8, 64, 64), 23), 8, 2)
-    with consumer.consume(handle) as got:
-        for chunk in got:
-            assert same_bytes(chunk.tensor.contiguous(), expected[chunk.index].contiguous())
-    store = consumer._transports.get("store")
-    assert store.told == 8  # woken by the side channel for every chunk, none polled
-
-
 def test_chunked_stream_across_processes_lands_chunk_by_chunk(producer, connector_factory):
     for mode in ("p2p", "store"):
         r = producer.request(

@@ -82,6 +82,7 @@ class _Progress:
         self.chunks = chunks
         self.done: set[int] = set()
         self.ended = False  # withdrawn, failed or forgotten: no more commits will come
+        self.withdrawn = False  # discarded: its bytes are gone too
 
 
 def _split(segs: list[Segment], limit: int) -> list[list[Segment]]:
@@ -163,14 +164,16 @@ class StoreTransport(Transport):
         each as soon as it is committed; ``gone`` when it is unknown or withdrawn."""
         with self._cv:
             state = self._progress.get(req.payload_id)
-        if state is None:
-            return FetchReply("gone", f"payload {req.payload_id} is not being published here")
+        if state is None:  # "failed": the consumer polls (the bytes may well be there)
+            return FetchReply("failed", f"payload {req.payload_id} is not followed here")
         for i in range(state.chunks):
             with self._cv:
                 while i not in state.done and not state.ended and not self._closing:
                     self._cv.wait(_WAKE_S)
                 if i not in state.done:
-                    return FetchReply("gone", f"payload {req.payload_id} was withdrawn")
+                    if state.withdrawn:
+                        return FetchReply("gone", f"payload {req.payload_id} was withdrawn")
+                    return FetchReply("failed", "the producer stopped following it")
             progress(ChunkDone(i, "store"))
         return FetchReply("ok")
 
@@ -217,7 +220,7 @@ class StoreTransport(Transport):
         with self._cv:
             state = self._progress.pop(handle.payload_id, None)
             if state is not None:
-                state.ended = True
+                state.ended = state.withdrawn = True
                 self._cv.notify_all()
         self._client.remove_many(self._all_keys(handle, plan_for(handle)))
 
@@ -239,13 +242,15 @@ class StoreTransport(Transport):
         leases = [self._client.regs.acquire(r) for r in regions if r.nbytes]
         read = 0  # chunks read and reported so far
 
-        def land(chunk: int) -> None:
+        def land(chunk: int, wait: bool = True) -> bool:
             nonlocal read
-            self._read_chunk(handle, objects, regions, chunk, len(plan), deadline)
+            if not self._read_chunk(handle, objects, regions, chunk, len(plan), deadline, wait):
+                return False
             if staged is not None:
                 staged.receive(plan[chunk])
             on_chunk(chunk)
             read = chunk + 1
+            return True
 
         def told(done: ChunkDone) -> None:
             if done.index == read:  # the producer tells chunks in order, each once
@@ -253,8 +258,16 @@ class StoreTransport(Transport):
                 self.told += 1
 
         try:
-            if handle.source.notify:
-                self._follow(handle, deadline, told)
+            # What is already there costs one read per chunk and no notifier round trip
+            # (a payload published whole before its handle was sent: all of it).
+            while read < len(plan) and land(read, wait=False):
+                pass
+            notify = read < len(plan) and bool(handle.source.notify)
+            if notify and self._follow(handle, deadline, told) == "gone":
+                raise PayloadGoneError(
+                    f"payload {handle.payload_id} was withdrawn by its producer after "
+                    f"{read} of {len(plan)} chunks"
+                )
             for chunk in range(read, len(plan)):  # no notifier, or it stopped: poll
                 land(chunk)
         finally:
@@ -276,48 +289,57 @@ class StoreTransport(Transport):
         chunk: int,
         total: int,
         deadline: float,
-    ) -> None:
-        """Read ``chunk``, polling with bounded backoff until all its objects exist."""
+        wait: bool,
+    ) -> bool:
+        """Read ``chunk``; with ``wait``, poll with bounded backoff until all its objects
+        exist (or raise at the deadline), else report whether one attempt got it all."""
         pending = list(objects[chunk])
         delay = _POLL_MIN_S
         while pending:
             found = self._client.get_many(*_buffers(pending, regions), deadline=deadline)
             pending = [o for o, ok in zip(pending, found, strict=True) if not ok]
             if not pending:
-                return
+                return True
+            if not wait:
+                return False
             if time.monotonic() + delay > deadline:
                 self._give_up(handle, total - chunk, total)
             time.sleep(delay)
             delay = min(delay * 2, _POLL_MAX_S)
+        return True
 
     @staticmethod
     def _follow(
         handle: PayloadHandle, deadline: float, on_done: Callable[[ChunkDone], None]
-    ) -> None:
+    ) -> str:
         """Ask the producer's side channel for ``handle``'s commits and run ``on_done``
         for each ``ChunkDone`` as it comes (it reads the chunk meanwhile the producer
-        puts the next). Returns quietly when the producer cannot help (gone, unknown
-        payload, broken connection, deadline): the caller polls for what is left.
-        Errors raised by ``on_done`` propagate; the connection is closed either way."""
+        puts the next). Returns the producer's final status: ``ok`` (all told), ``gone``
+        (it withdrew the payload) or, when it cannot help (gone process, payload not
+        followed there, broken connection, deadline), ``failed``: the caller polls
+        for what is left. Errors raised by ``on_done`` propagate; the connection is
+        closed either way."""
         assert isinstance(handle.source, StoreSource)
         try:
             sock = connect(handle.source.notify, deadline)
         except (OSError, MooncakeDiffusionError):  # unreachable, or the deadline passed
-            return
+            return "failed"
         with contextlib.closing(sock):
             try:
                 sock.settimeout(max(deadline - time.monotonic(), 0.001))
                 send_frame(sock, encode(FetchRequest(handle.payload_id, "", (), ())))
             except OSError:
-                return
+                return "failed"
             while True:
                 try:  # OSError covers timeouts and resets
                     sock.settimeout(max(deadline - time.monotonic(), 0.001))
                     msg = decode_message(recv_frame(sock))
                 except (OSError, HandleError):
-                    return
+                    return "failed"
+                if isinstance(msg, FetchReply):
+                    return msg.status
                 if not isinstance(msg, ChunkDone):
-                    return  # the FetchReply: ok (all told) or gone
+                    return "failed"
                 on_done(msg)  # its errors are the fetch's
 
     @staticmethod
