@@ -1,4 +1,4 @@
-"""The ``vllm.general_plugins`` entry point: register the connector's name.
+"""The ``vllm.general_plugins`` entry point: register the connector's name and types.
 
 vLLM loads every ``vllm.general_plugins`` entry point in each engine-core and
 worker process (and during argument parsing), so the name resolves wherever a
@@ -28,9 +28,13 @@ def _create(config: dict[str, Any]) -> Any:
 def register() -> None:
     """Register ``CONNECTOR_NAME`` with ``OmniConnectorFactory``; idempotent, thread-safe.
 
-    Imports only vLLM-Omni's factory (the connector class loads on first use)."""
+    Imports vLLM-Omni's factory and the output classes that travel as themselves
+    (``types.register_types``); the connector class loads on first use."""
     from vllm_omni.distributed.omni_connectors.factory import OmniConnectorFactory
 
     with _lock:
         if CONNECTOR_NAME not in OmniConnectorFactory.list_registered_connectors():
             OmniConnectorFactory.register_connector(CONNECTOR_NAME, _create)
+    from mooncake_diffusion_vllm_omni.types import register_types
+
+    register_types()
