@@ -77,10 +77,12 @@ checks ``ReceivedPayload.path`` (p2p/net, p2p/shm, store). The timed runs go rou
 over the paths (the order flipped each repeat), a transfer-only run then an end-to-end run
 each; the table shows medians. Store keys left behind are reported (there should be none).
 The JSON rows also hold every run's times and ``chunk_landed_ms`` (t0 -> chunk i landed,
-median by i over the transfer-only runs), which shows whether chunks arrive one by one (p2p,
-same_host) or in bursts (store: the consumer polls all missing chunk objects in one batch
-get, reports a chunk only when that batch returns, and backs off up to 20 ms between
-polls; the producer puts up to ``--publish-workers`` chunks at once).
+median by i over the transfer-only runs), which shows that chunks arrive one by one on
+every path (store: the producer puts the chunks of a whole-latent publish in order and
+tells the consumer each commit on its side channel; the consumer reads chunk i while chunk
+i+1 is put, see ``docs/performance.md``). The ``*_range`` fields give each ratio's
+[min, max] over the timed runs; ``--quick`` runs every configuration of the full run with
+3 repeats instead of 7.
 Handles travel between processes as bytes (hex in JSON lines over the peer's stdin and
 stdout); nothing is pickled. On a 2-vCPU VM with a 250 Hz kernel a thread that loses its
 CPU waits up to a 4 ms tick: expect outliers of that size.
@@ -594,7 +596,9 @@ def run_all(cfg: Config, cluster: LocalCluster) -> tuple[list[Row], Decoder, dic
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    p.add_argument("--quick", action="store_true", help="3 repeats (finishes in ~25 s)")
+    p.add_argument(
+        "--quick", action="store_true", help="3 repeats instead of 7 (same configurations)"
+    )
     p.add_argument("--json", metavar="PATH", help="also write results as JSON here")
     p.add_argument("--repeats", type=int, help="timed runs per path, latent and chunking")
     p.add_argument("--latents", default=",".join(LATENTS), help="comma-separated latent names")
