@@ -188,12 +188,15 @@ def build(factory_cls: Any, row: str, extra: dict[str, Any]) -> Any:
     return factory_cls.create_connector(ConnectorSpec(name=FACTORY_NAME[row], extra=dict(extra)))
 
 
+def latent_shape(mb: int) -> tuple[int, ...]:
+    return (1, 16, mb * MIB // 2 // (16 * 64 * 64), 64, 64)
+
+
 def latent_dict(mb: int, seed: int) -> dict[str, Any]:
     import torch
 
-    t = mb * MIB // 2 // (16 * 64 * 64)
     g = torch.Generator().manual_seed(seed)
-    latent = torch.randint(-32768, 32767, (1, 16, t, 64, 64), dtype=torch.int16, generator=g)
+    latent = torch.randint(-32768, 32767, latent_shape(mb), dtype=torch.int16, generator=g)
     return {"latent": latent.view(torch.bfloat16), "step": seed}
 
 
@@ -287,7 +290,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             f = factory()  # imports vLLM-Omni here while the peer does the same
             conns = {row: build(f, row, ex[row]) for row in ex}
             core = DiffusionConnector("decode", "store", s, receive_pool_bytes=0)
-            dsts = {mb: torch.empty(mb * MIB // 2, dtype=torch.bfloat16) for mb in sizes}
+            dsts = {mb: torch.empty(latent_shape(mb), dtype=torch.bfloat16) for mb in sizes}
             for dst in dsts.values():
                 core.register(dst)
             shas = peer.call("setup", extras=ex, sizes=sizes)["shas"]
