@@ -382,8 +382,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "store_keys_left": len(left),
         "wall_s": round(time.perf_counter() - t_start, 1),
     }
-    return {"bench": "vllm_omni", "machine": machine_info(), "rows": rows_out,
-            "summary": summary}  # fmt: skip
+    config = {"quick": args.quick, "sizes_mb": sizes, "repeats": args.repeats,
+              "warmup": args.warmup, "miss_repeats": args.miss_repeats}  # fmt: skip
+    return {"bench": "vllm_omni", "machine": machine_info(), "config": config,
+            "rows": rows_out, "summary": summary}  # fmt: skip
 
 
 def miss_ms(conn: Any, repeats: int) -> float:
