@@ -70,9 +70,7 @@ class PeerClient:
         assert self._proc.stdout is not None
         line = self._proc.stdout.readline()
         if not line:
-            self._err.seek(0)
-            tail = self._err.read()[-2000:].decode(errors="replace")
-            raise RuntimeError(f"peer exited ({self._proc.poll()}); stderr tail:\n{tail}")
+            raise RuntimeError(f"peer exited ({self._proc.poll()}); stderr tail:\n{self._tail()}")
         return json.loads(line)
 
     def call(self, op: str, **kw: Any) -> dict[str, Any]:
@@ -83,8 +81,12 @@ class PeerClient:
         self._proc.stdin.flush()
         reply = self._read()
         if not reply.pop("ok"):
-            raise RuntimeError(f"peer {op}: {reply['error']}")
+            raise RuntimeError(f"peer {op}: {reply['error']}; peer stderr tail:\n{self._tail()}")
         return reply
+
+    def _tail(self, n: int = 2000) -> str:
+        self._err.seek(0)
+        return self._err.read()[-n:].decode(errors="replace")
 
     def close(self) -> None:
         if self._proc.poll() is None:

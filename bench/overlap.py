@@ -77,10 +77,12 @@ checks ``ReceivedPayload.path`` (p2p/net, p2p/shm, store). The timed runs go rou
 over the paths (the order flipped each repeat), a transfer-only run then an end-to-end run
 each; the table shows medians. Store keys left behind are reported (there should be none).
 The JSON rows also hold every run's times and ``chunk_landed_ms`` (t0 -> chunk i landed,
-median by i over the transfer-only runs), which shows whether chunks arrive one by one (p2p,
-same_host) or in bursts (store: the consumer polls all missing chunk objects in one batch
-get, reports a chunk only when that batch returns, and backs off up to 20 ms between
-polls; the producer puts up to ``--publish-workers`` chunks at once).
+median by i over the transfer-only runs), which shows that chunks arrive one by one on
+every path (store: the producer puts the chunks of a whole-latent publish in order and
+tells the consumer each commit on its side channel; the consumer reads chunk i while chunk
+i+1 is put, see ``docs/performance.md``). The ``*_range`` fields give each ratio's
+[min, max] over the timed runs; ``--quick`` runs every configuration of the full run with
+3 repeats instead of 7.
 Handles travel between processes as bytes (hex in JSON lines over the peer's stdin and
 stdout); nothing is pickled. On a 2-vCPU VM with a 250 Hz kernel a thread that loses its
 CPU waits up to a 4 ms tick: expect outliers of that size.
@@ -355,6 +357,10 @@ class Row:
     decode_ms: float
     overlap_efficiency: float
     ttff_ratio: float
+    #: [min, max] of the TTFF ratio and the overlap efficiency over the timed runs (each
+    #: run against the 1-chunk row's medians): the spread a quick run is read with
+    ttff_ratio_range: list[float]
+    overlap_efficiency_range: list[float]
     #: end to end of the same latent and path sent whole (the 1-chunk row), ms
     unchunked_e2e_ms: float
     handle_ms: float
@@ -404,6 +410,8 @@ def make_row(latent: str, path: str, chunks: int, transfer: list[Sample], e2e: l
         decode_ms=d_ms,
         overlap_efficiency=float("nan"),  # filled in once the 1-chunk row is known
         ttff_ratio=float("nan"),
+        ttff_ratio_range=[],
+        overlap_efficiency_range=[],
         unchunked_e2e_ms=float("nan"),
         handle_ms=med_ms([s.handle_s for s in e2e]),
         chunk_landed_ms=[
@@ -434,6 +442,10 @@ def fill_ratios(rows: list[Row]) -> None:
         r.ttff_ratio = r.ttff_ms / b.ttff_ms
         r.unchunked_e2e_ms = b.e2e_ms
         r.overlap_efficiency = max(b.transfer_ms, b.decode_ms) / r.e2e_ms
+        ratios = [t / b.ttff_ms for t in r.runs_ms["ttff"]]
+        effs = [max(b.transfer_ms, b.decode_ms) / e for e in r.runs_ms["e2e"]]
+        r.ttff_ratio_range = [round(min(ratios), 3), round(max(ratios), 3)]
+        r.overlap_efficiency_range = [round(min(effs), 3), round(max(effs), 3)]
 
 
 def calibrate(bench: Bench, cfg: Config, runs: int) -> tuple[Decoder, dict[str, float]]:
@@ -480,15 +492,18 @@ def machine_info() -> dict[str, Any]:
 def markdown(rows: list[Row]) -> str:
     lines = [
         "| latent | path | chunks | TTFF ms | end-to-end ms | unchunked end-to-end ms "
-        "| transfer ms | decode ms | overlap eff | TTFF ratio |",
+        "| transfer ms | decode ms | overlap eff (min-max) | TTFF ratio (min-max) |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
+        e_lo, e_hi = r.overlap_efficiency_range or [float("nan")] * 2
+        t_lo, t_hi = r.ttff_ratio_range or [float("nan")] * 2
         lines.append(
             f"| {r.latent} | {r.path} | {r.chunks} | {r.ttff_ms:.2f} | {r.e2e_ms:.2f} "
             f"| {r.unchunked_e2e_ms:.2f} "
-            f"| {r.transfer_ms:.2f} | {r.decode_ms:.2f} | {r.overlap_efficiency:.3f} "
-            f"| {r.ttff_ratio:.3f} |"
+            f"| {r.transfer_ms:.2f} | {r.decode_ms:.2f} "
+            f"| {r.overlap_efficiency:.3f} ({e_lo:.2f}-{e_hi:.2f}) "
+            f"| {r.ttff_ratio:.3f} ({t_lo:.2f}-{t_hi:.2f}) |"
         )
     return "\n".join(lines)
 
@@ -506,10 +521,14 @@ def summary(rows: list[Row], decoder: Decoder, whole_ms: dict[str, float]) -> di
         "overlap_target_min": TARGET_OVERLAP,
         "ttff_target_met": worst_ttff.ttff_ratio <= TARGET_TTFF_RATIO,
         "overlap_target_met": worst_eff.overlap_efficiency >= TARGET_OVERLAP,
+        "ttff_ratio_8_chunks_range": worst_ttff.ttff_ratio_range,
+        "overlap_efficiency_8_chunks_range": worst_eff.overlap_efficiency_range,
         "at_8_chunks": {
             f"{r.latent}/{r.path}": {
                 "ttff_ratio": r.ttff_ratio,
+                "ttff_ratio_range": r.ttff_ratio_range,
                 "overlap_efficiency": r.overlap_efficiency,
+                "overlap_efficiency_range": r.overlap_efficiency_range,
             }
             for r in at8
         },
@@ -577,7 +596,9 @@ def run_all(cfg: Config, cluster: LocalCluster) -> tuple[list[Row], Decoder, dic
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    p.add_argument("--quick", action="store_true", help="3 repeats (finishes in ~25 s)")
+    p.add_argument(
+        "--quick", action="store_true", help="3 repeats instead of 7 (same configurations)"
+    )
     p.add_argument("--json", metavar="PATH", help="also write results as JSON here")
     p.add_argument("--repeats", type=int, help="timed runs per path, latent and chunking")
     p.add_argument("--latents", default=",".join(LATENTS), help="comma-separated latent names")

@@ -25,7 +25,11 @@ Paths run round-robin (the order flipped every repeat) after one verified run (t
 receiver compares every byte with the pattern) and warm-up runs. ``ratio`` is the
 throughput of an adapter path over ``sglang_engine`` at the same size; the summary's
 ``vs_sglang_engine_min`` is the smallest ``adapter_net`` ratio and
-``vs_sglang_engine_same_host_min`` the smallest ``adapter_same_host`` ratio.
+``vs_sglang_engine_same_host_min`` the smallest ``adapter_same_host`` ratio. Spread:
+each repeat runs every path once, so each ratio is also taken per repeat (paired); rows
+carry ``ratio_range`` and the summary's ``spread`` the [min, max] of those, with the
+control's as the noise floor. ``--quick`` runs the same sizes and paths as the full run,
+5 repeats instead of 20 (2 warm-ups each).
 MiB = 2**20 B, GB/s = 1e9 B/s, medians. Nothing is pickled: the peer speaks JSON lines.
 """
 
@@ -166,6 +170,10 @@ class Row:
     seconds: float
     gbps: float
     ratio: float | None
+    #: [min, max] over repeats of this path's throughput / sglang_engine's in the same
+    #: repeat (paired: one stretch of noise); None for the base
+    ratio_range: list[float] | None
+    seconds_all: list[float]
 
 
 class Sender:
@@ -208,7 +216,7 @@ class Sender:
                 e.close()
 
 
-def measure(sender: Sender, peer: Any, n: int, warmup: int, repeats: int) -> dict[str, float]:
+def measure(sender: Sender, peer: Any, n: int, warmup: int, repeats: int) -> dict[str, list[float]]:
     for p in PATHS:
         sender.run(p, n)
         if not peer.call("check", n=n)["equal"]:
@@ -219,23 +227,30 @@ def measure(sender: Sender, peer: Any, n: int, warmup: int, repeats: int) -> dic
     for i in range(repeats):
         for p in PATHS if i % 2 == 0 else reversed(PATHS):
             times[p].append(sender.run(p, n))
-    return {p: statistics.median(ts) for p, ts in times.items()}
+    return times
 
 
-def rows_for(n: int, medians: dict[str, float]) -> list[Row]:
+def rows_for(n: int, times: dict[str, list[float]]) -> list[Row]:
+    medians = {p: statistics.median(ts) for p, ts in times.items()}
     gbps = {p: n / s / 1e9 for p, s in medians.items()}
-    return [
-        Row(n, p, medians[p], gbps[p], None if p == BASE else gbps[p] / gbps[BASE]) for p in PATHS
-    ]
+    rows = []
+    for p in PATHS:
+        paired = [b / s for s, b in zip(times[p], times[BASE], strict=True)]
+        spread = None if p == BASE else [round(min(paired), 3), round(max(paired), 3)]
+        ratio = None if p == BASE else gbps[p] / gbps[BASE]
+        rows.append(Row(n, p, medians[p], gbps[p], ratio, spread, times[p]))
+    return rows
 
 
 def markdown(rows: list[Row]) -> str:
     lines = [
-        "| size | path | seconds (median) | GB/s | vs sglang_engine |",
+        "| size | path | seconds (median) | GB/s | vs sglang_engine (per-repeat min-max) |",
         "|---:|---|---:|---:|---:|",
     ]
     for r in rows:
-        ratio = "base" if r.ratio is None else f"{r.ratio:.2f}"
+        ratio = "base"
+        if r.ratio is not None and r.ratio_range is not None:
+            ratio = f"{r.ratio:.2f} ({r.ratio_range[0]:.2f}-{r.ratio_range[1]:.2f})"
         lines.append(
             f"| {r.size_bytes / MIB:g} MiB | {r.path} | {r.seconds:.6f} | {r.gbps:.2f} | {ratio} |"
         )
@@ -268,7 +283,9 @@ def machine_info() -> dict[str, Any]:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    p.add_argument("--quick", action="store_true", help="few repeats")
+    p.add_argument(
+        "--quick", action="store_true", help="5 repeats instead of 20 (same sizes and paths)"
+    )
     p.add_argument("--json", metavar="PATH", help="also write results as JSON here")
     p.add_argument("--sizes-mb", default="16,64,256", help="comma-separated MiB sizes")
     p.add_argument("--repeats", type=int, help="timed runs per path and size")
@@ -289,8 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     PeerClient = _common().PeerClient
 
     sizes = [int(float(s) * MIB) for s in args.sizes_mb.split(",")]
-    repeats = args.repeats or (3 if args.quick else 20)
-    warmup = 1 if args.quick else 2
+    repeats = args.repeats or (5 if args.quick else 20)
+    warmup = 2
     max_bytes = max(sizes)
     t0 = time.perf_counter()
     log("starting the receiver process and the engines")
@@ -316,9 +333,26 @@ def main(argv: list[str] | None = None) -> int:
     def min_ratio(path: str) -> float:
         return min(r.ratio for r in rows if r.path == path and r.ratio is not None)
 
+    def min_range(path: str) -> list[float]:
+        """[min, max] over repeats of the smallest-over-sizes paired ratio."""
+        series = [
+            [b / s for s, b in zip(r.seconds_all, base.seconds_all, strict=True)]
+            for r in rows
+            if r.path == path
+            for base in rows
+            if base.path == BASE and base.size_bytes == r.size_bytes
+        ]
+        worst = [min(v) for v in zip(*series, strict=True)]
+        return [round(min(worst), 3), round(max(worst), 3)]
+
     summary = {
         "vs_sglang_engine_min": min_ratio("adapter_net"),
         "vs_sglang_engine_same_host_min": min_ratio("adapter_same_host"),
+        "spread": {
+            "vs_sglang_engine_min": min_range("adapter_net"),
+            "vs_sglang_engine_same_host_min": min_range("adapter_same_host"),
+            "control_vs_sglang_engine_min": min_range("sglang_engine_2"),
+        },
         "control_vs_sglang_engine": [
             round(r.ratio, 3) for r in rows if r.path == "sglang_engine_2" and r.ratio
         ],

@@ -20,6 +20,12 @@ sum. Connectors, all in one run, round-robin per repeat (order flipped every oth
                    tensors; the handle in a Store mailbox record
     ours_p2p       MooncakeDiffusionConnector, transfer_mode: p2p: the producer keeps the
                    tensor, the consumer's get pulls it (same host: one memory copy)
+    core_store     core's own store mode on the same latent, no vLLM-Omni and no key:
+                   ``DiffusionConnector("denoise", "store")`` in the peer with the latent
+                   registered once, ``publish`` + ``wait`` timed as the put; here
+                   ``consume(handle, dst=dst)`` into a destination registered once, timed as
+                   the get (it removes the delete-on-consume object). The ceiling for
+                   ours_store: ``store_vs_core_store_64mb`` is ours_store / core_store
     builtin_store  vLLM-Omni's MooncakeStoreConnector. Shims, the smallest that make it run
                    with mooncake 0.3.13: ``ReplicateConfig`` is wrapped in a subclass that
                    accepts the removed ``with_soft_pin`` attribute and sets
@@ -37,7 +43,12 @@ store connector polls 20 x 50 ms before it gives up). Every connector's first tr
 each size is checked byte for byte (SHA-256 of the latent) against the producer's.
 ``ratio`` = ours_store throughput / the row's; the summary's ``vs_builtin_store_64mb`` and
 ``vs_builtin_store_256mb`` are ours_store / builtin_store at those sizes (``*_p2p``: with
-ours_p2p), ``vs_builtin_shm_min`` the smallest ours_store / builtin_shm over the sizes.
+ours_p2p), ``vs_builtin_shm_min`` the smallest ours_store / builtin_shm over the sizes,
+``store_vs_core_store_64mb`` ours_store / core_store at 64 MiB: each from the medians.
+Spread: every repeat runs every connector once, so each ratio is also taken per repeat
+(paired samples, the same stretch of machine noise); ``spread`` in the summary gives
+[min, max] of those per-repeat ratios, and each row its min / median / max seconds.
+``--quick`` runs the same sizes and connectors as the full run with 3 repeats instead of 7.
 Absolute times on this shared 2-vCPU machine are noise; read the ratios.
 """
 
@@ -66,7 +77,7 @@ VENV = ROOT / ".venvs" / ENGINE
 ADAPTER = ROOT / "packages" / "vllm_omni_adapter"
 MIB = 1 << 20
 NAME = "MooncakeDiffusionConnector"
-ROWS = ("ours_store", "ours_p2p", "builtin_store", "builtin_shm")
+ROWS = ("ours_store", "ours_p2p", "core_store", "builtin_store", "builtin_shm")
 FACTORY_NAME = {
     "ours_store": NAME,
     "ours_p2p": NAME,
@@ -77,15 +88,15 @@ FACTORY_NAME = {
 
 # ------------------------------------------------------------------ environment
 def _stamp() -> str:
-    """The stamp ``./dev`` writes for the engine venv (same inputs, same hash)."""
-    data = b"".join(
-        p.read_bytes()
-        for p in (
-            ADAPTER / "engine" / "requirements.txt",
-            ADAPTER / "pyproject.toml",
-            ROOT / "packages" / "core" / "pyproject.toml",
-        )
-    )
+    """The stamp ``./dev`` writes for the engine venv (same inputs in the same order,
+    ``engine/*.txt`` included, so the same hash)."""
+    files = [
+        ADAPTER / "engine" / "requirements.txt",
+        ADAPTER / "pyproject.toml",
+        ROOT / "packages" / "core" / "pyproject.toml",
+        *sorted((ADAPTER / "engine").glob("*.txt")),
+    ]
+    data = b"".join(p.read_bytes() for p in files)
     return hashlib.sha256(data).hexdigest()[:16]
 
 
@@ -177,12 +188,15 @@ def build(factory_cls: Any, row: str, extra: dict[str, Any]) -> Any:
     return factory_cls.create_connector(ConnectorSpec(name=FACTORY_NAME[row], extra=dict(extra)))
 
 
+def latent_shape(mb: int) -> tuple[int, ...]:
+    return (1, 16, mb * MIB // 2 // (16 * 64 * 64), 64, 64)
+
+
 def latent_dict(mb: int, seed: int) -> dict[str, Any]:
     import torch
 
-    t = mb * MIB // 2 // (16 * 64 * 64)
     g = torch.Generator().manual_seed(seed)
-    latent = torch.randint(-32768, 32767, (1, 16, t, 64, 64), dtype=torch.int16, generator=g)
+    latent = torch.randint(-32768, 32767, latent_shape(mb), dtype=torch.int16, generator=g)
     return {"latent": latent.view(torch.bfloat16), "step": seed}
 
 
@@ -200,17 +214,31 @@ def peer_main() -> int:
     state: dict[str, Any] = {"conns": {}, "data": {}}
 
     def setup(extras: dict[str, dict[str, Any]], sizes: list[int]) -> dict[str, Any]:
+        from mooncake_diffusion import DiffusionConnector, MooncakeSettings
+
         f = factory()
         for row, extra in extras.items():
             state["conns"][row] = build(f, row, extra)
+        core = DiffusionConnector("denoise", "store", MooncakeSettings.from_env())
+        state["core"], state["pubs"] = core, []
         shas = {}
         for mb in sizes:
             state["data"][mb] = latent_dict(mb, mb)
+            core.register(state["data"][mb]["latent"])
             shas[str(mb)] = sha(state["data"][mb]["latent"])
         return {"shas": shas}
 
     def put(row: str, key: str, mb: int) -> dict[str, Any]:
+        from mooncake_diffusion import StagePayload
+
         data = state["data"][mb]
+        if row == "core_store":
+            t0 = time.perf_counter()
+            pub = state["core"].publish(StagePayload(key, "latent", tensor=data["latent"]))
+            pub.wait(60)
+            seconds = time.perf_counter() - t0
+            state["pubs"].append(pub)
+            return {"seconds": seconds, "size": mb * MIB, "handle": pub.encode().hex()}
         t0 = time.perf_counter()
         ok, size, _ = state["conns"][row].put("0", "1", key, data)
         seconds = time.perf_counter() - t0
@@ -221,12 +249,19 @@ def peer_main() -> int:
     def reap() -> dict[str, Any]:
         for conn in state["conns"].values():
             conn.reap_consumed()
+        pubs, state["pubs"] = state.get("pubs", []), []
+        for pub in pubs:
+            pub.release()
         return {}
 
     def close() -> dict[str, Any]:
+        reap()
         for conn in state["conns"].values():
             conn.close()
         state["conns"].clear()
+        if state.get("core") is not None:
+            state["core"].close()
+            state["core"] = None
         return {}
 
     return serve_peer({"setup": setup, "put": put, "reap": reap, "close": close})
@@ -235,9 +270,10 @@ def peer_main() -> int:
 # ------------------------------------------------------------------ the bench (consumer)
 def run(args: argparse.Namespace) -> dict[str, Any]:
     prepare_process()
+    import torch
     from _common import PeerClient
 
-    from mooncake_diffusion import LocalCluster
+    from mooncake_diffusion import DiffusionConnector, LocalCluster
 
     sizes = args.sizes
     localbuf = -(-max(sizes) * 9 // 8) * MIB  # smallest that runs: see the docstring
@@ -252,9 +288,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         peer = PeerClient([sys.executable, __file__, "--peer"], env=dict(os.environ, **s.as_env()))
         try:
             f = factory()  # imports vLLM-Omni here while the peer does the same
-            conns = {row: build(f, row, ex[row]) for row in ROWS}
+            conns = {row: build(f, row, ex[row]) for row in ex}
+            core = DiffusionConnector("decode", "store", s, receive_pool_bytes=0)
+            dsts = {mb: torch.empty(latent_shape(mb), dtype=torch.bfloat16) for mb in sizes}
+            for dst in dsts.values():
+                core.register(dst)
             shas = peer.call("setup", extras=ex, sizes=sizes)["shas"]
-            misses = {row: miss_ms(conns[row], args.miss_repeats) for row in ROWS}
+            misses = {row: miss_ms(conns[row], args.miss_repeats) for row in ex}
             n = 0
             for mb in sizes:
                 times: dict[str, list[float]] = {row: [] for row in ROWS}
@@ -265,7 +305,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         key = f"bench-{row}-{mb}-{n}"
                         put = peer.call("put", row=row, key=key, mb=mb)
                         t0 = time.perf_counter()
-                        got = conns[row].get("0", "1", key)
+                        if row == "core_store":
+                            with core.consume(bytes.fromhex(put["handle"]), dst=dsts[mb]) as g:
+                                g.wait()
+                            got = ({"latent": dsts[mb]}, mb * MIB)
+                        else:
+                            got = conns[row].get("0", "1", key)
                         get_s = time.perf_counter() - t0
                         if got is None:
                             raise RuntimeError(f"{row}: {key} not found after its put")
@@ -281,11 +326,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     med = statistics.median(times[row])
                     rows_out.append(
                         {"size_mb": mb, "connector": row, "seconds": med,
+                         "seconds_min": min(times[row]), "seconds_max": max(times[row]),
+                         "seconds_all": times[row],
                          "gbps": mb * MIB / med / 1e9, "repeats": len(times[row]),
-                         "miss_get_ms": misses[row]}
+                         "miss_get_ms": misses.get(row)}
                     )  # fmt: skip
-            for row in ROWS:
-                conns[row].close()
+            for conn in conns.values():
+                conn.close()
+            core.close()
             peer.call("close")
             left = cluster.keys()
         finally:
@@ -299,18 +347,45 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             return None
         return round(base[(mb, ours)]["gbps"] / base[(mb, row)]["gbps"], 2)
 
+    def per_repeat(row: str, mb: int, ours: str = "ours_store") -> list[float]:
+        """ours / row throughput in each repeat (paired: the same stretch of noise)."""
+        if (mb, row) not in base:
+            return []
+        a, b = base[(mb, ours)]["seconds_all"], base[(mb, row)]["seconds_all"]
+        return [y / x for x, y in zip(a, b, strict=True)]
+
+    def spread(row: str, mbs: list[int], ours: str = "ours_store") -> list[float] | None:
+        """[min, max] of the per-repeat ratio (the smallest over ``mbs`` per repeat)."""
+        series = [per_repeat(row, mb, ours) for mb in mbs]
+        if not all(series):
+            return None
+        worst = [min(v) for v in zip(*series, strict=True)]
+        return [round(min(worst), 2), round(max(worst), 2)]
+
     summary = {
+        "store_vs_core_store_64mb": vs("core_store", 64),
         "vs_builtin_store_64mb": vs("builtin_store", 64),
         "vs_builtin_store_256mb": vs("builtin_store", 256),
         "vs_builtin_shm_min": min(vs("builtin_shm", mb) or 0 for mb in sizes),
         "vs_builtin_store_64mb_p2p": vs("builtin_store", 64, "ours_p2p"),
         "vs_builtin_store_256mb_p2p": vs("builtin_store", 256, "ours_p2p"),
         "vs_builtin_shm_min_p2p": min(vs("builtin_shm", mb, "ours_p2p") or 0 for mb in sizes),
+        "spread": {
+            "store_vs_core_store_64mb": spread("core_store", [64]),
+            "vs_builtin_store_64mb": spread("builtin_store", [64]),
+            "vs_builtin_store_256mb": spread("builtin_store", [256]),
+            "vs_builtin_shm_min": spread("builtin_shm", sizes),
+            "vs_builtin_store_64mb_p2p": spread("builtin_store", [64], "ours_p2p"),
+            "vs_builtin_shm_min_p2p": spread("builtin_shm", sizes, "ours_p2p"),
+        },
+        "repeats": args.repeats,
         "store_keys_left": len(left),
         "wall_s": round(time.perf_counter() - t_start, 1),
     }
-    return {"bench": "vllm_omni", "machine": machine_info(), "rows": rows_out,
-            "summary": summary}  # fmt: skip
+    config = {"quick": args.quick, "sizes_mb": sizes, "repeats": args.repeats,
+              "warmup": args.warmup, "miss_repeats": args.miss_repeats}  # fmt: skip
+    return {"bench": "vllm_omni", "machine": machine_info(), "config": config,
+            "rows": rows_out, "summary": summary}  # fmt: skip
 
 
 def miss_ms(conn: Any, repeats: int) -> float:
@@ -344,13 +419,16 @@ def machine_info() -> dict[str, Any]:
 
 def table(result: dict[str, Any]) -> str:
     lines = [
-        "| size | connector | seconds (median) | GB/s | ours_store speedup | missing-key get ms |",
-        "|---:|---|---:|---:|---:|---:|",
+        "| size | connector | seconds (median) | min-max | GB/s | ours_store speedup "
+        "| missing-key get ms |",
+        "|---:|---|---:|---:|---:|---:|---:|",
     ]  # fmt: skip
     for r in result["rows"]:
+        miss = "-" if r["miss_get_ms"] is None else f"{r['miss_get_ms']:.2f}"
         lines.append(
-            f"| {r['size_mb']} MiB | {r['connector']} | {r['seconds']:.4f} | {r['gbps']:.2f} | "
-            f"{r['ratio']:.2f} | {r['miss_get_ms']:.2f} |"
+            f"| {r['size_mb']} MiB | {r['connector']} | {r['seconds']:.4f} | "
+            f"{r['seconds_min']:.4f}-{r['seconds_max']:.4f} | {r['gbps']:.2f} | "
+            f"{r['ratio']:.2f} | {miss} |"
         )
     s = result["summary"]
     lines += [
@@ -366,7 +444,9 @@ def table(result: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="1 repeat after 1 warm-up")
+    p.add_argument(
+        "--quick", action="store_true", help="3 repeats instead of 7 (same sizes, connectors)"
+    )
     p.add_argument("--json", help="write the result as JSON here")
     p.add_argument("--sizes-mb", default="16,64,256")
     p.add_argument("--repeats", type=int, default=None)
@@ -381,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
         py = ensure_engine_venv()
         os.execv(str(py), [str(py), __file__, *(argv if argv is not None else sys.argv[1:])])
     args.sizes = [int(x) for x in args.sizes_mb.split(",") if x]
-    args.repeats = args.repeats or (1 if args.quick else 5)
+    args.repeats = args.repeats or (3 if args.quick else 7)
     args.warmup = 1
     args.miss_repeats = 3 if args.quick else 5
     result = run(args)

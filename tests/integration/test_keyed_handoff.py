@@ -126,6 +126,27 @@ def test_reap_forgets_what_consumers_took(pair):
     consumer.receive("r1")
 
 
+def test_receive_memory_is_reused_only_once_the_caller_dropped_it(pair):
+    import gc
+
+    producer, consumer = pair(), pair()
+    big = [{"x": torch.full((1 << 20,), float(i))} for i in range(3)]  # 4 MiB each
+    producer.send("a", big[0])
+    first, _ = consumer.receive("a")
+    producer.send("b", big[1])
+    second, _ = consumer.receive("b")  # "a" is still held: new memory, "a" untouched
+    assert first["x"].data_ptr() != second["x"].data_ptr()
+    assert torch.equal(first["x"], big[0]["x"]) and torch.equal(second["x"], big[1]["x"])
+    ptr = first["x"].data_ptr()
+    del first
+    gc.collect()
+    producer.send("c", big[2])
+    third, _ = consumer.receive("c")  # lands in the memory "a" left behind
+    assert third["x"].data_ptr() == ptr and torch.equal(third["x"], big[2]["x"])
+    assert torch.equal(second["x"], big[1]["x"])
+    assert consumer._recycled.allocations == 2
+
+
 def test_p2p_mode_producer_holds_bytes_until_taken(pair, mooncake_cluster):
     producer, consumer = pair(transfer_mode="p2p"), pair(transfer_mode="p2p")
     sent = payload()

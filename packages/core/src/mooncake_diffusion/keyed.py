@@ -4,7 +4,8 @@ For engines whose consumer knows only a key (vLLM-Omni's connectors): the
 producer publishes the object's tensors through ``DiffusionConnector`` and
 posts a small record (the payload handle plus the object's non-tensor
 "skeleton") in a ``Mailbox`` under that key; the consumer takes the record by
-the key alone and consumes the tensors into fresh memory.
+the key alone and consumes the tensors into memory that it hands over (recycled
+registered buffers that no live tensor uses, see ``recycle.py``).
 
 Call sequence (one ``KeyedHandoff`` per process side; thread-safe):
 
@@ -28,7 +29,7 @@ Anything else raises ``PayloadError`` before anything is sent. No pickle.
 
 How bytes move. Tensors and top-level raw bytes of at least ``inline_bytes``
 move through the connector's zero-copy path (store: ``put_from`` from the
-caller's memory, ``get_into`` the fresh destination; a non-contiguous tensor
+caller's memory, ``get_into`` the destination; a non-contiguous tensor
 is made contiguous first, the one copy this module makes). Smaller ones, at
 most 63 of them past the first 63 large ones, travel inside the skeleton,
 because one store object costs a round trip (~0.7 ms here) that a copy of a
@@ -55,11 +56,9 @@ producer); in p2p mode it removes them (their bytes die with the producer).
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import math
-import mmap
 import re
 import threading
 import time
@@ -84,6 +83,7 @@ from mooncake_diffusion.errors import (
 from mooncake_diffusion.leases import Reaper
 from mooncake_diffusion.mailbox import Mailbox
 from mooncake_diffusion.payload import StagePayload
+from mooncake_diffusion.recycle import RecycledBuffers
 from mooncake_diffusion.schema import MAX_TENSORS, Envelope, PayloadHandle, decode_handle
 from mooncake_diffusion.settings import MooncakeSettings
 from mooncake_diffusion.tensors import _is_torch, view_of
@@ -99,7 +99,7 @@ EXT_OBJECT = 2
 _SKELETON = "skeleton"
 _ALIGN = 64
 _LEDGER_MAX = 65536
-_HUGE_MIN = 4 << 20  # receive buffers from here up are huge-page backed (host only)
+_RECYCLE_MIN = 1 << 20  # host receive buffers from here up come from RecycledBuffers
 _FULL_BACKOFF_S = (0.005, 0.5)  # first and longest wait between puts into a full pool
 _log = logging.getLogger("mooncake_diffusion.keyed")
 
@@ -319,7 +319,10 @@ class KeyedHandoff:
     Construction connects the mailbox's store client and raises
     ``MasterUnavailableError`` within ``settings.connect_timeout_s`` when no master
     answers. ``device`` is where received tensors are allocated; ``to_host`` copies
-    device tensors to host memory before sending (see ``pack``).
+    device tensors to host memory before sending (see ``pack``). Host receives of at
+    least 1 MiB land in recycled registered buffers (``recycle.RecycledBuffers``):
+    one is reused only after every tensor returned from it is gone, and at most
+    ``receive_cache_bytes`` of idle ones are kept.
 
     ``ttl_s``: how long what nobody took is kept (``None``: until taken or
     discarded). ``sweep_s``: seconds between this process's reaper sweeps (``None``:
@@ -342,6 +345,7 @@ class KeyedHandoff:
         device: str = "cpu",
         keep_on_close: bool | None = None,
         to_host: bool = False,
+        receive_cache_bytes: int = 512 << 20,
         sweep_s: float | None = None,
     ) -> None:
         if inline_bytes < 1:
@@ -369,6 +373,7 @@ class KeyedHandoff:
         self._client: StoreClient | None = None
         self._mailbox: Mailbox | None = None
         self._conn: DiffusionConnector | None = None
+        self._recycled: RecycledBuffers | None = None
         self._reaper: Reaper | None = None
         self._client = StoreClient(settings)  # probes the master first: fails fast
         try:
@@ -376,6 +381,10 @@ class KeyedHandoff:
             self._conn = DiffusionConnector(
                 role, transfer_mode, settings, receive_pool_bytes=0, timeout_s=timeout_s
             )
+            if device == "cpu":
+                self._recycled = RecycledBuffers(
+                    self._conn.register, self._conn.unregister, idle_bytes=receive_cache_bytes
+                )
             if sweep_s > 0:
                 self._reaper = Reaper(settings, sweep_s, client=self._client).start()
         except BaseException:
@@ -485,7 +494,7 @@ class KeyedHandoff:
         if not record.handle:
             return unpack(record.skeleton, {}), record.nbytes
         handle = decode_handle(record.handle)
-        dst, finish = _destinations(handle, self.device)
+        dst, finish = _destinations(handle, self.device, self._recycled)
         try:
             with conn.consume(handle, dst=dst) as got:
                 got.wait()
@@ -589,6 +598,8 @@ class KeyedHandoff:
                     if rid and self._conn is not None:
                         self._conn.cleanup(rid)
         finally:
+            if self._recycled is not None:
+                self._recycled.close()
             if self._conn is not None:
                 self._conn.close()
             if self._mailbox is not None:
@@ -606,16 +617,6 @@ class KeyedHandoff:
         if self._closed or self._mailbox is None or self._conn is None:
             raise PayloadError("keyed handoff is closed")
         return self._mailbox, self._conn
-
-
-def _huge_host_memory(nbytes: int) -> mmap.mmap:
-    """Fresh anonymous memory for a large receive, backed by transparent huge pages where
-    the kernel allows (``madvise`` mode): first-touch faults cost 1/512 as many traps, which
-    is most of the cost of receiving into new memory. The tensor made from it keeps it."""
-    m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    with contextlib.suppress(AttributeError, OSError):  # no THP: ordinary pages
-        m.madvise(mmap.MADV_HUGEPAGE)
-    return m
 
 
 def _repost(box: Mailbox, key: str, raw: bytes, record: KeyedRecord) -> bool:
@@ -650,12 +651,14 @@ def _nbytes(t: Any) -> int:
 
 
 def _destinations(
-    handle: PayloadHandle, device: str
+    handle: PayloadHandle, device: str, recycled: RecycledBuffers | None
 ) -> tuple[dict[str, Any], Callable[[], tuple[dict[int, Any], bytes]]]:
     """Fresh destinations for every tensor of ``handle``: torch-kind tensors share one
     torch buffer on ``device``, numpy-kind ones one numpy buffer, raw bytes get a
-    bytearray each. Returns (dst by name, finish) where finish() gives the tensors by
-    index and the skeleton bytes once the payload has landed."""
+    bytearray each. Large host buffers come from ``recycled`` (registered, faulted in,
+    reused only once the caller dropped every view of them). Returns (dst by name,
+    finish) where finish() gives the tensors by index and the skeleton bytes once the
+    payload has landed."""
     groups: dict[str, list[Any]] = {"torch": [], "numpy": []}
     dst: dict[str, Any] = {}
     raws: dict[str, bytearray] = {}
@@ -678,12 +681,12 @@ def _destinations(
         if kind == "torch":
             import torch
 
-            if device == "cpu" and total >= _HUGE_MIN:
-                buf = torch.frombuffer(_huge_host_memory(total), dtype=torch.uint8)
+            if recycled is not None and total >= _RECYCLE_MIN:
+                buf = torch.from_numpy(recycled.take(total))
             else:
                 buf = torch.empty(max(total, 1), dtype=torch.uint8, device=device)
-        elif total >= _HUGE_MIN:
-            buf = np.frombuffer(_huge_host_memory(total), dtype=np.uint8)
+        elif recycled is not None and total >= _RECYCLE_MIN:
+            buf = recycled.take(total)
         else:
             buf = np.empty(max(total, 1), dtype=np.uint8)
         for spec, off in zip(specs, offsets, strict=True):

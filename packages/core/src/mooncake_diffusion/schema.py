@@ -18,6 +18,10 @@ Version history:
     3  ``StoreSource.part_bytes``: a store chunk larger than this is stored as
        several objects of at most this many bytes (0: one object per chunk), so
        no single read outlives its lease.
+    4  ``StoreSource.notify``: the producer's side-channel endpoint that streams a
+       ``ChunkDone`` per committed chunk to a consumer that asks (a ``FetchRequest``
+       naming only the payload), so a chunked store relay wakes on commits instead
+       of polling.
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ __all__ = [
 ]
 
 MAGIC = "mcd"
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 #: Element size in bytes of every dtype a handle may carry.
 DTYPE_SIZES: dict[str, int] = {
@@ -172,10 +176,13 @@ class P2PSource(msgspec.Struct, frozen=True, array_like=True, tag=1):
 class StoreSource(msgspec.Struct, frozen=True, array_like=True, tag=2):
     """Bytes live in Mooncake Store under ``prefix``: one object per (tensor, chunk),
     split into parts of at most ``part_bytes`` (0: never split); see
-    ``transports.store``."""
+    ``transports.store``. ``notify`` is the producer's side-channel endpoint that
+    tells a consumer each chunk as it is committed ("": none, the consumer polls);
+    the bytes never depend on it."""
 
     prefix: str
     part_bytes: int = 0
+    notify: str = ""
 
     def __post_init__(self) -> None:
         if self.part_bytes < 0:

@@ -25,7 +25,7 @@ from mooncake_diffusion.schema import (
 )
 from mooncake_diffusion.settings import split_address
 
-__all__ = ["SideChannelClient", "SideChannelServer"]
+__all__ = ["SideChannelClient", "SideChannelServer", "connect", "recv_frame", "send_frame"]
 
 _MAX_FRAME = 1 << 20
 _HEADER = struct.Struct(">I")
@@ -51,6 +51,22 @@ def _recv(sock: socket.socket) -> bytes:
     if n > _MAX_FRAME:
         raise HandleError(f"side-channel frame of {n} bytes exceeds {_MAX_FRAME}")
     return _recv_exact(sock, n)
+
+
+def send_frame(sock: socket.socket, data: bytes) -> None:
+    """One length-prefixed frame (for callers that run their own exchange)."""
+    _send(sock, data)
+
+
+def recv_frame(sock: socket.socket) -> bytes:
+    """One frame; ``ConnectionError`` when the peer closed, ``HandleError`` if oversized."""
+    return _recv(sock)
+
+
+def connect(endpoint: str, deadline: float) -> socket.socket:
+    """A fresh TCP_NODELAY connection to ``endpoint``; raises ``PeerGoneError`` or
+    ``DeadlineExceededError``."""
+    return _connect(endpoint, deadline)
 
 
 class SideChannelServer:
