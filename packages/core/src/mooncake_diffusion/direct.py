@@ -21,8 +21,10 @@ How bytes move (``write`` picks per call and returns the path it took):
   the pool once and copies with memcpy, at memory speed.
 - ``"vm"``: same host, the destination lies in other registered memory of the
   receiver: ``process_vm_writev`` (one copy, pinned page by page).
-- ``"net"``: Transfer Engine ``batch_transfer_sync_write`` (RDMA or TCP),
-  retried with backoff under ``RetryPolicy`` until its deadline.
+- ``"net"``: Transfer Engine writes (RDMA or TCP), submitted asynchronously
+  and polled, retried with backoff under ``RetryPolicy``; the policy's
+  ``timeout_s`` bounds the whole write, each attempt included, so a peer that
+  stops reading ends it with ``DeadlineExceededError``.
 
 The session string is ``"host:port"`` (the Transfer Engine segment, exactly what
 a plain Mooncake engine advertises) followed by ``|mcd1|<host identity>|<pid>|
@@ -35,8 +37,10 @@ moves; the same-host paths write only into listed regions.
 Errors: ``UnregisteredDestinationError`` (not retryable), ``PeerGoneError``
 (nothing listens at the peer's address, or its process is gone),
 ``TransferError`` (the peer answered but the write failed), ``ConfigError``
-(a malformed session string), ``DeadlineExceededError`` (retries ran past the
-deadline).
+(a malformed session string), ``DeadlineExceededError`` (the write, or its
+retries, ran past the deadline; Mooncake cannot cancel a transfer in flight,
+so the source range must stay registered and unchanged, and the destination
+is lost).
 """
 
 from __future__ import annotations
@@ -84,7 +88,8 @@ class UnregisteredDestinationError(PayloadError):
 class RetryPolicy:
     """How network writes are retried: up to ``attempts`` tries in all, waiting
     ``backoff_s`` (doubling, at most ``max_backoff_s``) between them, and never
-    past ``timeout_s`` after the write began."""
+    past ``timeout_s`` after the write began: each attempt is itself bounded
+    by what is left of ``timeout_s``."""
 
     attempts: int = 3
     backoff_s: float = 0.05
@@ -374,8 +379,11 @@ class DirectEngine:
         backoff = policy.backoff_s
         for attempt in range(1, policy.attempts + 1):
             try:
-                self._engine.write(peer.segment, src, dst, lengths)
+                self._engine.write(peer.segment, src, dst, lengths, deadline=deadline)
                 return
+            except DeadlineExceededError:
+                self._count_failure()
+                raise
             except TransferError as e:
                 last = e
             if attempt == policy.attempts:
