@@ -1,7 +1,8 @@
 """A ``DirectEngine`` receiver in its own process, for the bounded-write test.
 
-``{"op": "setup", "nbytes": N}`` registers an N-byte landing buffer and replies
-with the engine's segment and the buffer's address; ``{"op": "byte", "at": I}``
+``{"op": "setup", "nbytes": N, "pool": bool}`` registers an N-byte landing
+buffer (a shared pool from ``allocate_pool`` with ``pool``) and replies with the
+engine's segment, session and the buffer's address; ``{"op": "byte", "at": I}``
 replies with the buffer's byte ``I``. Settings come
 from the environment. Its own stdout copy carries the protocol (native prints
 go to stderr).
@@ -13,7 +14,7 @@ import sys
 import torch
 
 from mooncake_diffusion.childproc import serve_json_lines
-from mooncake_diffusion.direct import DirectEngine
+from mooncake_diffusion.direct import DirectEngine, allocate_pool
 from mooncake_diffusion.settings import MooncakeSettings
 
 
@@ -24,10 +25,14 @@ def main() -> None:
     state: dict = {}
 
     def setup(cmd: dict) -> dict:
-        buf = torch.zeros(cmd["nbytes"], dtype=torch.uint8)
+        if cmd.get("pool"):
+            buf = allocate_pool(cmd["nbytes"]).tensor
+        else:
+            buf = torch.zeros(cmd["nbytes"], dtype=torch.uint8)
         engine.register(buf.data_ptr(), buf.numel())
         state["buf"] = buf
-        return {"ok": True, "segment": engine.segment, "addr": buf.data_ptr()}
+        reply = {"segment": engine.segment, "session": engine.session}
+        return {"ok": True, **reply, "addr": buf.data_ptr()}
 
     def byte(cmd: dict) -> dict:
         return {"ok": True, "byte": int(state["buf"][cmd["at"]])}

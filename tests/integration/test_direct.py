@@ -153,3 +153,27 @@ def test_one_blocking_write_is_bounded_by_the_timeout() -> None:
     sender.unregister(src.data_ptr())
     sender.close()
     assert_no_leaks(None, threads)
+
+
+def test_a_dead_receiver_of_a_mapped_pool_is_reported() -> None:
+    """Same host: the sender keeps the receiver's pool mapped, so a copy into it
+    succeeds after the receiver died; the write must still fail as peer gone."""
+    threads = {f"{t.name}#{t.ident}" for t in threading.enumerate()}
+    sender = DirectEngine(MooncakeSettings())
+    src = torch.full((N,), 5, dtype=torch.uint8)
+    sender.register(src.data_ptr(), N)
+    peer = JsonLinesChild(RECEIVER, MooncakeSettings(), "direct receiver")
+    try:
+        got = peer.request(op="setup", nbytes=N, pool=True)
+        session, addr = got["session"], got["addr"]
+        assert sender.write(session, [src.data_ptr()], [addr], [N]) == "shm"  # mapped now
+        assert peer.request(op="byte", at=N - 1)["byte"] == 5
+        peer.kill()  # SIGKILL and reap
+        with pytest.raises(PeerGoneError, match="is gone"):
+            sender.write(session, [src.data_ptr()], [addr], [N])
+    finally:
+        peer.close()
+    assert sender.stats().failures == 1
+    sender.unregister(src.data_ptr())
+    sender.close()
+    assert_no_leaks(None, threads)

@@ -18,7 +18,8 @@ How bytes move (``write`` picks per call and returns the path it took):
 
 - ``"shm"``: both ends share a kernel and PID namespace and the destination
   lies in a receive pool made by ``allocate_pool`` (a memfd): the sender maps
-  the pool once and copies with memcpy, at memory speed.
+  the pool once and copies with memcpy, at memory speed; a receiver that died
+  meanwhile is reported (``PeerGoneError``) after the copy.
 - ``"vm"``: same host, the destination lies in other registered memory of the
   receiver: ``process_vm_writev`` (one copy, pinned page by page).
 - ``"net"``: Transfer Engine writes (RDMA or TCP), submitted asynchronously
@@ -62,7 +63,13 @@ from mooncake_diffusion.errors import (
     PeerGoneError,
     TransferError,
 )
-from mooncake_diffusion.samehost import PeerPools, SharedPool, host_identity, vm_write
+from mooncake_diffusion.samehost import (
+    PeerPools,
+    SharedPool,
+    host_identity,
+    process_gone,
+    vm_write,
+)
 from mooncake_diffusion.settings import MooncakeSettings, split_address
 from mooncake_diffusion.tensors import Region
 
@@ -368,6 +375,9 @@ class DirectEngine:
             if e.errno in (errno.ESRCH, errno.ENOENT):
                 raise PeerGoneError(f"peer process {peer.pid} ({peer.segment}) is gone") from e
             raise TransferError(f"same-host write to {peer.segment}: {e}") from e
+        if pooled and process_gone(peer.pid):  # its pool, mapped here, outlives it
+            self._count_failure()
+            raise PeerGoneError(f"peer process {peer.pid} ({peer.segment}) is gone")
         return "shm" if pooled and not rest else "vm"
 
     def _write_net(
