@@ -4,11 +4,15 @@ adapter's tests drive it across processes through sglang's own classes."""
 
 from __future__ import annotations
 
+import os
+import signal
+import sys
 import threading
 
 import pytest
 import torch
 
+from mooncake_diffusion.childproc import JsonLinesChild
 from mooncake_diffusion.direct import (
     DirectEngine,
     PeerSession,
@@ -17,7 +21,12 @@ from mooncake_diffusion.direct import (
     allocate_pool,
     release_pool,
 )
-from mooncake_diffusion.errors import ConfigError, PeerGoneError, TransferError
+from mooncake_diffusion.errors import (
+    ConfigError,
+    DeadlineExceededError,
+    PeerGoneError,
+    TransferError,
+)
 from mooncake_diffusion.settings import MooncakeSettings
 from mooncake_diffusion.testing import assert_no_leaks
 
@@ -101,3 +110,70 @@ def test_errors_name_the_cause(engines) -> None:
     assert stats.failures == 4 and stats.retries == 2 and stats.writes == 0
     sender.unregister(src.data_ptr())
     receiver.unregister(dst.data_ptr())
+
+
+RECEIVER = [sys.executable, os.path.join(os.path.dirname(__file__), "direct_receiver.py")]
+
+
+def test_one_blocking_write_is_bounded_by_the_timeout() -> None:
+    """A peer that stops reading (SIGSTOP) mid-write: the write ends with a typed
+    timeout instead of blocking; the engine works again once the peer resumes.
+
+    128 MiB cannot fit in loopback socket buffers, so the write cannot complete
+    while the peer is stopped; ``timeout_s`` is configuration, not a measured bound.
+    """
+    threads = {f"{t.name}#{t.ident}" for t in threading.enumerate()}
+    nbytes = 128 << 20
+    settings = MooncakeSettings(same_host=False)
+    sender = DirectEngine(settings, retry=RetryPolicy(attempts=3, timeout_s=2.0))
+    src = torch.full((nbytes,), 7, dtype=torch.uint8)
+    sender.register(src.data_ptr(), nbytes)
+    with JsonLinesChild(RECEIVER, settings, "direct receiver") as peer:
+        # the last 4 KiB of the landing buffer lie outside the write that times out
+        # (Mooncake may still finish that one after the peer resumes)
+        got = peer.request(op="setup", nbytes=nbytes + 4096)
+        segment, addr = got["segment"], got["addr"]
+        # first contact while the peer runs (the handshake is Mooncake's own)
+        assert sender.write(segment, [src.data_ptr()], [addr + nbytes], [4096]) == "net"
+        assert peer.request(op="byte", at=nbytes)["byte"] == 7
+        os.kill(peer.proc.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(DeadlineExceededError, match="still in flight at the deadline"):
+                sender.write(segment, [src.data_ptr()], [addr], [nbytes])
+        finally:
+            os.kill(peer.proc.pid, signal.SIGCONT)
+        stats = sender.stats()
+        assert stats.failures == 1 and stats.retries == 0  # a timeout is not retried
+        # the peer resumed: the engine still writes there
+        fresh = torch.full((4096,), 9, dtype=torch.uint8)  # src stays untouched
+        sender.register(fresh.data_ptr(), 4096)
+        assert sender.write(segment, [fresh.data_ptr()], [addr + nbytes], [4096]) == "net"
+        sender.unregister(fresh.data_ptr())
+        assert peer.request(op="byte", at=nbytes)["byte"] == 9
+    sender.unregister(src.data_ptr())
+    sender.close()
+    assert_no_leaks(None, threads)
+
+
+def test_a_dead_receiver_of_a_mapped_pool_is_reported() -> None:
+    """Same host: the sender keeps the receiver's pool mapped, so a copy into it
+    succeeds after the receiver died; the write must still fail as peer gone."""
+    threads = {f"{t.name}#{t.ident}" for t in threading.enumerate()}
+    sender = DirectEngine(MooncakeSettings())
+    src = torch.full((N,), 5, dtype=torch.uint8)
+    sender.register(src.data_ptr(), N)
+    peer = JsonLinesChild(RECEIVER, MooncakeSettings(), "direct receiver")
+    try:
+        got = peer.request(op="setup", nbytes=N, pool=True)
+        session, addr = got["session"], got["addr"]
+        assert sender.write(session, [src.data_ptr()], [addr], [N]) == "shm"  # mapped now
+        assert peer.request(op="byte", at=N - 1)["byte"] == 5
+        peer.kill()  # SIGKILL and reap
+        with pytest.raises(PeerGoneError, match="is gone"):
+            sender.write(session, [src.data_ptr()], [addr], [N])
+    finally:
+        peer.close()
+    assert sender.stats().failures == 1
+    sender.unregister(src.data_ptr())
+    sender.close()
+    assert_no_leaks(None, threads)

@@ -18,11 +18,14 @@ How bytes move (``write`` picks per call and returns the path it took):
 
 - ``"shm"``: both ends share a kernel and PID namespace and the destination
   lies in a receive pool made by ``allocate_pool`` (a memfd): the sender maps
-  the pool once and copies with memcpy, at memory speed.
+  the pool once and copies with memcpy, at memory speed; a receiver that died
+  meanwhile is reported (``PeerGoneError``) after the copy.
 - ``"vm"``: same host, the destination lies in other registered memory of the
   receiver: ``process_vm_writev`` (one copy, pinned page by page).
-- ``"net"``: Transfer Engine ``batch_transfer_sync_write`` (RDMA or TCP),
-  retried with backoff under ``RetryPolicy`` until its deadline.
+- ``"net"``: Transfer Engine writes (RDMA or TCP), submitted asynchronously
+  and polled, retried with backoff under ``RetryPolicy``; the policy's
+  ``timeout_s`` bounds the whole write, each attempt included, so a peer that
+  stops reading ends it with ``DeadlineExceededError``.
 
 The session string is ``"host:port"`` (the Transfer Engine segment, exactly what
 a plain Mooncake engine advertises) followed by ``|mcd1|<host identity>|<pid>|
@@ -35,8 +38,10 @@ moves; the same-host paths write only into listed regions.
 Errors: ``UnregisteredDestinationError`` (not retryable), ``PeerGoneError``
 (nothing listens at the peer's address, or its process is gone),
 ``TransferError`` (the peer answered but the write failed), ``ConfigError``
-(a malformed session string), ``DeadlineExceededError`` (retries ran past the
-deadline).
+(a malformed session string), ``DeadlineExceededError`` (the write, or its
+retries, ran past the deadline; Mooncake cannot cancel a transfer in flight,
+so the source range must stay registered and unchanged, and the destination
+is lost).
 """
 
 from __future__ import annotations
@@ -58,7 +63,13 @@ from mooncake_diffusion.errors import (
     PeerGoneError,
     TransferError,
 )
-from mooncake_diffusion.samehost import PeerPools, SharedPool, host_identity, vm_write
+from mooncake_diffusion.samehost import (
+    PeerPools,
+    SharedPool,
+    host_identity,
+    process_gone,
+    vm_write,
+)
 from mooncake_diffusion.settings import MooncakeSettings, split_address
 from mooncake_diffusion.tensors import Region
 
@@ -84,7 +95,8 @@ class UnregisteredDestinationError(PayloadError):
 class RetryPolicy:
     """How network writes are retried: up to ``attempts`` tries in all, waiting
     ``backoff_s`` (doubling, at most ``max_backoff_s``) between them, and never
-    past ``timeout_s`` after the write began."""
+    past ``timeout_s`` after the write began: each attempt is itself bounded
+    by what is left of ``timeout_s``."""
 
     attempts: int = 3
     backoff_s: float = 0.05
@@ -363,6 +375,9 @@ class DirectEngine:
             if e.errno in (errno.ESRCH, errno.ENOENT):
                 raise PeerGoneError(f"peer process {peer.pid} ({peer.segment}) is gone") from e
             raise TransferError(f"same-host write to {peer.segment}: {e}") from e
+        if pooled and process_gone(peer.pid):  # its pool, mapped here, outlives it
+            self._count_failure()
+            raise PeerGoneError(f"peer process {peer.pid} ({peer.segment}) is gone")
         return "shm" if pooled and not rest else "vm"
 
     def _write_net(
@@ -374,8 +389,11 @@ class DirectEngine:
         backoff = policy.backoff_s
         for attempt in range(1, policy.attempts + 1):
             try:
-                self._engine.write(peer.segment, src, dst, lengths)
+                self._engine.write(peer.segment, src, dst, lengths, deadline=deadline)
                 return
+            except DeadlineExceededError:
+                self._count_failure()
+                raise
             except TransferError as e:
                 last = e
             if attempt == policy.attempts:

@@ -26,7 +26,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["PeerPools", "SharedPool", "host_identity", "vm_write"]
+__all__ = ["PeerPools", "SharedPool", "host_identity", "process_gone", "vm_write"]
 
 _IOV_MAX = 1024
 
@@ -51,6 +51,22 @@ def host_identity() -> str:
     except OSError:
         return ""
     return f"{boot}/{ns}"
+
+
+def process_gone(pid: int) -> bool:
+    """Whether process ``pid`` has exited (a zombie counts as exited). A pool
+    mapped from it stays writable after its death, so writers ask after copying."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, another user's
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(") ", 1)[1][:1] in ("Z", "X")
+    except (FileNotFoundError, IndexError):
+        return True
 
 
 def vm_write(pid: int, parts: Sequence[tuple[int, int, int]]) -> None:

@@ -16,6 +16,10 @@ all on sglang 0.5.23 targets:
            with our backend and a host pool: the pool is a shared memfd (pinned
            with cudaHostRegister when CUDA is present) instead of torch pinned
            memory, so same-host senders can map it
+    AROUND DiffusionTransferManager.push_to_peer        scheduler push thread, per request
+           with our backend, a failed push fails the request at the server at
+           once (``failure.report_failed_push``) instead of after
+           ``--disagg-timeout``
 
 Unknown targets (another sglang version) are logged by sglang and left alone.
 """
@@ -43,6 +47,7 @@ TARGETS = {
     "parsed": f"{_SA}.server_args.ServerArgs.from_cli_args",
     "factory": f"{_TRANSPORT}.engine.create_transfer_engine",
     "buffer": f"{_TRANSPORT}.buffer.TransferTensorBuffer.__init__",
+    "push": f"{_TRANSPORT}.manager.DiffusionTransferManager.push_to_peer",
 }
 
 
@@ -153,6 +158,25 @@ def around_buffer_init(original: Callable[..., Any], self: Any, *args: Any, **kw
     )
 
 
+def around_push_to_peer(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> bool:
+    """sglang's push; with our backend, a failure is reported to the DiffusionServer
+    with the engine's reason (sglang itself only logs it)."""
+    ok = original(self, *args, **kwargs)
+    if ok or not selected():
+        return ok
+    request_id = kwargs.get("request_id", args[0] if args else "")
+    dest = kwargs.get("dest_session_id", args[1] if len(args) > 1 else "")
+    error = getattr(getattr(self, "_engine", None), "last_error", None)
+    from mooncake_diffusion_sglang.failure import report_failed_push
+
+    report_failed_push(
+        request_id,
+        f"{BACKEND} push of {request_id} to {dest.split('|', 1)[0]} failed: "
+        f"{error or 'see the sender log'}",
+    )
+    return ok
+
+
 def _pin(ptr: int, nbytes: int) -> bool:
     """Page-lock host memory for fast device copies where CUDA is present."""
     import torch
@@ -177,3 +201,4 @@ def register() -> None:
     HookRegistry.register(TARGETS["parsed"], after_from_cli_args, HookType.AFTER)
     HookRegistry.register(TARGETS["factory"], around_create_transfer_engine, HookType.AROUND)
     HookRegistry.register(TARGETS["buffer"], around_buffer_init, HookType.AROUND)
+    HookRegistry.register(TARGETS["push"], around_push_to_peer, HookType.AROUND)

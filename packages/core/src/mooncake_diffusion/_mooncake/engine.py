@@ -1,19 +1,34 @@
 """A Transfer Engine in P2PHANDSHAKE mode (no metadata service) with typed errors.
 
 Peers find each other by segment name ``ip:rpc_port``, which travels in handles.
-Transfers block the calling thread and release the GIL inside Mooncake.
+Transfers block the calling thread and release the GIL inside Mooncake;
+``write`` with a deadline submits asynchronously and polls, so a peer that stops
+reading cannot hold the caller past it.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 from mooncake_diffusion._mooncake import import_mooncake
-from mooncake_diffusion.errors import ConfigError, MooncakeError, TransferError
+from mooncake_diffusion.errors import (
+    ConfigError,
+    DeadlineExceededError,
+    MooncakeError,
+    TransferError,
+)
 from mooncake_diffusion.registration import Registrations
 from mooncake_diffusion.settings import MooncakeSettings
 
 __all__ = ["Engine"]
+
+# polling of an asynchronous write: first pause, longest pause (seconds)
+_POLL_MIN_S = 50e-6
+_POLL_MAX_S = 5e-4
+# a batch id is the address of Mooncake's batch record; transfer_submit_write
+# answers a failure with 0 (peer not reachable) or -1 as an unsigned 64-bit id
+_BAD_BATCH = 1 << 63
 
 
 class Engine:
@@ -45,24 +60,79 @@ class Engine:
             raise MooncakeError(f"Transfer Engine unregister_memory: {rc}", rc)
 
     def write(
-        self, peer: str, src: Sequence[int], dst: Sequence[int], lengths: Sequence[int]
+        self,
+        peer: str,
+        src: Sequence[int],
+        dst: Sequence[int],
+        lengths: Sequence[int],
+        deadline: float | None = None,
     ) -> None:
         """Write local registered ``src[i]`` into ``peer``'s registered ``dst[i]``.
 
-        One range goes through ``transfer_sync_write`` (no batch bookkeeping,
-        measurably cheaper here), several through ``batch_transfer_sync_write``.
+        Without ``deadline`` one range goes through ``transfer_sync_write`` (no
+        batch bookkeeping, measurably cheaper here), several through
+        ``batch_transfer_sync_write``; both block as long as Mooncake does.
+        With ``deadline`` (a ``time.monotonic()`` instant) every range is
+        submitted with ``transfer_submit_write`` and polled until all landed,
+        one failed (``TransferError``) or the deadline passed
+        (``DeadlineExceededError``). Mooncake cannot cancel a submitted
+        transfer: after a deadline error it may still read ``src`` and write
+        ``dst`` later, so the caller keeps ``src`` registered and unchanged and
+        treats ``dst`` as lost until the engine is closed.
         """
         if not src:
+            return
+        if deadline is not None:
+            self._write_polled(peer, src, dst, lengths, deadline)
             return
         if len(src) == 1:
             rc = self._te.transfer_sync_write(peer, src[0], dst[0], lengths[0])
         else:
             rc = self._te.batch_transfer_sync_write(peer, list(src), list(dst), list(lengths))
         if rc != 0:
-            raise TransferError(
-                f"Transfer Engine write of {sum(lengths)} bytes to {peer} failed ({rc}): "
-                "peer unreachable or destination not registered there"
-            )
+            raise self._failed(peer, lengths, rc)
+
+    def _write_polled(
+        self,
+        peer: str,
+        src: Sequence[int],
+        dst: Sequence[int],
+        lengths: Sequence[int],
+        deadline: float,
+    ) -> None:
+        pending = []
+        for s, d, n in zip(src, dst, lengths, strict=True):
+            batch = self._te.transfer_submit_write(peer, s, d, n)
+            if not 0 < batch < _BAD_BATCH:  # never poll these: Mooncake crashes on them
+                raise self._failed(peer, lengths, -1)
+            pending.append(batch)
+        pause = _POLL_MIN_S
+        while pending:
+            still = []
+            for batch in pending:
+                rc = self._te.transfer_check_status(batch)
+                if rc < 0:  # -1 failed, -2 Mooncake's own transfer timeout
+                    raise self._failed(peer, lengths, rc)
+                if rc == 0:
+                    still.append(batch)
+            pending = still
+            if not pending:
+                return
+            if time.monotonic() >= deadline:
+                raise DeadlineExceededError(
+                    f"write of {sum(lengths)} bytes to {peer}: {len(pending)} of "
+                    f"{len(lengths)} range(s) still in flight at the deadline "
+                    "(the peer stopped reading, or the link is too slow)"
+                )
+            time.sleep(pause)
+            pause = min(pause * 2, _POLL_MAX_S)
+
+    @staticmethod
+    def _failed(peer: str, lengths: Sequence[int], rc: int) -> TransferError:
+        return TransferError(
+            f"Transfer Engine write of {sum(lengths)} bytes to {peer} failed ({rc}): "
+            "peer unreachable or destination not registered there"
+        )
 
     def close(self) -> None:
         """Unregister everything and destroy the engine. Idempotent."""

@@ -1,0 +1,189 @@
+"""The real ``sglang serve`` processes of one disaggregated deployment, for tests.
+
+    stack = ServeStack(model, tmp_path, {"decoder": ["--mooncake-diffusion-same-host", "off"]})
+    stack.start()                      # head + encoder + denoiser + decoder, ready
+    out = stack.generate("small", "req-1")   # sglang's own client protocol, one request
+    stack.kill_scheduler("decoder")    # SIGKILL a role's scheduler process
+    stack.close()                      # SIGTERM every process group, reap, no orphans
+
+Each process is started exactly as a user starts it, through the ``sglang``
+console script with ``--disagg-role``; each role spawns its scheduler through
+sglang's worker bootstrap. The test-only plugin in ``fake_worker/`` is on their
+``PYTHONPATH`` (and only theirs). Logs go to ``<tmp>/<name>.log``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+FAKE = HERE / "fake_worker"
+ROLES = ("encoder", "denoiser", "decoder")
+START_MAX_S = 900.0  # sglang imports take minutes on a busy 2-core machine
+#: the DiffusionServer's own deadline: set far past any test so that a failure the
+#: client sees can only come from the failure path, never from this timeout
+DISAGG_TIMEOUT_S = 86400
+
+
+def _free_base(span: int) -> int:
+    """A port P with P .. P+span-1 all free (the head binds P+1..P+5 for results)."""
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + span >= 65000:
+            continue
+        ok = True
+        for p in range(base, base + span):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", p))
+                except OSError:
+                    ok = False
+                    break
+        if ok:
+            return base
+    raise RuntimeError("no free port range")
+
+
+class ServeStack:
+    """One head and one process per role (module docstring)."""
+
+    def __init__(self, model: str, root: Path, roles: dict[str, list[str]] | None = None) -> None:
+        self.model = model
+        self.root = root
+        self.fake_dir = root / "fake"
+        self.fake_dir.mkdir(parents=True, exist_ok=True)
+        self.extra = roles or {}
+        self.head_port = _free_base(8)
+        self.http_port = _free_base(1)
+        self.role_ports = {r: _free_base(1) for r in ROLES}
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    # -- lifecycle ---------------------------------------------------------------
+    def _env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(FAKE), env.get("PYTHONPATH")]))
+        env["MCD_FAKE_DIR"] = str(self.fake_dir)
+        env.setdefault("HF_HUB_OFFLINE", "1")
+        env.setdefault("MC_FORCE_TCP", "1")
+        return env
+
+    def _spawn(self, name: str, argv: list[str]) -> None:
+        sglang = os.path.join(os.path.dirname(sys.executable), "sglang")
+        log = open(self.root / f"{name}.log", "w")  # noqa: SIM115 (closed by the child's exit)
+        self.procs[name] = subprocess.Popen(
+            [sglang, "serve", "--model-path", self.model, *argv],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=self._env(),
+            start_new_session=True,  # its own process group: close() ends its children too
+        )
+        log.close()
+
+    def start(self) -> None:
+        urls = {r: f"tcp://127.0.0.1:{p}" for r, p in self.role_ports.items()}
+        self._spawn(
+            "head",
+            [
+                "--disagg-role", "server",
+                "--host", "127.0.0.1",
+                "--port", str(self.http_port),
+                "--scheduler-port", str(self.head_port),
+                "--encoder-urls", urls["encoder"],
+                "--denoiser-urls", urls["denoiser"],
+                "--decoder-urls", urls["decoder"],
+                "--disagg-timeout", str(DISAGG_TIMEOUT_S),
+            ],
+        )  # fmt: skip
+        for role in ROLES:
+            self._spawn(
+                role,
+                [
+                    "--disagg-role", role,
+                    "--scheduler-port", str(self.role_ports[role]),
+                    "--disagg-server-addr", f"tcp://127.0.0.1:{self.head_port}",
+                    "--disagg-transfer-backend", "mooncake-diffusion",
+                    "--disagg-transfer-pool-size", str(512 << 20),
+                    *self.extra.get(role, []),
+                ],
+            )  # fmt: skip
+        self._wait_ready()
+
+    def _wait_ready(self) -> None:
+        want = {"head": "Starting HTTP server"}
+        want.update({r: f"Role {r.upper()} ready" for r in ROLES})
+        deadline = time.monotonic() + START_MAX_S
+        pending = dict(want)
+        while pending:
+            for name in list(pending):
+                proc = self.procs[name]
+                text = self.log(name)
+                if pending[name] in text:
+                    del pending[name]
+                elif proc.poll() is not None:
+                    raise RuntimeError(f"{name} exited ({proc.returncode}):\n{text[-4000:]}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"not ready after {START_MAX_S} s: {sorted(pending)}")
+            time.sleep(0.5)
+
+    def log(self, name: str) -> str:
+        try:
+            return (self.root / f"{name}.log").read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def scheduler_pid(self, role: str) -> int:
+        """The pid of a role's scheduler process (written by the fake worker)."""
+        return int((self.fake_dir / f"{role}.pid").read_text())
+
+    def kill_scheduler(self, role: str) -> None:
+        """SIGKILL a role's scheduler (its Transfer Engine and pool die with it)."""
+        os.kill(self.scheduler_pid(role), signal.SIGKILL)
+
+    def close(self) -> None:
+        """End every process group (SIGTERM, then SIGKILL) and reap. Idempotent."""
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 60
+        for proc in self.procs.values():
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        for proc in self.procs.values():
+            with contextlib.suppress(ProcessLookupError):  # the group's scheduler children
+                os.killpg(proc.pid, signal.SIGKILL)
+
+    # -- requests ----------------------------------------------------------------
+    def generate(self, prompt: str, request_id: str) -> Any:
+        """One request through the head's frontend with sglang's own client protocol
+        (what its HTTP server's ``SchedulerClient`` sends: a pickled ``[Req]``, an
+        ``OutputBatch`` back). Blocks until the DiffusionServer answers."""
+        import zmq
+        from sglang.multimodal_gen.configs.sample.sampling_params import SamplingParams
+        from sglang.multimodal_gen.runtime.pipelines_core.schedule_batch import Req
+
+        req = Req(sampling_params=SamplingParams(prompt=prompt, seed=1))
+        req.request_id = request_id
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.REQ)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.connect(f"tcp://127.0.0.1:{self.head_port}")
+            sock.send(pickle.dumps([req]))
+            return pickle.loads(sock.recv())
+        finally:
+            sock.close()
+            ctx.term()

@@ -1,0 +1,167 @@
+"""The real ``sglang serve`` deployment: a ``--disagg-role server`` head and one
+encoder, denoiser and decoder process, each started through sglang's CLI and
+spawning its scheduler through sglang's worker bootstrap, with
+``--disagg-transfer-backend mooncake-diffusion``.
+
+Real: sglang's CLI, plugin loading, worker bootstrap, ``Scheduler`` and its
+disaggregation mixin (push and prefetch threads), ``DiffusionServer`` (credits,
+``__transfer__`` messages, pre-allocated and allocated receive slots, whole-slot
+pushes: ``data_size`` is the buddy slot's size), ``TransferTensorBuffer`` and
+``DiffusionTransferManager``, the adapter and core's ``DirectEngine`` over the
+Mooncake Transfer Engine (loopback TCP) or the same-host path.
+
+Replaced, by a test-only sglang plugin (``fake_worker/``, loaded through
+sglang's own plugin discovery in those processes only):
+- the model worker (``CPUWorker``): no Wan 2.1 weights here, and a real
+  forward pass takes minutes on CPU. The fake produces tensors of the real
+  shapes and dtypes and records the SHA-256 of everything it received and sent;
+- ``torch.get_device_module()`` without a device answers ``torch.cpu``: sglang
+  takes its transfer stream and events from it, and its CUDA-build torch
+  would hand out ``torch.cuda.Stream``, which refuses a CPU device.
+
+The encoder pushes over the same-host path (``shm``), the denoiser over the
+Transfer Engine (the decoder runs with ``--mooncake-diffusion-same-host off``,
+so its session offers senders no same-host path): both paths, with
+small and 68 MB latents. No Mooncake master or store: sglang's transfer path
+moves bytes peer to peer only. The processes start once for the module (sglang
+imports take minutes on a busy machine); the fault test runs last.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import threading
+import time
+
+import pytest
+from serve_stack import FAKE, ROLES, ServeStack
+
+from mooncake_diffusion.testing import assert_no_leaks
+
+# one deployment for the module: its start-up (minutes of sglang imports) counts
+# against the first test, so the hang guard is wider than the suite default
+pytestmark = [pytest.mark.engines, pytest.mark.timeout(1800)]
+
+WAIT_MAX_S = 900.0  # hang guard for the gate and the client (never a measured bound)
+
+
+def _fake():
+    """The fake worker's module, for its tensor recipes; loaded from its file so
+    that its folder (and its entry point) never lands on this process's path."""
+    spec = importlib.util.spec_from_file_location("_mcd_fake", FAKE / "mcd_sglang_fake_worker.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+fake = _fake()
+
+
+@pytest.fixture(scope="module")
+def stack(sgl_model: str, tmp_path_factory: pytest.TempPathFactory):
+    threads = {f"{t.name}#{t.ident}" for t in threading.enumerate()}
+    root = tmp_path_factory.mktemp("sglang-roles")
+    st = ServeStack(sgl_model, root, roles={"decoder": ["--mooncake-diffusion-same-host", "off"]})
+    try:
+        st.start()
+        pids = [st.scheduler_pid(r) for r in ROLES]
+        yield st
+    finally:
+        st.close()
+    # nothing left: every sglang process (heads, roles and their schedulers) is gone,
+    # and with them their Transfer Engines, registrations and memfd pools
+    assert all(p.poll() is not None for p in st.procs.values())
+    for pid in pids:  # SIGKILLed by close(); its exit is asynchronous, so wait (bounded)
+        deadline = time.monotonic() + 60
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(pid), f"scheduler {pid} outlived its deployment"
+    assert_no_leaks(None, threads)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is not alive
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _records(stack: ServeStack, rid: str, kind: str = "") -> dict[str, dict]:
+    out = {}
+    for role in ROLES:
+        path = stack.fake_dir / f"{rid}.{role}{kind}.json"
+        if path.exists():
+            out[role] = json.loads(path.read_text())
+    return out
+
+
+@pytest.mark.parametrize("size", ["small", "large"])
+def test_a_request_crosses_every_hop_byte_identical(stack: ServeStack, size: str) -> None:
+    rid = f"bytes-{size}"
+    out = stack.generate(f"{size} a red fox in snow", rid)
+    assert out.error is None, out.error
+    # what the encoder must produce and the denoiser must return, computed here
+    produced = fake.encoder_outputs(rid, size)
+    want = {name: fake.digest(value) for name, value in produced.items()}
+    latents = fake.denoised(produced["latents"])
+    seen = _records(stack, rid)
+    assert seen["encoder"]["sent"] == want
+    # hop 1, encoder -> denoiser: every field, byte for byte (same-host path)
+    assert seen["denoiser"]["received"] == want
+    assert seen["denoiser"]["sent"] == {"latents": fake.digest(latents)}
+    # hop 2, denoiser -> decoder (Transfer Engine): the new latents and the rest
+    assert seen["decoder"]["received"] == {**want, "latents": fake.digest(latents)}
+    # hop 3, decoder -> DiffusionServer -> client: the digest the decoder computed
+    assert bytes(out.output.tolist()) == bytes.fromhex(fake.digest(latents))
+    pushes = _records(stack, rid, ".push")
+    assert sorted(pushes) == ["denoiser", "encoder"]
+    assert all(p["ok"] for p in pushes.values())
+    # the path each sender took, from the adapter engine's own counters
+    encoder, denoiser = pushes["encoder"]["by_path"], pushes["denoiser"]["by_path"]
+    assert encoder["shm"] >= 1 and encoder["net"] == 0, pushes
+    assert denoiser["net"] >= 1 and denoiser["shm"] == 0, pushes
+    # whole buddy slots move: at least the payload, a power of two
+    payload = produced["latents"].nbytes
+    for p in pushes.values():
+        assert p["size"] >= payload and p["size"] & (p["size"] - 1) == 0, p
+
+
+def test_a_killed_decoder_fails_the_request_with_its_reason(stack: ServeStack) -> None:
+    """The denoiser holds the request (gate file) while the decoder's scheduler is
+    SIGKILLed; then the push to the dead decoder fails. The client must get that
+    failure with its reason from the failure path: ``--disagg-timeout`` is a day,
+    so an answer can only come from there (no timing is asserted)."""
+    rid = "held-1"
+    answer: dict = {}
+    client = threading.Thread(
+        target=lambda: answer.update(out=stack.generate("small hold", rid)), name="client"
+    )
+    client.start()
+    reached = stack.fake_dir / f"{rid}.reached"
+    deadline = time.monotonic() + WAIT_MAX_S
+    while not reached.exists():
+        assert time.monotonic() < deadline, "the denoiser never reached the gate"
+        time.sleep(0.05)
+    victim = stack.scheduler_pid("decoder")
+    stack.kill_scheduler("decoder")
+    while _alive(victim):
+        assert time.monotonic() < deadline, "the decoder did not die"
+        time.sleep(0.05)
+    (stack.fake_dir / f"{rid}.released").write_text("")
+    client.join(WAIT_MAX_S)
+    assert not client.is_alive(), "the client is still waiting"
+    error = answer["out"].error
+    assert error, "the request did not fail"
+    assert "DiffusionServer timeout" not in error
+    assert error.startswith("denoiser error: mooncake-diffusion push of held-1 to 127.0.0.1:")
+    assert "unreachable" in error or "is gone" in error, error
+    push = _records(stack, rid, ".push")["denoiser"]
+    assert push["ok"] is False
+    assert "decoder" not in _records(stack, rid)  # nothing reached a decoder
