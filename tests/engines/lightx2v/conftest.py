@@ -188,7 +188,7 @@ class RolePool:
     after its first test. ``close()`` releases and reaps them all."""
 
     #: hang guard for asynchronous releases (the orchestrator's Release) to land
-    SETTLE_S = 120.0
+    SETTLE_S = 600.0
 
     def __init__(self, root: Path, cluster: Any) -> None:
         self.root = root

@@ -24,7 +24,7 @@ from __future__ import annotations
 import pytest
 from conftest import ok, qwen_config
 
-pytestmark = [pytest.mark.engines, pytest.mark.integration, pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.engines, pytest.mark.integration, pytest.mark.timeout(3600)]
 
 QWEN = ("t2i", "qwen_image")
 

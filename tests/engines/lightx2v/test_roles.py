@@ -18,7 +18,7 @@ from conftest import REPO, ok, request, role_config
 
 # each role process imports LightX2V: ~15 s alone, minutes on a busy machine,
 # hence the long hang guard
-pytestmark = [pytest.mark.engines, pytest.mark.integration, pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.engines, pytest.mark.integration, pytest.mark.timeout(3600)]
 
 MODES = ("store", "p2p", "auto")
 
