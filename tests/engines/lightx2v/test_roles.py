@@ -1,13 +1,7 @@
 """Encoder, Transformer and Decoder as three processes of the real LightX2V
 (``WanRunner`` through its server worker), selected by their role JSON alone,
 moving real bytes through a real Mooncake master and store host. Every byte is
-compared by SHA-256 with LightX2V's colocated pipeline run on the same request.
-
-The roles of each transfer mode start once for the module (``roles``), each set
-on a channel of its own; after every test no store key, publication, pool byte
-or extra thread may be left. A test that kills a sender or pairs a new role
-with a running one sends on a room of its own (``data_bootstrap_room`` in the
-request, as LightX2V's server takes it), so both sides count that room from 0."""
+compared by SHA-256 with LightX2V's colocated pipeline run on the same request."""
 
 from __future__ import annotations
 
@@ -16,22 +10,9 @@ import threading
 import pytest
 from conftest import REPO, ok, request, role_config
 
-# each role process imports LightX2V: ~15 s alone, minutes on a busy machine,
-# hence the long hang guard
-pytestmark = [pytest.mark.engines, pytest.mark.integration, pytest.mark.timeout(3600)]
-
-MODES = ("store", "p2p", "auto")
-
-
-def mode_roles(roles, cluster, mode: str) -> tuple:
-    """The module's Encoder, Transformer (with a Decoder) and Decoder of ``mode``."""
-    extra = {"transfer_mode": mode, "channel": f"m-{mode}"}
-    enc = roles.get(f"enc-{mode}", role_config("encoder", cluster, **extra))
-    tra = roles.get(
-        f"tra-{mode}", role_config("transformer", cluster, decoder_engine_rank=2, **extra)
-    )
-    dec = roles.get(f"dec-{mode}", role_config("decode", cluster, **extra))
-    return enc, tra, dec
+# each role process imports all of LightX2V (every runner): ~30 s alone, minutes on
+# a busy machine, hence the long hang guard
+pytestmark = [pytest.mark.engines, pytest.mark.integration, pytest.mark.timeout(1200)]
 
 
 def run_all(jobs: dict) -> dict:
@@ -46,15 +27,15 @@ def run_all(jobs: dict) -> dict:
     for t in threads:
         t.start()
     for t in threads:
-        t.join(600)
+        t.join(300)
     return {n: ok(replies[n]) for n in jobs}
 
 
-def test_the_real_lightx2v_from_the_archive_runs_on_a_cpu_platform(roles, mooncake_cluster):
+def test_the_real_lightx2v_from_the_archive_runs_on_a_cpu_platform(spawn_role, mooncake_cluster):
     archive = (REPO / "packages/lightx2v_adapter/engine/archive.txt").read_text().split()[0]
     src = REPO / ".venvs/src" / archive.removesuffix(".tar.gz")
-    enc, _, _ = mode_roles(roles, mooncake_cluster, "store")
-    info = ok(enc.request(op="info"))
+    role = spawn_role("encoder", role_config("encoder", mooncake_cluster))
+    info = ok(role.request(op="info"))
     assert info["lightx2v"].startswith(str(src / "lightx2v") + "/"), info["lightx2v"]
     assert (info["ai_device"], info["platform"], info["mixin_device"]) == ("cpu",) * 3
     assert info["runner"] == "WanRunner" and info["adapter"]
@@ -62,14 +43,19 @@ def test_the_real_lightx2v_from_the_archive_runs_on_a_cpu_platform(roles, moonca
     assert len(info["patched"]) == 6
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", ["store", "p2p", "auto"])
 def test_three_roles_equal_the_colocated_pipeline_byte_for_byte(
-    roles, mooncake_cluster, module_image, tmp_path, mode
+    spawn_role, mooncake_cluster, image, tmp_path, mode
 ):
-    enc, tra, dec = mode_roles(roles, mooncake_cluster, mode)
-    local = roles.get("colocated", role_config(None, mooncake_cluster))
+    enc = spawn_role("encoder", role_config("encoder", mooncake_cluster, transfer_mode=mode))
+    tra = spawn_role(
+        "transformer",
+        role_config("transformer", mooncake_cluster, decoder_engine_rank=2, transfer_mode=mode),
+    )
+    dec = spawn_role("decode", role_config("decode", mooncake_cluster, transfer_mode=mode))
+    local = spawn_role("colocated", role_config(None, mooncake_cluster))
     for seed in (11, 12):
-        body = request(module_image, seed, save_result_path=str(tmp_path / f"{seed}.mp4"))
+        body = request(image, seed, save_result_path=str(tmp_path / f"{seed}.mp4"))
         got = run_all({"enc": (enc, body), "tra": (tra, body), "dec": (dec, body)})
         ref = ok(local.request(op="run", seed=seed, task=body))
         for reply in (*got.values(), ref):
@@ -87,52 +73,22 @@ def test_three_roles_equal_the_colocated_pipeline_byte_for_byte(
         assert got["dec"]["seen"]["vae_decode_input"]["shape"] == [16, 3, 8, 12]
         assert got["dec"]["p2_meta"]["latents_dtype"] == "torch.bfloat16"
         assert (tmp_path / f"{seed}.mp4").stat().st_size > 0  # LightX2V saved the video
+    for role in (enc, tra):
+        assert ok(role.request(op="info"))["live_publications"] == 0
     info = ok(dec.request(op="info"))
+    assert info["pool_bytes_in_use"] == 0
     path = "store" if mode == "store" else "p2p/shm"  # same host: one memory copy
     assert info["last_received"]["path"] == path
 
 
-def test_a_receive_with_nothing_sent_fails_the_request_and_the_room_still_works(
-    roles, spawn_role, mooncake_cluster, module_image, tmp_path
-):
-    enc, _, _ = mode_roles(roles, mooncake_cluster, "store")
-    late = {"transfer_mode": "store", "channel": "m-store", "timeout_s": 0.5}
-    tra = spawn_role("transformer-late", role_config("transformer", mooncake_cluster, **late))
-    body = request(
-        module_image, 3, save_result_path=str(tmp_path / "3.mp4"), data_bootstrap_room=72
-    )
-    reply = ok(tra.request(op="run", seed=3, task=body))  # decodes in place: no Decoder
-    assert (reply["status"], reply["error_type"]) == ("failed", "DeadlineExceededError"), reply
-    assert "room 72" in reply["error"]
-    ok(enc.request(op="run", seed=3, task=body))
-    assert ok(tra.request(op="run", seed=3, task=body))["status"] == "success"
-
-
-def test_store_payloads_outlive_their_sender(roles, mooncake_cluster, module_image, tmp_path):
-    enc, tra, dec = mode_roles(roles, mooncake_cluster, "store")
-    body = request(
-        module_image, 4, save_result_path=str(tmp_path / "4.mp4"), data_bootstrap_room=73
-    )
-    sent = ok(enc.request(op="run", seed=4, task=body))
-    ok(enc.request(op="release"))
-    enc.close()  # the encoder is gone; its payload is in the store host
-    assert enc.proc.returncode == 0
-    got = ok(tra.request(op="run", seed=4, task=body))
-    assert got["status"] == "success", got
-    assert ok(dec.request(op="run", seed=4, task=body))["status"] == "success"
-    image_out = sent["inputs"]["image_encoder_output"]
-    assert got["seen"]["dit_inputs"]["clip_encoder_out"] == image_out["clip_encoder_out"]
-
-
 def test_a_p2p_sender_that_exits_right_after_its_send_loses_nothing(
-    roles, mooncake_cluster, module_image, tmp_path
+    spawn_role, mooncake_cluster, image, tmp_path
 ):
     """LightX2V's own send returns once the transfer succeeded; so does the
-    adapter's: the encoder is released and gone before the transformer has run."""
-    enc, tra, dec = mode_roles(roles, mooncake_cluster, "p2p")
-    body = request(
-        module_image, 7, save_result_path=str(tmp_path / "7.mp4"), data_bootstrap_room=74
-    )
+    adapter's: the encoder is released and gone before the transformer runs."""
+    enc = spawn_role("encoder", role_config("encoder", mooncake_cluster, transfer_mode="p2p"))
+    tra = spawn_role("transformer", role_config("transformer", mooncake_cluster))
+    body = request(image, 7, save_result_path=str(tmp_path / "7.mp4"))  # decoded in place
     sent: dict = {}
 
     def send_and_exit():
@@ -142,13 +98,37 @@ def test_a_p2p_sender_that_exits_right_after_its_send_loses_nothing(
 
     sender = threading.Thread(target=send_and_exit)
     sender.start()
-    got = run_all({"tra": (tra, body), "dec": (dec, body)})
-    sender.join(600)
-    assert sent["status"] == "success", sent
-    assert got["tra"]["status"] == "success" and got["dec"]["status"] == "success", got
+    got = ok(tra.request(op="run", seed=7, task=body))
+    sender.join(300)
+    assert sent["status"] == "success" and got["status"] == "success", (sent, got)
     assert enc.proc.returncode == 0
-    context = sent["inputs"]["text_encoder_output"]["context"]
-    assert got["tra"]["seen"]["dit_inputs"]["context"] == context
+    assert got["seen"]["dit_inputs"]["context"] == sent["inputs"]["text_encoder_output"]["context"]
+
+
+def test_store_payloads_outlive_their_sender(spawn_role, mooncake_cluster, image, tmp_path):
+    enc = spawn_role("encoder", role_config("encoder", mooncake_cluster, transfer_mode="store"))
+    body = request(image, 4, save_result_path=str(tmp_path / "4.mp4"))  # decoded in place
+    sent = ok(enc.request(op="run", seed=4, task=body))
+    ok(enc.request(op="release"))
+    enc.close()  # the encoder is gone; its payload is in the store host
+    tra = spawn_role("transformer", role_config("transformer", mooncake_cluster))
+    got = ok(tra.request(op="run", seed=4, task=body))
+    assert got["status"] == "success", got
+    image_out = sent["inputs"]["image_encoder_output"]
+    assert got["seen"]["dit_inputs"]["clip_encoder_out"] == image_out["clip_encoder_out"]
+
+
+def test_a_receive_with_nothing_sent_fails_the_request_and_the_room_still_works(
+    spawn_role, mooncake_cluster, image, tmp_path
+):
+    enc = spawn_role("encoder", role_config("encoder", mooncake_cluster, transfer_mode="store"))
+    tra = spawn_role("transformer", role_config("transformer", mooncake_cluster, timeout_s=0.5))
+    body = request(image, 3, save_result_path=str(tmp_path / "3.mp4"))  # decoded in place
+    late = ok(tra.request(op="run", seed=3, task=body))
+    assert (late["status"], late["error_type"]) == ("failed", "DeadlineExceededError"), late
+    assert "room 0" in late["error"]
+    ok(enc.request(op="run", seed=3, task=body))
+    assert ok(tra.request(op="run", seed=3, task=body))["status"] == "success"
 
 
 def test_a_dead_master_in_the_json_fails_the_role_at_start(spawn_role, mooncake_cluster):
