@@ -12,13 +12,20 @@ model loaders are replaced (``fakes.install``). Replies describe tensors by
 dtype, shape and SHA-256, so the test compares every byte without moving
 tensors over the pipe. Ops: ``run``, ``info``, ``release``. Exits 1 when the
 worker's ``init`` fails (LightX2V logs why and returns False).
+
+Only the runner module of ``--model_cls`` is imported (``lean_import``: the other
+~40 runner modules that ``lightx2v.infer`` and ``lightx2v.pipeline`` name are
+placeholders), which halves a role's start-up; set ``MCD_TEST_LX2V_FULL_IMPORT=1``
+to import all of them as LightX2V does.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
+import threading
 from typing import Any
 
 import torch
@@ -48,13 +55,17 @@ def main() -> None:
     replies, sys.stdout = sys.stdout, sys.stderr  # LightX2V prints to stdout at import
 
     import fakes
+    import lean_import
+
+    if os.environ.get("MCD_TEST_LX2V_FULL_IMPORT") != "1":
+        lean_import.install([lean_import.RUNNER_MODULES[args.model_cls]])
     import lightx2v
     from lightx2v.disagg import disagg_mixin
     from lightx2v.server.services.inference.worker import TorchrunInferenceWorker
     from lightx2v_platform.base import global_var
     from mooncake_diffusion_lightx2v import plugin
 
-    fakes.install()
+    fakes.install(args.model_cls)
     worker = TorchrunInferenceWorker()
     if not worker.init(args):
         sys.exit(1)
@@ -94,6 +105,7 @@ def main() -> None:
             "live_publications": None if stats is None else stats.live_publications,
             "pool_bytes_in_use": None if stats is None else stats.pool_bytes_in_use,
             "last_received": None if state is None else state.last_received,
+            "threads": sorted(t.name for t in threading.enumerate()),
             "queue": None
             if state is None or state.queue is None
             else {"alive": state.queue.alive, "error": str(state.queue.error or "")},
