@@ -27,7 +27,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mooncake_diffusion.errors import HandleError, PayloadError
-from mooncake_diffusion.keyed import KeyedRecord, _decode_record, unpack
+from mooncake_diffusion.keyed import RECORD_VERSION, KeyedRecord, _decode_record, unpack
 from mooncake_diffusion.orchestrator import wire
 from mooncake_diffusion.schema import (
     MAGIC,
@@ -151,7 +151,7 @@ def check_wire(data: bytes) -> None:
 def _record(handle: bytes, skeleton: bytes) -> bytes:
     enc = msgspec.msgpack.Encoder()
     body = enc.encode(KeyedRecord(handle, skeleton, len(skeleton)))
-    return enc.encode(Envelope("mcd-keyed", 1, msgspec.Raw(body)))
+    return enc.encode(Envelope("mcd-keyed", RECORD_VERSION, msgspec.Raw(body)))
 
 
 _SKELETON = msgspec.msgpack.encode(
@@ -160,6 +160,7 @@ _SKELETON = msgspec.msgpack.encode(
             1, msgspec.msgpack.encode(("torch", "float32", (2, 2), b"\0" * 16))
         ),
         "n": [1, 2.5, "a"],
+        "s": msgspec.msgpack.Ext(2, msgspec.msgpack.encode(("slice", {"start": 1, "stop": 4}))),
     }
 )
 
@@ -314,7 +315,7 @@ TARGETS: dict[str, tuple[st.SearchStrategy[Any], Callable[[Any], None]]] = {
     "mailbox_record": (
         st.one_of(
             _mutations(_record(_valid_handle(), _SKELETON)),
-            _enveloped("mcd-keyed", 1),
+            _enveloped("mcd-keyed", RECORD_VERSION),
             st.binary(max_size=200),
         ),
         check_record,

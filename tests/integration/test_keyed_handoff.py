@@ -6,12 +6,18 @@ are in tests/engines/vllm_omni, through the vLLM-Omni connector built on this.
 """
 
 import socket
+import time
 
 import pytest
 import torch
 
-from mooncake_diffusion.errors import DuplicatePublishError, MasterUnavailableError
+from mooncake_diffusion.errors import (
+    DuplicatePublishError,
+    MasterUnavailableError,
+    StoreFullError,
+)
 from mooncake_diffusion.keyed import KeyedHandoff
+from mooncake_diffusion.leases import TTL_ROOT, Reaper
 from mooncake_diffusion.mailbox import Mailbox
 from mooncake_diffusion.settings import MooncakeSettings
 from mooncake_diffusion.testing import assert_no_leaks
@@ -65,13 +71,20 @@ def test_small_objects_travel_in_the_record_alone(pair, mooncake_cluster):
     assert obj["a"] == [1, 2] and torch.equal(obj["b"], torch.arange(4))
 
 
-def test_missing_key_is_none_and_duplicate_key_is_refused(pair):
-    producer, consumer = pair(), pair()
+def test_missing_key_is_none_and_a_second_send_replaces_an_untaken_one(pair, mooncake_cluster):
+    producer, other, consumer = pair(), pair(), pair()
     assert consumer.receive("nothing") is None
     producer.send("k", {"x": 1})
-    with pytest.raises(DuplicatePublishError):
-        producer.send("k", {"x": 2})
-    assert consumer.receive("k")[0] == {"x": 1}
+    producer.send("k", {"x": 2})  # inline records: the second one wins
+    assert consumer.receive("k")[0] == {"x": 2}
+    producer.send("big", payload())
+    first = set(mooncake_cluster.keys())
+    sent = payload()
+    other.send("big", sent)  # another producer, a reused key: its payload replaces
+    assert not first & set(mooncake_cluster.keys()) - {"mcd-mbox/big"}  # old bytes gone
+    obj, _ = consumer.receive("big")
+    assert torch.equal(obj["latent"], sent["latent"])
+    assert consumer.receive("big") is None
 
 
 def test_discard_from_the_consumer_side_and_by_pattern(pair, mooncake_cluster):
@@ -86,15 +99,21 @@ def test_discard_from_the_consumer_side_and_by_pattern(pair, mooncake_cluster):
     assert consumer.receive("req-b_0_0@0_1") is not None
 
 
-def test_close_removes_untaken_sends_unless_kept(pair, mooncake_cluster):
-    producer = pair()
-    producer.send("gone", payload())
-    producer.close()
-    assert mooncake_cluster.keys() == []
-    keeper, consumer = pair(keep_on_close=True), pair()
-    keeper.send("kept", payload())
+def test_store_mode_sends_outlive_a_clean_close_p2p_ones_do_not(pair, mooncake_cluster):
+    keeper, consumer = pair(), pair()
+    sent = payload()
+    keeper.send("kept", sent)
     keeper.close()
-    assert consumer.receive("kept") is not None
+    obj, _ = consumer.receive("kept")
+    assert torch.equal(obj["latent"], sent["latent"])
+    p2p = pair(transfer_mode="p2p")
+    p2p.send("gone", payload())
+    p2p.close()  # its bytes leave with it: the record goes too
+    assert mooncake_cluster.keys() == []
+    dropper = pair(keep_on_close=False)
+    dropper.send("dropped", payload())
+    dropper.close()
+    assert mooncake_cluster.keys() == []
 
 
 def test_reap_forgets_what_consumers_took(pair):
@@ -131,9 +150,125 @@ def test_mailbox_records_round_trip(mooncake_cluster):
     with Mailbox(mooncake_cluster.settings, max_record=4096) as box:
         box.post("n1", b"hello")
         assert box.peek("n1") == b"hello"
-        assert box.take("n1") == b"hello"
+        with pytest.raises(DuplicatePublishError):
+            box.post("n1", b"again")
+        assert box.post("n1", b"again", replace=True) == b"hello"
+        assert box.take("n1") == b"again"
         assert box.take("n1") is None
+        box.post("n2", b"x" * 4096, expires_at=time.time() + 600)
+        keys = mooncake_cluster.keys()
+        assert sorted(keys) == ["mcd-mbox/n2", next(k for k in keys if k.startswith(TTL_ROOT))]
+        assert box.take("n2") == b"x" * 4096  # the marker goes with the record
     assert mooncake_cluster.keys() == []
+
+
+def test_expired_sends_leave_nothing_records_inline_payloads_and_bytes(pair, mooncake_cluster):
+    """Swept with a clock past the TTL (no waiting): the store host's reaper, or any
+    process's, removes records, their markers and payload objects by key alone."""
+    producer = pair(ttl_s=600, sweep_s=0)
+    producer.send("inline", {"x": 1})
+    producer.send("stored", payload())
+    assert len(mooncake_cluster.keys()) > 4  # two records, two markers, payload objects
+    assert Reaper(mooncake_cluster.settings).sweep(now=time.time() + 599) == 0
+    Reaper(mooncake_cluster.settings).sweep(now=time.time() + 601)
+    assert mooncake_cluster.keys() == []
+    assert pair().receive("stored") is None
+
+
+def test_an_expired_record_reads_as_absent_and_is_removed(pair, mooncake_cluster):
+    producer, consumer = pair(ttl_s=0.2, sweep_s=0), pair(sweep_s=0)
+    producer.send("late", payload())
+    time.sleep(0.3)  # past the TTL (whether a reaper came by first or not)
+    assert consumer.receive("late") is None
+    assert mooncake_cluster.keys() == []
+
+
+def test_a_crashed_producers_sends_are_reclaimed_with_no_call_at_all():
+    """A producer SIGKILLed after sending, in a cluster whose store host runs no
+    reaper: the consumer side's KeyedHandoff sweeps the expired record, marker and
+    payload by itself; nobody calls discard, cleanup or close for them."""
+    import sys
+    import threading
+    from pathlib import Path
+
+    from mooncake_diffusion._mooncake.cluster import LocalCluster
+    from mooncake_diffusion.childproc import JsonLinesChild
+
+    baseline = {f"{t.name}#{t.ident}" for t in threading.enumerate()}
+    sender = [sys.executable, str(Path(__file__).with_name("keyed_sender.py")), "1"]
+    with LocalCluster(pool_bytes=64 << 20, reap_interval_s=0) as cluster:
+        child = JsonLinesChild(sender, cluster.settings, "keyed sender")
+        try:
+            assert child.request(op="send", key="orphan", numel=100_000, seed=1)["ok"]
+            assert child.request(op="send", key="orphan-inline", numel=10, seed=2)["ok"]
+        finally:
+            child.kill()
+            child.close()
+        assert len(cluster.keys()) > 4
+        with KeyedHandoff(cluster.settings, ttl_s=1, sweep_s=0.2):
+            hang_guard = time.monotonic() + 120
+            while cluster.keys() and time.monotonic() < hang_guard:
+                time.sleep(0.05)
+            assert cluster.keys() == []
+        assert_no_leaks(cluster, baseline)
+
+
+def test_a_clean_producer_exit_leaves_its_store_sends_for_the_consumer(pair, mooncake_cluster):
+    import sys
+    from pathlib import Path
+
+    from mooncake_diffusion.childproc import JsonLinesChild
+
+    sender = [sys.executable, str(Path(__file__).with_name("keyed_sender.py")), "600"]
+    child = JsonLinesChild(sender, mooncake_cluster.settings, "keyed sender")
+    try:
+        size = child.request(op="send", key="after-exit", numel=100_000, seed=3)["size"]
+        assert child.request(op="shutdown")["ok"]
+    finally:
+        child.close()  # the process is gone
+    obj, got = pair().receive("after-exit")
+    g = torch.Generator().manual_seed(3)
+    assert got == size and torch.equal(obj["t"], torch.randn(100_000, generator=g))
+
+
+def test_a_full_pool_is_waited_for_within_timeout_s_then_a_typed_error():
+    """A pool too small for two payloads: the second send waits while the first is
+    untaken; taking the first makes room and the waiting send completes. With nobody
+    taking, the send fails with StoreFullError after timeout_s and leaves nothing."""
+    import threading
+
+    from mooncake_diffusion._mooncake.cluster import LocalCluster
+
+    baseline = {f"{t.name}#{t.ident}" for t in threading.enumerate()}
+    big = torch.zeros(40 << 20, dtype=torch.uint8)  # 40 MiB of a 64 MiB pool
+    with LocalCluster(pool_bytes=64 << 20, reap_interval_s=0) as cluster:
+        producer = KeyedHandoff(cluster.settings, timeout_s=600, sweep_s=0)
+        consumer = KeyedHandoff(cluster.settings, sweep_s=0)
+        impatient = KeyedHandoff(cluster.settings, timeout_s=0.5, sweep_s=0)
+        try:
+            producer.send("first", {"t": big})
+            with pytest.raises(StoreFullError, match="stayed full"):
+                impatient.send("never", {"t": big})
+            assert not any("never" in k for k in cluster.keys())  # noqa: SIM118
+            done = threading.Event()
+            second = threading.Thread(
+                target=lambda: (producer.send("second", {"t": big + 1}), done.set())
+            )
+            second.start()
+            hang_guard = time.monotonic() + 120
+            while producer.full_waits == 0 and time.monotonic() < hang_guard:
+                time.sleep(0.01)  # hold until the second send has met the full pool
+            assert producer.full_waits > 0
+            assert consumer.receive("first") is not None
+            second.join()
+            assert done.is_set()
+            obj, _ = consumer.receive("second")
+            assert torch.equal(obj["t"], big + 1)
+        finally:
+            for kh in (producer, consumer, impatient):
+                kh.close()
+        assert cluster.keys() == []
+        assert_no_leaks(cluster, baseline)
 
 
 def test_mailbox_take_is_exactly_once_across_processes(mooncake_cluster):

@@ -61,12 +61,14 @@ def test_numpy_arrays_scalars_and_tuples():
     assert out["n"] == 4 and out["t"] == [1, 2]
 
 
-def test_top_level_raw_bytes_move_and_come_back_as_bytearray():
-    raw = bytes(range(256)) * 8
-    skeleton, moved = pack(raw, 1024)
-    assert [k for k, _ in moved] == ["bytes"]
-    out = unpack(skeleton, {0: bytearray(raw)})
-    assert isinstance(out, bytearray) and out == raw
+@pytest.mark.parametrize("size", [100, 2048])  # inline, and moved as a tensor
+@pytest.mark.parametrize("kind", [bytes, bytearray, memoryview])
+def test_raw_bytes_of_any_size_and_kind_come_back_as_bytes(size, kind):
+    raw = (bytes(range(256)) * 8)[:size]
+    skeleton, moved = pack(kind(raw), 1024)
+    assert [k for k, _ in moved] == (["bytes"] if size >= 1024 else [])
+    out = unpack(skeleton, {0: bytearray(raw)} if moved else {})
+    assert type(out) is bytes and out == raw
 
 
 def test_non_contiguous_tensor_is_made_contiguous():

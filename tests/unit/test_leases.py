@@ -21,3 +21,14 @@ def test_only_keys_past_their_ttl_are_expired():
     ]
     assert expired_keys(keys, now=2.0) == ["mcd/a/latent/n1@1000/0.0"]
     assert expired_keys(keys, now=5.0) == keys[:2]
+
+
+def test_an_expired_marker_takes_the_key_it_marks_with_it():
+    from mooncake_diffusion.leases import ttl_marker
+
+    marker = ttl_marker(1500, "mcd-mbox/req-1_0_0@0_1")
+    assert marker == "mcd-ttl/1500/mcd-mbox/req-1_0_0@0_1"
+    assert expiry_of(marker) == 1.5
+    keys = [marker, ttl_marker(9000, "mcd-mbox/later"), "mcd-mbox/req-1_0_0@0_1"]
+    assert expired_keys(keys, now=2.0) == [marker, "mcd-mbox/req-1_0_0@0_1"]
+    assert expired_keys(keys, now=1.0) == []

@@ -75,3 +75,12 @@ def make(mooncake_cluster, vllm_omni, peer) -> Iterator[Callable[..., Any]]:
         conn.close()
     assert peer.request(op="close")["ok"]
     assert_no_leaks(mooncake_cluster, baseline)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The first test of this folder also sets up the session: importing vLLM and
+    vLLM-Omni here and in the peer (about a minute on an idle 2-core machine, several
+    under load). Its hang guard covers that too; every other test keeps the default."""
+    mine = [item for item in items if Path(str(item.fspath)).parent == HERE]
+    if mine:
+        mine[0].add_marker(pytest.mark.timeout(1800))

@@ -142,12 +142,12 @@ def test_packed_kv_cache_bytes_round_trip_unchanged(peer, extra, make):
     ok, size, _ = conn.put("0", "1", key, raw)  # this process produces, the peer consumes
     assert ok and size >= len(raw)
     r = peer.request(op="get", key=key, **{"from": "0", "to": "1"})
-    assert r["found"] and r["type"] == "bytearray"
+    assert r["found"] and r["type"] == "bytes"  # one type for raw bytes, any size
     assert r["digest"] == vo_payloads.expected_digest(raw)
     # and the reverse direction, decoded by vLLM-Omni's own KV unpacker
     peer_put(peer, "kv", key, seed=12)
     got, _ = conn.get("0", "1", key)
-    assert isinstance(got, bytes | bytearray)
+    assert type(got) is bytes
     mine = KVCacheTransferData.from_bytes(got)
     theirs = KVCacheTransferData.from_bytes(vo_payloads.build("kv", 12))
     assert mine["request_id"] == theirs["request_id"] == "req-12"
@@ -155,6 +155,41 @@ def test_packed_kv_cache_bytes_round_trip_unchanged(peer, extra, make):
         mine["layer_blocks"]["key_cache"], theirs["layer_blocks"]["key_cache"], strict=True
     ):
         assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_vllm_output_classes_come_back_as_themselves_across_processes(peer, extra, make):
+    """What a stage hands the next one (and what Dynamo passes through the connector):
+    an ``OmniRequestOutput`` read by attribute, with the classes vLLM-Omni's own codec
+    rebuilds (CompletionOutput, RequestOutput, PIL images) rebuilt here too, no pickle."""
+    from PIL import Image
+    from vllm.outputs import CompletionOutput, RequestOutput
+    from vllm_omni.distributed.omni_connectors.utils.serialization import OmniSerializer
+    from vllm_omni.outputs import OmniRequestOutput
+
+    peer_make(peer, extra)
+    conn = make(extra)
+    put = peer_put(peer, "omni_output", "req-types_0_0", seed=4)
+    obj, size = conn.get("0", "1", "req-types_0_0")
+    assert type(obj) is OmniRequestOutput and size == put["size"]
+    assert vo_payloads.digest(obj) == put["digest"]  # every class, attribute and byte
+    completion = obj.outputs[0]
+    assert type(completion) is CompletionOutput and completion.text == "a cat, seed 4"
+    assert completion.multimodal_output["audio"].dtype == torch.bfloat16
+    assert [type(i) for i in obj.images] == [Image.Image, Image.Image]
+    stage_output = obj._custom_output["stage_output"]
+    assert type(stage_output) is RequestOutput and stage_output.outputs[0].finish_reason == "stop"
+    assert obj._custom_output["window"] == slice(0, 16, 2)
+    # vLLM-Omni's own codec rebuilds the same classes from the same object
+    theirs = OmniSerializer.deserialize(
+        OmniSerializer.serialize(vo_payloads.build("omni_output", 4))
+    )
+    assert type(theirs) is OmniRequestOutput and type(theirs.outputs[0]) is CompletionOutput
+    assert type(theirs._custom_output["stage_output"]) is RequestOutput
+    # and the other direction: this process puts, the peer rebuilds the classes
+    ok, size, _ = conn.put("0", "1", "req-types_0_1", vo_payloads.build("omni_output", 5))
+    r = peer.request(op="get", key="req-types_0_1", **{"from": "0", "to": "1"})
+    assert ok and r["found"] and r["type"] == "OmniRequestOutput" and r["size"] == size
+    assert r["digest"] == vo_payloads.expected_digest(vo_payloads.build("omni_output", 5))
 
 
 def test_diffusion_stage_payload_read_with_get_with_deadline(peer, extra, make):
@@ -190,25 +225,37 @@ def test_cleanup_deletes_unconsumed_payloads_of_a_request(peer, mooncake_cluster
     for chunk_id in range(3):  # three chunks of req-a (big enough to leave data objects)
         peer_put(peer, "diffusion", f"req-a_0_{chunk_id}", seed=chunk_id)
     peer_put(peer, "diffusion", "req-ab_0_0", seed=9)  # shares a prefix, not the request
+    peer_put(peer, "diffusion", "req-a__cfg_text", seed=8)  # another request, same start
     before = mooncake_cluster.keys()
     assert any("req-a_0_" in k for k in before)
     conn.cleanup("req-a")  # from the consumer side: it never saw these keys
     left = mooncake_cluster.keys()
-    assert left and all("req-a_" not in k for k in left), left
+    assert left and all("req-a_0_" not in k for k in left), left
     assert conn.get("0", "1", "req-a_0_1") is None
+    assert conn.get("0", "1", "req-a__cfg_text") is not None  # exact: not a prefix sweep
     assert conn.get("0", "1", "req-ab_0_0") is not None
     conn.cleanup("req-ab_0_0")  # an exact key, already consumed: fine
     assert mooncake_cluster.keys() == []
 
 
-def test_producer_close_removes_what_nobody_took(peer, mooncake_cluster, extra, make):
+def test_store_puts_outlive_a_clean_producer_close_p2p_puts_do_not(
+    peer, mooncake_cluster, extra, make
+):
+    """The built-in shared-memory connector unlinks untaken segments at close; in store
+    mode ours keeps them for their consumer (the bytes are in the store, not in the
+    producer) until taken, cleaned up or expired: kept on purpose, so a stage that
+    restarts or scales down loses nothing in flight."""
     peer_make(peer, extra)
     conn = make(extra)
-    peer_put(peer, "thinker2talker", "req-c_0_0", seed=3)
-    assert mooncake_cluster.keys()
+    put = peer_put(peer, "thinker2talker", "req-c_0_0", seed=3)
     assert peer.request(op="close")["ok"]
+    obj, size = conn.get("0", "1", "req-c_0_0")
+    assert vo_payloads.digest(obj) == put["digest"] and size == put["size"]
+    peer_make(peer, extra, transfer_mode="p2p")
+    peer_put(peer, "thinker2talker", "req-c_0_1", seed=4)
+    assert peer.request(op="close")["ok"]  # p2p: the bytes leave with the producer
     assert mooncake_cluster.keys() == []
-    assert conn.get("0", "1", "req-c_0_0") is None
+    assert conn.get("0", "1", "req-c_0_1") is None
 
 
 def test_reap_consumed_forgets_taken_keys(peer, extra, make):

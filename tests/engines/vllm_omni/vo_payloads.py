@@ -7,7 +7,13 @@ token id lists and a bool ``finished`` tensor; ``chunk``: an async-chunk
 ``OmniPayloadStruct`` (real vLLM-Omni msgspec struct); ``kv``: packed KV-cache bytes
 from vLLM-Omni's own ``KVCacheTransferData.to_bytes()``; ``diffusion``: a diffusion
 stage payload dict of ``custom_output`` tensors; ``latent``: the bench's dict with
-one bf16 latent of ``mb`` MiB.
+one bf16 latent of ``mb`` MiB; ``omni_output``: an ``OmniRequestOutput`` (what a
+stage hands the next one) holding ``CompletionOutput``s with a ``multimodal_output``
+set after construction, ``PIL`` images, a latent, a vLLM ``RequestOutput`` and a
+``slice``; ``small`` / ``empty``: the plain dicts of vLLM-Omni's own connector tests.
+
+The digest names the class of every vLLM / vLLM-Omni output object, image and
+slice, so a payload that came back as dicts does not match what was sent.
 """
 
 from __future__ import annotations
@@ -87,7 +93,56 @@ def build(kind: str, seed: int, **kw: Any) -> Any:
     if kind == "latent":
         numel = kw["mb"] * (1 << 20) // 2
         return {"latent": _bf16((1, 16, numel // (16 * 64 * 64), 64, 64), seed), "step": 0}
+    if kind == "omni_output":
+        return _omni_output(seed)
+    if kind == "small":  # the dicts of vLLM-Omni's own connector tests
+        return {"hello": "world", "n": seed, "values": list(range(seed, seed + 3))}
+    if kind == "empty":
+        return {}
     raise ValueError(f"unknown payload kind {kind!r}")
+
+
+def _omni_output(seed: int) -> Any:
+    from PIL import Image
+    from vllm.outputs import CompletionOutput, RequestOutput
+    from vllm_omni.outputs import OmniRequestOutput
+
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, 151_000, 48).tolist()
+    completion = CompletionOutput(
+        index=0,
+        text=f"a cat, seed {seed}",
+        token_ids=ids[16:],
+        cumulative_logprob=-1.5,
+        logprobs=None,
+        finish_reason="stop",
+    )
+    completion.multimodal_output = {"audio": _bf16((24_000,), seed + 1)}  # set afterwards
+    raw = RequestOutput(f"req-{seed}", "a cat", ids[:16], None, [completion], True)
+    images = [
+        Image.fromarray(rng.integers(0, 256, (64, 96, 3), dtype=np.uint8), "RGB"),
+        Image.fromarray(rng.integers(0, 256, (8, 8), dtype=np.uint8), "L"),
+    ]
+    return OmniRequestOutput(
+        request_id=f"req-{seed}",
+        prompt="a cat",
+        prompt_token_ids=ids[:16],
+        outputs=[completion],
+        finished=True,
+        stage_id=1,
+        final_output_type="image",
+        images=images,
+        latents=_bf16((1, 16, 8, 12), seed + 2),
+        _custom_output={"stage_output": raw, "window": slice(0, 16, 2)},
+        stage_durations={"denoise": 1.25},
+    )
+
+
+def _class_of(o: Any) -> str | None:
+    """``module.qualname`` of a vLLM / vLLM-Omni class instance, else None."""
+    if type(o).__module__.split(".")[0] in ("vllm", "vllm_omni"):
+        return f"{type(o).__module__}.{type(o).__qualname__}"
+    return None
 
 
 def _walk(o: Any, structs_as_dicts: bool) -> Any:
@@ -99,6 +154,16 @@ def _walk(o: Any, structs_as_dicts: bool) -> Any:
         return ["numpy", o.dtype.name, list(o.shape), hashlib.sha256(o.tobytes()).hexdigest()]
     if isinstance(o, bytes | bytearray | memoryview):
         return ["bytes", len(o), hashlib.sha256(bytes(o)).hexdigest()]
+    if type(o).__module__.startswith("PIL.") or type(o).__name__ == "Image":
+        from PIL import Image
+
+        if isinstance(o, Image.Image):
+            return ["PIL", o.mode, list(o.size), hashlib.sha256(o.tobytes()).hexdigest()]
+    if isinstance(o, slice):
+        return ["slice", o.start, o.stop, o.step]
+    name = _class_of(o)
+    if name is not None and name.endswith(("RequestOutput", "CompletionOutput")):
+        return ["object", name, _walk(vars(o), structs_as_dicts)]
     if isinstance(o, msgspec.Struct):
         if not structs_as_dicts:
             raise TypeError("a struct came back as a struct")

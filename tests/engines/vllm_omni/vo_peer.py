@@ -9,7 +9,7 @@ answering with digests so the test process can compare every byte.
     {"op": "make", "name": ..., "extra": {...}}  -> {"registered": [...]}
     {"op": "put", "kind": ..., "seed": ..., "key": ..., "from": "0", "to": "1", ...}
     {"op": "get", "key": ..., "from": ..., "to": ..., "deadline_s": null | float}
-    {"op": "health"} / {"op": "close"}
+    {"op": "cleanup", "request_id": ...} / {"op": "health"} / {"op": "close"}
 """
 
 from __future__ import annotations
@@ -88,6 +88,11 @@ def get(cmd: dict) -> dict:
     }
 
 
+def cleanup(cmd: dict) -> dict:
+    _state["conn"].cleanup(cmd["request_id"])
+    return {"ok": True}
+
+
 def health(cmd: dict) -> dict:
     return {"ok": True, "health": _state["conn"].health()}
 
@@ -120,6 +125,7 @@ if __name__ == "__main__":
                 "get": get,
                 "health": health,
                 "reap": reap,
+                "cleanup": cleanup,
                 "close": close,
             },
             sys.stdin,

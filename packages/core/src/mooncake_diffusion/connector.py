@@ -645,6 +645,15 @@ class DiffusionConnector:
             return [self._transports.get("p2p"), self._transports.get("store")]
         return [self._transports.get(self.transfer_mode)]
 
+    def drop(self, handle: PayloadHandle) -> None:
+        """Remove the payload ``handle`` describes, whoever published it: withdrawn if
+        this connector did, and its store objects removed by exact key (no scan of
+        the store). A p2p payload another process holds is not reachable from here:
+        it goes with its producer (or its TTL there)."""
+        self._publisher.cleanup(handle.request_id)
+        if handle.transport == "store":
+            self._transports.get("store").discard(handle)
+
     def cleanup(self, request_id: str) -> int:
         """Withdraw every publication of ``request_id`` made by this connector,
         and in store mode every stored object of the request, whoever published

@@ -17,10 +17,13 @@ Call sequence (one ``KeyedHandoff`` per process side; thread-safe):
     kh.close()                      # drops what this side sent and nobody took
 
 What an object may hold: dicts, lists, tuples (received as lists), str, int,
-float, bool, None, bytes, msgspec Structs and dataclasses (both received as
-dicts), numpy scalars (received as Python numbers), torch tensors and numpy
-arrays (received as the same kind, dtype and shape, on ``device``), and at
-the top level raw bytes, bytearray or memoryview (received as a bytearray).
+float, bool, None, bytes, bytearray and memoryview (all received as ``bytes``),
+msgspec Structs and dataclasses (both received as dicts unless their class is
+registered), numpy scalars (received as Python numbers), torch tensors and numpy
+arrays (received as the same kind, dtype and shape, on ``device``), and
+instances of classes registered in ``mooncake_diffusion.carried`` (received as
+the same class, rebuilt from a type tag and their state: ``slice`` and
+``PIL.Image`` built in, engines' output classes registered by their adapters).
 Anything else raises ``PayloadError`` before anything is sent. No pickle.
 
 How bytes move. Tensors and top-level raw bytes of at least ``inline_bytes``
@@ -29,21 +32,32 @@ caller's memory, ``get_into`` the fresh destination; a non-contiguous tensor
 is made contiguous first, the one copy this module makes). Smaller ones, at
 most 63 of them past the first 63 large ones, travel inside the skeleton,
 because one store object costs a round trip (~0.7 ms here) that a copy of a
-few KiB does not. The skeleton (msgpack; tensors as Ext type 1) rides in the
-record when it is at most half of ``Mailbox.max_record``, else as one more tensor.
+few KiB does not. The skeleton (msgpack; tensors as Ext type 1, registered
+classes as Ext type 2 holding ``(tag, state)``) rides in the record when it is at
+most half of ``Mailbox.max_record``, else as one more tensor. Top-level raw bytes
+that moved are received into a bytearray and returned as ``bytes`` (one copy).
 
 Lifecycle. A record is taken once (``Mailbox.take``); its payload is
-delete-on-consume and carries ``ttl_s`` when set, so the store host's reaper
-removes bytes nobody consumed. Records carry the same expiry: a consumer
-treats an expired one as absent and removes it. A producer's ``close``
-removes what it sent that is still untaken, like a shared-memory segment
-unlinked at exit (``keep_on_close=True`` leaves it for later consumers).
+delete-on-consume. A second ``send`` to a key whose record nobody took yet
+replaces it (the old payload is removed), as the built-in shared-memory
+connector overwrites a segment. With ``ttl_s`` set, the payload's store keys
+carry the expiry and the record an expiry marker (``leases``), so whatever
+nobody took is removed once ``ttl_s`` has passed, with no ``discard`` or
+``close`` call from anyone, also when the producer crashed: every
+``KeyedHandoff`` runs a ``leases.Reaper`` sweep every ``sweep_s`` (one listing
+of the master's keys, at most ``SWEEP_BUDGET`` removals a pass), as does the
+store host of ``LocalCluster``; any one of them is enough. A consumer treats
+an expired record as absent, removes it and logs a warning (an expiry is a
+payload lost, never silent). In store mode a producer's ``close`` leaves its
+untaken sends for their consumers (the bytes live in the store, not in the
+producer); in p2p mode it removes them (their bytes die with the producer).
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import math
 import mmap
 import re
@@ -52,14 +66,22 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import fields, is_dataclass
 from typing import Any
 
 import msgspec
 import numpy as np
 
+from mooncake_diffusion import carried
 from mooncake_diffusion._mooncake.store import StoreClient
 from mooncake_diffusion.connector import DiffusionConnector, TransferMode
-from mooncake_diffusion.errors import HandleError, MooncakeDiffusionError, PayloadError
+from mooncake_diffusion.errors import (
+    HandleError,
+    MooncakeDiffusionError,
+    PayloadError,
+    StoreFullError,
+)
+from mooncake_diffusion.leases import Reaper
 from mooncake_diffusion.mailbox import Mailbox
 from mooncake_diffusion.payload import StagePayload
 from mooncake_diffusion.schema import MAX_TENSORS, Envelope, PayloadHandle, decode_handle
@@ -70,13 +92,16 @@ from mooncake_diffusion.transports.store import KEY_ROOT
 __all__ = ["RECORD_MAGIC", "RECORD_VERSION", "KeyedHandoff", "KeyedRecord", "pack", "unpack"]
 
 RECORD_MAGIC = "mcd-keyed"
-#: Record format history: 1 first version.
-RECORD_VERSION = 1
+#: Record format history: 1 first version; 2 registered classes as Ext type 2.
+RECORD_VERSION = 2
 EXT_TENSOR = 1
+EXT_OBJECT = 2
 _SKELETON = "skeleton"
 _ALIGN = 64
 _LEDGER_MAX = 65536
 _HUGE_MIN = 4 << 20  # receive buffers from here up are huge-page backed (host only)
+_FULL_BACKOFF_S = (0.005, 0.5)  # first and longest wait between puts into a full pool
+_log = logging.getLogger("mooncake_diffusion.keyed")
 
 
 class KeyedRecord(msgspec.Struct, frozen=True, array_like=True):
@@ -94,6 +119,59 @@ _encoder = msgspec.msgpack.Encoder()
 _record_decoder = msgspec.msgpack.Decoder(KeyedRecord)
 _envelope_decoder = msgspec.msgpack.Decoder(Envelope)
 _ext_decoder = msgspec.msgpack.Decoder(tuple[str, str, tuple[int, ...], bytes | int])
+_ObjectExt = tuple[str, dict[str, Any]]
+_LEAVES = (str, int, float, bool, bytes, type(None))
+
+
+class _Tagged:
+    """A registered instance msgspec would encode by itself, marked so the hook gets it."""
+
+    __slots__ = ("entry", "obj")
+
+    def __init__(self, entry: carried.CarriedType, obj: Any) -> None:
+        self.entry = entry
+        self.obj = obj
+
+
+def _mark(obj: Any) -> Any:
+    """``obj`` with every instance of a registered dataclass/Struct class wrapped in
+    ``_Tagged`` (msgspec encodes those itself, so its hook would never see them).
+    Containers are rebuilt only where something inside changed; an unregistered
+    dataclass or Struct holding a registered instance becomes a dict of its fields
+    (what msgspec would have sent)."""
+    t = type(obj)
+    if t in _LEAVES:
+        return obj
+    entry = carried.carried_for(obj)
+    if entry is not None:
+        return _Tagged(entry, obj) if entry.native else obj
+    if t is dict:
+        out = None
+        for k, v in obj.items():
+            m = _mark(v)
+            if m is not v:
+                out = dict(obj) if out is None else out
+                out[k] = m
+        return obj if out is None else out
+    if t is list or t is tuple:
+        items = None
+        for i, v in enumerate(obj):
+            if type(v) in _LEAVES:
+                continue
+            m = _mark(v)
+            if m is not v:
+                items = list(obj) if items is None else items
+                items[i] = m
+        return obj if items is None else items
+    if isinstance(obj, msgspec.Struct) or (is_dataclass(obj) and not isinstance(obj, type)):
+        if isinstance(obj, msgspec.Struct):
+            names: Any = obj.__struct_fields__
+        else:
+            names = [f.name for f in fields(obj)]
+        state = {n: getattr(obj, n) for n in names}
+        marked = _mark(state)
+        return obj if marked is state else marked
+    return obj
 
 
 # ------------------------------------------------------------------ object trees
@@ -134,14 +212,23 @@ def pack(
             return place("numpy", a, a.dtype.name, tuple(a.shape), a.nbytes)
         if isinstance(o, np.generic):
             return o.item()
+        entry, target = (o.entry, o.obj) if isinstance(o, _Tagged) else (None, o)
+        entry = entry or carried.carried_for(o)
+        if entry is not None:
+            state = entry.to_state(target)
+            if native:
+                state = _mark(state)
+            inner = msgspec.msgpack.encode((entry.tag, state), enc_hook=hook)
+            return msgspec.msgpack.Ext(EXT_OBJECT, inner)
         raise TypeError(f"objects of type {type(o).__module__}.{type(o).__qualname__}")
 
     if isinstance(obj, bytes | bytearray | memoryview) and len(obj) >= inline_bytes:
         flat = np.frombuffer(obj, dtype=np.uint8)
         return _encoder.encode(place("bytes", flat, "uint8", (len(flat),), len(flat))), moved
+    native = carried.native_carried()
     try:
-        skeleton = msgspec.msgpack.Encoder(enc_hook=hook).encode(obj)
-    except (TypeError, ValueError, OverflowError) as e:
+        skeleton = msgspec.msgpack.encode(_mark(obj) if native else obj, enc_hook=hook)
+    except (TypeError, ValueError, OverflowError, RecursionError) as e:
         raise PayloadError(f"cannot send this object without pickle: {e}") from None
     return skeleton, moved
 
@@ -159,17 +246,27 @@ def unpack(skeleton: bytes | memoryview, moved: dict[int, Any]) -> Any:
     """The inverse of ``pack``: ``moved[i]`` is the received tensor ``i``."""
 
     def ext(code: int, data: memoryview) -> Any:
+        if code == EXT_OBJECT:
+            tag, state = msgspec.msgpack.decode(data, type=_ObjectExt, ext_hook=ext)
+            entry = carried.by_tag(tag)
+            try:
+                return entry.from_state(entry.cls, state)
+            except HandleError:
+                raise
+            except Exception as e:
+                raise HandleError(f"keyed record: cannot rebuild a {tag!r}: {e}") from None
         if code != EXT_TENSOR:
             raise HandleError(f"unknown msgpack extension {code} in a keyed record")
         kind, dtype, shape, where = _ext_decoder.decode(data)
         if isinstance(where, int):
             if where not in moved:
                 raise HandleError(f"keyed record names tensor {where}, which did not arrive")
-            return moved[where]
+            got = moved[where]
+            return bytes(got) if kind == "bytes" and not isinstance(got, bytes) else got
         return _from_raw(kind, dtype, shape, where)
 
     try:
-        return msgspec.msgpack.Decoder(ext_hook=ext).decode(skeleton)
+        return msgspec.msgpack.decode(skeleton, ext_hook=ext)
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
         raise HandleError(f"corrupt keyed record skeleton: {e}") from None
 
@@ -178,7 +275,7 @@ def _from_raw(kind: str, dtype: str, shape: tuple[int, ...], raw: bytes) -> Any:
     """An inline tensor; raises ``HandleError`` when kind, dtype, shape and byte count
     do not describe one (a corrupt or foreign record)."""
     if kind == "bytes":
-        return bytearray(raw)
+        return bytes(raw)
     what = f"keyed record: inline {kind} tensor {dtype}{list(shape)}"
     if kind not in ("torch", "numpy") or len(shape) > 32 or any(d < 0 for d in shape):
         raise HandleError(f"{what} is not a tensor this build reads")
@@ -223,6 +320,13 @@ class KeyedHandoff:
     ``MasterUnavailableError`` within ``settings.connect_timeout_s`` when no master
     answers. ``device`` is where received tensors are allocated; ``to_host`` copies
     device tensors to host memory before sending (see ``pack``).
+
+    ``ttl_s``: how long what nobody took is kept (``None``: until taken or
+    discarded). ``sweep_s``: seconds between this process's reaper sweeps (``None``:
+    ``ttl_s / 4`` within 1..60 s when a TTL is set, else no sweeps; ``0``: none).
+    ``keep_on_close`` (``None``: true except in p2p mode): whether ``close`` leaves
+    untaken sends for their consumers. ``timeout_s`` bounds a send, including the
+    wait for room when the store pool is full.
     """
 
     def __init__(
@@ -236,8 +340,9 @@ class KeyedHandoff:
         ttl_s: float | None = None,
         timeout_s: float = 30.0,
         device: str = "cpu",
-        keep_on_close: bool = False,
+        keep_on_close: bool | None = None,
         to_host: bool = False,
+        sweep_s: float | None = None,
     ) -> None:
         if inline_bytes < 1:
             raise PayloadError(f"inline_bytes must be >= 1, got {inline_bytes}")
@@ -247,8 +352,15 @@ class KeyedHandoff:
         self.ttl_s = ttl_s
         self.timeout_s = timeout_s
         self.device = device
-        self.keep_on_close = keep_on_close
+        self.keep_on_close = transfer_mode != "p2p" if keep_on_close is None else keep_on_close
         self.to_host = to_host
+        if sweep_s is None:
+            sweep_s = min(max(ttl_s / 4, 1.0), 60.0) if ttl_s else 0.0
+        self.sweep_s = sweep_s
+        #: records this side found expired (each a payload nobody took within ttl_s)
+        self.expired = 0
+        #: sends that found the store pool full and waited for room (once per retry)
+        self.full_waits = 0
         self._lock = threading.Lock()
         # key -> request id of its payload ("" when inline): sent, not yet seen taken.
         # Holds no tensors: store payloads left them behind, p2p holds live in core.
@@ -257,12 +369,15 @@ class KeyedHandoff:
         self._client: StoreClient | None = None
         self._mailbox: Mailbox | None = None
         self._conn: DiffusionConnector | None = None
+        self._reaper: Reaper | None = None
         self._client = StoreClient(settings)  # probes the master first: fails fast
         try:
             self._mailbox = Mailbox(settings, max_record=max_record, client=self._client)
             self._conn = DiffusionConnector(
                 role, transfer_mode, settings, receive_pool_bytes=0, timeout_s=timeout_s
             )
+            if sweep_s > 0:
+                self._reaper = Reaper(settings, sweep_s, client=self._client).start()
         except BaseException:
             self.close()
             raise
@@ -270,9 +385,11 @@ class KeyedHandoff:
     # ------------------------------------------------------------ producer
     def send(self, key: str, obj: Any) -> int:
         """Publish ``obj`` under ``key`` and return its size in bytes once a consumer can
-        take it. Raises ``PayloadError`` for objects that cannot travel,
-        ``DuplicatePublishError`` when ``key`` holds an untaken record, and the
-        connector's errors; after an error nothing of ``obj`` is left in the store."""
+        take it. A record under ``key`` that nobody took yet is replaced (its payload
+        removed). While the store pool is full, retries with backoff until
+        ``timeout_s`` has passed, then raises ``StoreFullError``. Raises
+        ``PayloadError`` for objects that cannot travel and the connector's errors;
+        after an error nothing of ``obj`` is left in the store."""
         box, conn = self._open()
         skeleton, moved = pack(obj, self.inline_bytes, to_host=self.to_host)
         tensors = {f"t{i}.{kind}": t for i, (kind, t) in enumerate(moved)}
@@ -280,6 +397,38 @@ class KeyedHandoff:
         if not inline:
             tensors[_SKELETON] = np.frombuffer(skeleton, dtype=np.uint8)
         nbytes = len(skeleton) + sum(_nbytes(t) for _, t in moved)
+        deadline = time.monotonic() + self.timeout_s
+        delay, longest = _FULL_BACKOFF_S
+        while True:
+            try:
+                rid = self._send_once(box, conn, key, tensors, skeleton if inline else b"", nbytes)
+                break
+            except StoreFullError as e:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise StoreFullError(
+                        f"the store pool stayed full for {self.timeout_s}s; {key!r} not sent ({e})"
+                    ) from None
+                self.full_waits += 1
+                time.sleep(min(delay, left))
+                delay = min(delay * 2, longest)
+        with self._lock:
+            self._sent[key] = rid
+            self._sent.move_to_end(key)
+            while len(self._sent) > _LEDGER_MAX:
+                self._sent.popitem(last=False)
+        return nbytes
+
+    def _send_once(
+        self,
+        box: Mailbox,
+        conn: DiffusionConnector,
+        key: str,
+        tensors: dict[str, Any],
+        skeleton: bytes,
+        nbytes: int,
+    ) -> str:
+        """One attempt of ``send``; returns the payload's request id ("" when inline)."""
         expires_at = time.time() + self.ttl_s if self.ttl_s else None
         pub = None
         if tensors:
@@ -290,22 +439,26 @@ class KeyedHandoff:
         try:
             if pub is not None:
                 pub.wait(self.timeout_s)
-            record = KeyedRecord(
-                pub.encode() if pub is not None else b"",
-                skeleton if inline else b"",
-                nbytes,
-                pub.handle.expires_at if pub is not None else expires_at,
-            )
-            box.post(key, _encoder.encode(Envelope(RECORD_MAGIC, RECORD_VERSION, _raw(record))))
+                expires_at = pub.handle.expires_at
+            record = KeyedRecord(pub.encode() if pub is not None else b"", skeleton, nbytes)
+            record = KeyedRecord(record.handle, record.skeleton, nbytes, expires_at)
+            env = _encoder.encode(Envelope(RECORD_MAGIC, RECORD_VERSION, _raw(record)))
+            old = box.post(key, env, expires_at=expires_at, replace=True)
         except BaseException:
             if pub is not None:
                 pub.release()
             raise
-        with self._lock:
-            self._sent[key] = pub.handle.request_id if pub is not None else ""
-            while len(self._sent) > _LEDGER_MAX:
-                self._sent.popitem(last=False)
-        return nbytes
+        if old is not None:  # an untaken earlier send under this key: drop its bytes
+            self._drop_payload_of(old, key)
+        return pub.handle.request_id if pub is not None else ""
+
+    def _drop_payload_of(self, raw: bytes, key: str) -> None:
+        try:
+            record = _decode_record(raw, key)
+            if record.handle:
+                self._open()[1].drop(decode_handle(record.handle))
+        except MooncakeDiffusionError as e:  # foreign record: nothing of ours to free
+            _log.warning("replaced record under %r: %s", key, e)
 
     # ------------------------------------------------------------ consumer
     def receive(self, key: str, *, deadline: float | None = None) -> tuple[Any, int] | None:
@@ -325,7 +478,9 @@ class KeyedHandoff:
         record = _decode_record(raw, key)
         if record.expires_at is not None and time.time() >= record.expires_at:
             if record.handle:
-                conn.cleanup(decode_handle(record.handle).request_id)
+                conn.drop(decode_handle(record.handle))
+            self.expired += 1
+            _log.warning("%r expired before anyone took it: dropped", key)
             return None
         if not record.handle:
             return unpack(record.skeleton, {}), record.nbytes
@@ -335,12 +490,12 @@ class KeyedHandoff:
             with conn.consume(handle, dst=dst) as got:
                 got.wait()
         except MooncakeDiffusionError as e:
-            if e.retryable and handle.transport == "store" and _repost(box, key, raw):
+            if e.retryable and handle.transport == "store" and _repost(box, key, raw, record):
                 raise  # the record is back: a later receive tries again
-            conn.cleanup(handle.request_id)  # whatever of it is still in the store
+            conn.drop(handle)  # whatever of it is still in the store
             raise
         except BaseException:
-            conn.cleanup(handle.request_id)
+            conn.drop(handle)
             raise
         moved, skeleton = finish()
         return unpack(record.skeleton or skeleton, moved), record.nbytes
@@ -365,7 +520,7 @@ class KeyedHandoff:
         if raw is not None:
             record = _decode_record(raw, key)
             if record.handle:
-                conn.cleanup(decode_handle(record.handle).request_id)
+                conn.drop(decode_handle(record.handle))
 
     def discard_matching(self, pattern: str) -> int:
         """Remove every record whose key matches the regex ``pattern`` (anchored at the
@@ -426,10 +581,11 @@ class KeyedHandoff:
         with self._lock:
             sent, self._sent = list(self._sent.items()), OrderedDict()
         try:
+            if self._reaper is not None:
+                self._reaper.close()
             if not self.keep_on_close and self._mailbox is not None and sent:
-                assert self._client is not None
-                self._client.remove_many([self._mailbox.key_of(k) for k, _ in sent])
-                for _, rid in sent:
+                for k, rid in sent:
+                    self._mailbox.discard(k)
                     if rid and self._conn is not None:
                         self._conn.cleanup(rid)
         finally:
@@ -462,9 +618,9 @@ def _huge_host_memory(nbytes: int) -> mmap.mmap:
     return m
 
 
-def _repost(box: Mailbox, key: str, raw: bytes) -> bool:
+def _repost(box: Mailbox, key: str, raw: bytes, record: KeyedRecord) -> bool:
     try:
-        box.post(key, raw)
+        box.post(key, raw, expires_at=record.expires_at)
     except MooncakeDiffusionError:
         return False
     return True

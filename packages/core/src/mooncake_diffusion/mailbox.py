@@ -9,21 +9,30 @@ mailbox is that place: a record of at most ``max_record`` bytes stored under
 Call sequence:
 
     box = Mailbox(settings)                  # connects; fails fast without a master
-    box.post(name, record)                   # producer: once per name
+    old = box.post(name, record, expires_at=t, replace=True)  # producer
     record = box.take(name)                  # consumer: the bytes, or None at once
     record = box.take_until(name, deadline)  # the same, waiting until deadline (monotonic)
     box.discard(name); box.discard_prefix(p) # cleanup from either side
     box.close()
 
 ``take`` reads the record in one round trip (no size query: the record lands
-in a registered scratch of ``max_record`` bytes) and then claims it by removing
-it with force: the master removes an object once, so of any number of takers
-racing on one name, in any processes, exactly one gets the record and the
-others get ``None`` (as if they had come after). A name is posted
-once: ``post`` of a name whose record is still there raises
-``DuplicatePublishError`` (checked first: Mooncake's ``put`` of an existing key
-neither overwrites nor always fails). Records do not
-expire by themselves; whoever gives up on a name discards it.
+in a registered scratch) and then claims it by removing it with force: the
+master removes an object once, so of any number of takers racing on one name,
+in any processes, exactly one gets the record and the others get ``None`` (as
+if they had come after). ``post`` of a name whose record is still there
+raises ``DuplicatePublishError``, or with ``replace=True`` takes the old
+record first and returns it (the caller frees what it referred to), as a
+shared-memory segment written again under its name.
+
+Expiry. A record posted with ``expires_at`` (unix seconds) is stored with an
+8-byte header holding that time in ms, and beside it, in the same batch, a
+one-byte marker ``leases.ttl_marker(expires_ms, key)`` whose name carries the
+expiry: any process listing the store's keys (``leases.Reaper``: the store
+host's, or one a ``KeyedHandoff`` runs) removes the record and its marker once
+the time has passed, without reading either, so records of a producer that
+crashed are reclaimed too. ``take`` removes the marker with the record in the
+same round trip; a taker gets the record whether or not it expired (the
+caller decides; ``expires_at_of`` reads the header).
 
 Thread-safe: posts and takes each serialise on their own scratch; a take costs
 ~0.1 ms when the name is absent and one small read plus a remove when present.
@@ -32,6 +41,7 @@ Thread-safe: posts and takes each serialise on their own scratch; a take costs
 from __future__ import annotations
 
 import re
+import struct
 import threading
 import time
 
@@ -40,6 +50,7 @@ import numpy as np
 from mooncake_diffusion._mooncake.codes import OBJECT_ALREADY_EXISTS
 from mooncake_diffusion._mooncake.store import StoreClient
 from mooncake_diffusion.errors import DuplicatePublishError, MooncakeError, PayloadError
+from mooncake_diffusion.leases import TTL_ROOT, ttl_marker
 from mooncake_diffusion.settings import MooncakeSettings
 from mooncake_diffusion.tensors import describe
 
@@ -49,6 +60,8 @@ __all__ = ["DEFAULT_MAX_RECORD", "MAILBOX_ROOT", "Mailbox"]
 MAILBOX_ROOT = "mcd-mbox/"
 DEFAULT_MAX_RECORD = 1 << 20
 _MAX_NAME = 1024
+_HEADER = struct.Struct("<Q")  # expires_ms, 0: never
+_REPLACE_TRIES = 8
 
 
 class Mailbox:
@@ -73,8 +86,8 @@ class Mailbox:
         self.max_record = max_record
         self._own_client = client is None
         self._client = client if client is not None else StoreClient(settings)
-        self._out = np.empty(max_record, dtype=np.uint8)
-        self._in = np.empty(max_record, dtype=np.uint8)
+        self._out = np.empty(max_record + _HEADER.size, dtype=np.uint8)
+        self._in = np.empty(max_record + _HEADER.size, dtype=np.uint8)
         self._out_lock = threading.Lock()
         self._in_lock = threading.Lock()
         self._closed = False
@@ -91,38 +104,78 @@ class Mailbox:
             raise PayloadError(f"mailbox names are 1..{_MAX_NAME} characters, got {len(name)}")
         return self.namespace + name
 
-    def post(self, name: str, record: bytes | bytearray | memoryview) -> None:
-        """Store ``record`` under ``name`` (hard-pinned). Raises ``PayloadError`` when it
-        exceeds ``max_record``, ``DuplicatePublishError`` when ``name`` holds a record,
-        and the store's errors (``StoreFullError``, ...) otherwise."""
+    def post(
+        self,
+        name: str,
+        record: bytes | bytearray | memoryview,
+        *,
+        expires_at: float | None = None,
+        replace: bool = False,
+    ) -> bytes | None:
+        """Store ``record`` under ``name`` (hard-pinned), expiring at ``expires_at`` (unix
+        seconds; see the module docstring) when given. Returns the record it replaced
+        (``replace=True``) or ``None``. Raises ``PayloadError`` when it exceeds
+        ``max_record``, ``DuplicatePublishError`` when ``name`` holds a record and
+        ``replace`` is false (or other posters kept racing on it), and the store's
+        errors (``StoreFullError``, ...) otherwise."""
         key = self.key_of(name)
         n = len(record)
         if not 0 < n <= self.max_record:
             raise PayloadError(f"a mailbox record is 1..{self.max_record} bytes, got {n}")
-        duplicate = DuplicatePublishError(f"mailbox name {name!r} already holds a record")
-        if self._client.exists_many([key])[0]:  # a put of an existing key may report success
-            raise duplicate
-        with self._out_lock:
-            self._out[:n] = np.frombuffer(record, dtype=np.uint8)
-            try:
-                self._client.put_many([key], [[self._out.ctypes.data]], [[n]], pin="hard")
-            except MooncakeError as e:
-                if e.code == OBJECT_ALREADY_EXISTS:
-                    raise duplicate from None
-                raise
+        expires_ms = int(expires_at * 1000) if expires_at is not None else 0
+        keys = [key, ttl_marker(expires_ms, key)] if expires_ms else [key]
+        replaced = None
+        for _ in range(_REPLACE_TRIES):
+            # a put of an existing key may report success without writing: check first
+            if self._client.exists_many([key])[0]:
+                if not replace:
+                    break
+                old = self.take(name)
+                replaced = old if old is not None else replaced
+                continue
+            with self._out_lock:
+                _HEADER.pack_into(self._out, 0, expires_ms)
+                self._out[_HEADER.size : _HEADER.size + n] = np.frombuffer(record, np.uint8)
+                base = self._out.ctypes.data
+                sizes = [[_HEADER.size + n], [1]][: len(keys)]
+                try:
+                    self._client.put_many(keys, [[base]] * len(keys), sizes, pin="hard")
+                except MooncakeError as e:
+                    if e.code == OBJECT_ALREADY_EXISTS and replace:
+                        continue
+                    if e.code == OBJECT_ALREADY_EXISTS:
+                        break
+                    raise
+            return replaced
+        raise DuplicatePublishError(f"mailbox name {name!r} already holds a record")
 
     def peek(self, name: str) -> bytes | None:
         """The record under ``name`` without taking it, or ``None`` at once."""
+        got = self._read(name)
+        return None if got is None else got[1]
+
+    def _read(self, name: str) -> tuple[int, bytes] | None:
         key = self.key_of(name)
         with self._in_lock:
-            n = self._client.read(key, self._in.ctypes.data, self.max_record)
-            return None if n is None else self._in[:n].tobytes()
+            n = self._client.read(key, self._in.ctypes.data, len(self._in))
+            if n is None:
+                return None
+            if n < _HEADER.size:
+                raise PayloadError(f"mailbox record {name!r} has no header ({n} bytes)")
+            (expires_ms,) = _HEADER.unpack_from(self._in, 0)
+            return expires_ms, self._in[_HEADER.size : n].tobytes()
 
     def take(self, name: str) -> bytes | None:
-        """Read and remove the record under ``name``; ``None`` at once when absent or
-        when a racing taker removed it first (exactly one taker gets each record)."""
-        record = self.peek(name)
-        if record is None or not self._client.claim(self.key_of(name)):
+        """Read and remove the record under ``name`` (and its expiry marker); ``None`` at
+        once when absent or when a racing taker removed it first (exactly one taker
+        gets each record)."""
+        got = self._read(name)
+        if got is None:
+            return None
+        expires_ms, record = got
+        key = self.key_of(name)
+        also = [ttl_marker(expires_ms, key)] if expires_ms else []
+        if not self._client.claim(key, also=also):
             return None
         return record
 
@@ -139,17 +192,21 @@ class Mailbox:
         return record
 
     def discard(self, name: str) -> None:
-        """Remove ``name``'s record if there is one (from any process)."""
-        self._client.remove_many([self.key_of(name)])
+        """Remove ``name``'s record and its expiry marker if there are (any process)."""
+        self.take(name)
 
     def discard_matching(self, pattern: str) -> int:
         """Remove every record whose name matches the regular expression ``pattern``
-        (anchored at the start of the name); returns how many went."""
-        return self._client.remove_regex("^" + re.escape(self.namespace) + pattern)
+        (anchored at the start of the name), and their expiry markers; returns how many
+        records went."""
+        body = re.escape(self.namespace) + pattern
+        n = self._client.remove_regex("^" + body)
+        self._client.remove_regex("^" + re.escape(TTL_ROOT) + r"\d+/" + body)
+        return n
 
     def discard_prefix(self, prefix: str) -> int:
         """Remove every record whose name starts with ``prefix``; returns how many."""
-        return self._client.remove_prefix(self.namespace + prefix)
+        return self.discard_matching(re.escape(prefix))
 
     @property
     def closed(self) -> bool:

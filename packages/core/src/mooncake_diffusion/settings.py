@@ -3,11 +3,35 @@
 from __future__ import annotations
 
 import os
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from mooncake_diffusion.errors import ConfigError
 
-__all__ = ["MooncakeSettings", "split_address"]
+__all__ = ["MooncakeSettings", "expand_env", "split_address"]
+
+_VAR = re.compile(r"\$(?:\{([^}]*)\}|([A-Za-z_][A-Za-z0-9_]*))")
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def expand_env(value: str, what: str, env: Mapping[str, str] | None = None) -> str:
+    """``value`` with every ``$NAME`` and ``${NAME}`` replaced by that environment
+    variable. Strict: an unset variable, or a malformed ``${...}``, raises
+    ``ConfigError`` naming ``what`` and the variable, at once, instead of being passed
+    on literally to fail much later (e.g. as an unresolvable host name). A ``$`` not
+    followed by a name or ``{`` stays as it is."""
+    env = os.environ if env is None else env
+
+    def sub(m: re.Match[str]) -> str:
+        name = m[1] if m[1] is not None else m[2]
+        if not _NAME.fullmatch(name):
+            raise ConfigError(f"{what}: {m[0]!r} is not a valid variable reference")
+        if name not in env:
+            raise ConfigError(f"{what}: environment variable {name} is not set (in {value!r})")
+        return env[name]
+
+    return _VAR.sub(sub, value)
 
 
 def split_address(addr: str, what: str = "address") -> tuple[str, int]:

@@ -1,8 +1,9 @@
 """The connector's settings: the deploy YAML's ``extra`` mapping, with env fallbacks.
 
 ``ConnectorConfig.from_extra(extra)`` reads, in order of precedence, the key in
-``extra`` (``$VAR``/``${VAR}`` expanded, as vLLM-Omni does for its own
-connectors), then the environment variable, then the default:
+``extra`` (``$VAR``/``${VAR}`` expanded strictly: an unset variable is a
+``ConfigError`` at construction, as later vLLM-Omni does for its own connectors),
+then the environment variable, then the default:
 
     key                 env fallback                      default
     master              MOONCAKE_MASTER                   127.0.0.1:50051
@@ -11,13 +12,14 @@ connectors), then the environment variable, then the default:
     protocol / proto    MOONCAKE_PROTOCOL                 tcp
     device_name / rdma  MOONCAKE_DEVICE, RDMA_DEVICE_NAME ""
     transfer_mode       MOONCAKE_DIFFUSION_TRANSFER_MODE  store   (store | p2p | auto)
-    ttl_s               MOONCAKE_DIFFUSION_TTL_S          300     (0: no TTL)
+    ttl_s               MOONCAKE_DIFFUSION_TTL_S          3600    (0: no TTL)
+    sweep_s                                               ttl_s/4 within 1..60 (0: none)
     timeout_s                                             30
     connect_timeout_s                                     5
     inline_bytes                                          65536
     max_record                                            1048576
     receive_device                                        cpu
-    keep_on_close                                         false
+    keep_on_close                                         true in store mode, else false
     gpu_direct                                            false
 
 Keys the runtime injects (``stage_id``, ``role``, ``from_stage``, ``to_stage``,
@@ -28,6 +30,15 @@ and the like) and the built-in MooncakeStoreConnector's sizing keys
 buffer) are accepted and left alone. Any other key is accepted too, since the
 runtime may add more, and named once in a warning so a typo does not go
 unnoticed. A value of the wrong type raises ``ConfigError``.
+
+Why a TTL of an hour. Whatever nobody takes has to go without anyone calling
+``cleanup`` (vLLM-Omni 0.30.0 never calls it on third-party connectors, Dynamo
+never does), so there is a default; it is far above anything a stage of vLLM-Omni
+waits for a payload (stage start-up 300 s, init 600 s, a diffusion output 600 s,
+its phase lock 900 s): a request whose payload sat longer than that has already
+failed upstream, so expiry never takes data a queue still needs, only leftovers.
+An expiry is logged as a warning and counted (``health()["expired"]``). Set
+``ttl_s: 0`` to keep payloads until taken or cleaned up.
 """
 
 from __future__ import annotations
@@ -40,7 +51,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mooncake_diffusion.errors import ConfigError
-from mooncake_diffusion.settings import MooncakeSettings
+from mooncake_diffusion.settings import MooncakeSettings, expand_env
 
 __all__ = ["IGNORED_KEYS", "ConnectorConfig"]
 
@@ -65,6 +76,7 @@ _KNOWN = {
     "receive_device",
     "keep_on_close",
     "gpu_direct",
+    "sweep_s",
 }
 #: Keys the vLLM-Omni runtime injects or other readers of ``connector.config`` use.
 IGNORED_KEYS = frozenset(
@@ -106,13 +118,14 @@ class ConnectorConfig:
 
     settings: MooncakeSettings
     transfer_mode: str = "store"
-    ttl_s: float | None = 300.0
+    ttl_s: float | None = 3600.0
     timeout_s: float = 30.0
     inline_bytes: int = 64 << 10
     max_record: int = 1 << 20
     receive_device: str = "cpu"
-    keep_on_close: bool = False
+    keep_on_close: bool | None = None
     gpu_direct: bool = False
+    sweep_s: float | None = None
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -126,7 +139,7 @@ class ConnectorConfig:
             for name in names:
                 if extra.get(name) is not None:
                     v = extra[name]
-                    return os.path.expandvars(v) if isinstance(v, str) else v
+                    return expand_env(v, f"extra[{name!r}]") if isinstance(v, str) else v
             for var in env:
                 if os.environ.get(var):
                     return os.environ[var]
@@ -157,7 +170,10 @@ class ConnectorConfig:
                     pick("connect_timeout_s", default=5.0), "connect_timeout_s", positive=True
                 ),
             )
-            ttl = _number(pick("ttl_s", env=("MOONCAKE_DIFFUSION_TTL_S",), default=300.0), "ttl_s")
+            ttl_env = ("MOONCAKE_DIFFUSION_TTL_S",)
+            ttl = _number(pick("ttl_s", env=ttl_env, default=3600.0), "ttl_s")
+            keep = pick("keep_on_close")
+            sweep = pick("sweep_s")
             return cls(
                 settings=settings,
                 transfer_mode=mode,
@@ -168,8 +184,9 @@ class ConnectorConfig:
                     _number(pick("max_record", default=1 << 20), "max_record", positive=True)
                 ),
                 receive_device=str(pick("receive_device", default="cpu")),
-                keep_on_close=_flag(pick("keep_on_close", default=False), "keep_on_close"),
+                keep_on_close=None if keep is None else _flag(keep, "keep_on_close"),
                 gpu_direct=_flag(pick("gpu_direct", default=False), "gpu_direct"),
+                sweep_s=None if sweep is None else _number(sweep, "sweep_s"),
             )
         except (TypeError, ValueError) as e:
             raise ConfigError(f"MooncakeDiffusionConnector extra: {e}") from None

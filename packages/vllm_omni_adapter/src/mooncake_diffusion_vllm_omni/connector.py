@@ -34,6 +34,7 @@ from typing import Any
 from vllm_omni.distributed.omni_connectors.connectors.base import OmniConnectorBase
 
 from mooncake_diffusion_vllm_omni.config import ConnectorConfig
+from mooncake_diffusion_vllm_omni.types import register_types
 
 __all__ = ["MooncakeDiffusionConnector"]
 
@@ -48,8 +49,13 @@ class MooncakeDiffusionConnector(OmniConnectorBase):
     uint8 tensor, on a GPU too; both move without serialisation. Device tensors
     (raw or inside a payload) are copied to host first unless ``gpu_direct: true``
     (a Mooncake build that registers device memory; untested here, no GPU). ``get``
-    returns raw bytes as a ``bytearray`` and a raw tensor as a host uint8 tensor,
-    byte for byte what was put.
+    returns raw bytes (``bytes``, ``bytearray`` or ``memoryview`` put) as ``bytes``
+    and a raw tensor as a host uint8 tensor, byte for byte what was put.
+
+    Objects come back as the built-in codec rebuilds them: tensors, numpy arrays,
+    ``PIL.Image``, ``slice``, vLLM ``RequestOutput`` / ``CompletionOutput`` and
+    ``OmniRequestOutput`` as their own classes (see ``types.py``), other dataclasses
+    and msgspec Structs as dicts, tuples as lists. Nothing is pickled.
 
     Construction raises (the factory turns it into ``ValueError``) when the
     master is not reachable within ``connect_timeout_s``, or on bad ``extra``.
@@ -76,6 +82,8 @@ class MooncakeDiffusionConnector(OmniConnectorBase):
         self.settings = ConnectorConfig.from_extra(config)
         from mooncake_diffusion.keyed import KeyedHandoff
 
+        register_types()  # vLLM's output classes travel as themselves
+
         s = self.settings
         self._handoff = KeyedHandoff(
             s.settings,
@@ -87,6 +95,7 @@ class MooncakeDiffusionConnector(OmniConnectorBase):
             device=s.receive_device,
             keep_on_close=s.keep_on_close,
             to_host=not s.gpu_direct,
+            sweep_s=s.sweep_s,
         )
 
     # ------------------------------------------------------------ the contract
@@ -159,11 +168,14 @@ class MooncakeDiffusionConnector(OmniConnectorBase):
 
     def cleanup(self, request_id: str) -> None:
         """Remove what is left of ``request_id`` on every edge, in the whole store: the
-        exact put key, and keys of the form ``f"{request_id}_..."`` (vLLM-Omni's
-        ``{request}_{stage}_{chunk}``), both unconsumed records and their bytes."""
+        exact put key, and vLLM-Omni's chunk keys ``f"{request_id}_{stage}_{chunk}"``
+        (integers), both unconsumed records and their bytes. Exact: keys of other
+        requests that merely start with ``request_id`` (``f"{request_id}__cfg_text"``,
+        ``f"{request_id}_x_0_0"``) stay. Never needed for reclamation: what nobody
+        takes expires after ``ttl_s`` (see ``config.py``)."""
         if self._closed:
             return
-        pattern = re.escape(request_id) + r"(_[^@]*)?@"
+        pattern = re.escape(request_id) + r"(_\d+_\d+)?@"
         try:
             self._handoff.discard_matching(pattern)
         except Exception as e:
@@ -179,13 +191,16 @@ class MooncakeDiffusionConnector(OmniConnectorBase):
             "master": self.settings.settings.master,
             "transfer_mode": self.settings.transfer_mode,
             "pending": len(self._handoff.pending()),
+            "expired": self._handoff.expired,
             "last_error": self._last_error,
             **metrics,
         }
 
     def close(self) -> None:
-        """Remove this side's untaken puts (unless ``keep_on_close``) and disconnect.
-        Idempotent; safe after a failed ``__init__`` (``__del__`` calls it)."""
+        """Disconnect. In store mode untaken puts stay for their consumers (until taken,
+        cleaned up or expired); in p2p mode (or with ``keep_on_close: false``) they are
+        removed, since their bytes leave with this process. Idempotent; safe after a
+        failed ``__init__`` (``__del__`` calls it)."""
         if getattr(self, "_closed", True):
             return
         self._closed = True

@@ -239,11 +239,13 @@ class StoreClient:
             if code < 0 and code != OBJECT_NOT_FOUND:
                 raise error_for(code, f"store remove of {key!r}")
 
-    def claim(self, key: str) -> bool:
+    def claim(self, key: str, *, also: Sequence[str] = ()) -> bool:
         """Remove ``key`` with force and say whether this call removed it: ``True`` for
         exactly one of any number of callers racing on one key (the master removes an
-        object once; the others get OBJECT_NOT_FOUND), ``False`` when it was absent."""
-        code = self._store.batch_remove([key], True)[0]
+        object once; the others get OBJECT_NOT_FOUND), ``False`` when it was absent.
+        ``also``: keys removed in the same round trip whatever their outcome."""
+        codes = self._store.batch_remove([key, *also], True)
+        code = codes[0]
         if code == OBJECT_NOT_FOUND:
             return False
         check(code, f"store remove of {key!r}")
