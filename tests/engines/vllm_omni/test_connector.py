@@ -300,6 +300,10 @@ def test_injected_and_unknown_extra_keys_are_accepted(extra, make, vllm_omni):
     assert conn.stage_id == 2 and conn.config["codec_chunk_frames"] == 25
     with pytest.raises(ValueError, match="transfer_mode"):
         vllm_omni.create_connector(ConnectorSpec(name=NAME, extra={**extra, "transfer_mode": "x"}))
+    # an unset $VAR fails construction at once, naming it (not later, as a host name)
+    unset = {**extra, "host": "$RV_UNSET_HOST"}
+    with pytest.raises(ValueError, match="environment variable RV_UNSET_HOST is not set"):
+        vllm_omni.create_connector(ConnectorSpec(name=NAME, extra=unset))
 
 
 def test_dead_master_fails_construction_clearly(vllm_omni, make):
