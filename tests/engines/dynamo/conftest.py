@@ -118,6 +118,9 @@ def dynamo_stack(mooncake_cluster) -> Iterator[DynamoStack]:
             "MOONCAKE_MASTER": s.master,
             "MOONCAKE_ADMIN": s.admin_address,
             "HF_HUB_OFFLINE": "1",
+            # PyPI's vLLM is a CUDA build: without a GPU its engine arguments fail
+            # ("Failed to infer device type") unless told to take the CPU platform
+            "VLLM_TARGET_DEVICE": "cpu",
             "PYTHONUNBUFFERED": "1",
         }
         omni = [

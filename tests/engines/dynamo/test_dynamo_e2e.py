@@ -64,7 +64,7 @@ def test_image_generation_through_dynamo(dynamo_stack, mooncake_cluster):
     image = Image.open(io.BytesIO(base64.b64decode(resp.data[0].b64_json)))
     assert image.format == "PNG"
     assert image.size == SIZE
-    assert set(image.convert("RGB").getdata()) == {_expected_colour(prompt)}
+    assert image.convert("RGB").getcolors() == [(SIZE[0] * SIZE[1], _expected_colour(prompt))]
 
     for name in ("router", "stage0", "stage1"):
         out = dynamo_stack.output(name)
@@ -75,7 +75,9 @@ def test_image_generation_through_dynamo(dynamo_stack, mooncake_cluster):
 def test_stage_worker_killed_with_request_in_flight(dynamo_stack, mooncake_cluster):
     """Stage 1 is SIGKILLed while it holds a request (the stub waits on a gate after
     the payload was taken): the client gets an error response, not a hang and not a
-    second try. Dynamo's omni router calls each stage once (``round_robin``, no
+    second try. Dynamo 1.6.1 answers it with 400 "Invalid request" (the router's
+    error chunk, as the frontend reports it), though the fault was the server's.
+    Dynamo's omni router calls each stage once (``round_robin``, no
     migration between stages), so the request fails though stage 0's work was done.
     Nothing is left in the store: stage 1 had consumed the payload."""
     stack = dynamo_stack
@@ -106,5 +108,5 @@ def test_stage_worker_killed_with_request_in_flight(dynamo_stack, mooncake_clust
     assert "response" not in got, got
     err = got["error"]
     assert isinstance(err, openai.APIStatusError), repr(err)
-    assert err.status_code >= 500, (err.status_code, err.message)
+    assert (err.status_code, err.message) == (400, "Error code: 400 - Invalid request")
     assert mooncake_cluster.keys() == []
