@@ -18,7 +18,7 @@ from mooncake_diffusion.transports.memory import fabric_keys
 # `./dev engines NAME` runs them with MCD_ENGINE=NAME. Elsewhere they are not
 # collected at all (not skipped: they are run, in their place).
 _ENGINE = os.environ.get("MCD_ENGINE", "")
-_OTHERS = [d for d in ("vllm_omni", "sglang", "lightx2v") if d != _ENGINE]
+_OTHERS = [d for d in ("vllm_omni", "sglang", "lightx2v", "dynamo") if d != _ENGINE]
 collect_ignore_glob = [f"engines/{d}" for d in _OTHERS] if _ENGINE else ["engines/*"]
 
 MODES = [

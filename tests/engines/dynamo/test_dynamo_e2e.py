@@ -1,0 +1,112 @@
+"""MammothModa2 (AR -> DiT) served by NVIDIA Dynamo 1.6.1 with MooncakeDiffusionConnector.
+
+The client is the official ``openai`` SDK on Dynamo's frontend
+(``POST /v1/images/generations``); the router (``--omni-router``) and both stage
+workers are Dynamo's own code, the models are stubs (``dyn_stub.py``), and the
+AR -> DiT payload (vLLM-Omni's ``OmniRequestOutput`` with its bf16 latent) moves
+through our connector in store mode on a real Mooncake cluster. What each test
+checks is in its docstring; both end with the store empty.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import threading
+import time
+
+import openai
+import pytest
+from conftest import MODEL_NAME
+from dyn_stub import GENERATED, colour, latent, prompt_ids
+
+# The module's deployment starts inside the first test, so pytest-timeout's hang
+# guard (300 s by default) is widened to cover START_TIMEOUT_S as well.
+pytestmark = [pytest.mark.engines, pytest.mark.timeout(3000)]
+
+SIZE = (64, 48)  # width, height
+REQUEST_TIMEOUT_S = 600.0  # a bound on a hung call, not a measure
+
+
+def _client(stack) -> openai.OpenAI:
+    # max_retries=0: what the first attempt gets is what is asserted
+    return openai.OpenAI(
+        base_url=stack.base_url, api_key="unused", max_retries=0, timeout=REQUEST_TIMEOUT_S
+    )
+
+
+def _expected_colour(prompt: str) -> tuple[int, int, int]:
+    ids = prompt_ids(prompt)
+    generated = [(sum(ids) + i) % 1000 for i in range(GENERATED)]
+    # ar2diffusion: prompt ids + all generated ids but the last
+    return colour(latent(prompt), ids + generated[:-1])
+
+
+def _generate(client: openai.OpenAI, prompt: str):
+    return client.images.generate(
+        model=MODEL_NAME, prompt=prompt, size=f"{SIZE[0]}x{SIZE[1]}", response_format="b64_json"
+    )
+
+
+def test_image_generation_through_dynamo(dynamo_stack, mooncake_cluster):
+    """200 with a PNG of the requested size whose every pixel is the digest of the
+    exact latent stage 0 produced: the payload crossed the 0 -> 1 edge intact, as the
+    types MammothModa2's ``ar2diffusion`` reads (``.outputs``, ``.prompt_token_ids``).
+    Every process that built a connector built ours, the router included (it never
+    parses vLLM's arguments: the registration hook did it), and no key is left."""
+    from PIL import Image
+
+    prompt = "a lighthouse on a cliff at dusk"
+    with _client(dynamo_stack) as client:
+        resp = _generate(client, prompt)
+    assert len(resp.data) == 1
+    image = Image.open(io.BytesIO(base64.b64decode(resp.data[0].b64_json)))
+    assert image.format == "PNG"
+    assert image.size == SIZE
+    assert image.convert("RGB").getcolors() == [(SIZE[0] * SIZE[1], _expected_colour(prompt))]
+
+    for name in ("router", "stage0", "stage1"):
+        out = dynamo_stack.output(name)
+        assert "Created connector: MooncakeDiffusionConnector" in out, name
+    assert mooncake_cluster.keys() == []
+
+
+def test_stage_worker_killed_with_request_in_flight(dynamo_stack, mooncake_cluster):
+    """Stage 1 is SIGKILLed while it holds a request (the stub waits on a gate after
+    the payload was taken): the client gets an error response, not a hang and not a
+    second try. Dynamo 1.6.1 answers it with 400 "Invalid request" (the router's
+    error chunk, as the frontend reports it), though the fault was the server's.
+    Dynamo's omni router calls each stage once (``round_robin``, no
+    migration between stages), so the request fails though stage 0's work was done.
+    Nothing is left in the store: stage 1 had consumed the payload."""
+    stack = dynamo_stack
+    (stack.gate / "armed").touch()
+    got: dict[str, object] = {}
+
+    def call() -> None:
+        with _client(stack) as client:
+            try:
+                got["response"] = _generate(client, "a kite over the dunes")
+            except Exception as e:
+                got["error"] = e
+
+    caller = threading.Thread(target=call, name="dynamo-client")
+    caller.start()
+    held_file = stack.gate / "held.json"
+    deadline = time.monotonic() + REQUEST_TIMEOUT_S
+    while not held_file.exists():
+        assert caller.is_alive(), f"the request ended before the gate: {got}"
+        assert time.monotonic() < deadline, "stage 1 never held the request"
+        time.sleep(0.01)
+    held = json.loads(held_file.read_text())
+    assert held["pid"] == stack.procs["stage1"].pid
+    stack.procs["stage1"].kill()
+
+    caller.join(REQUEST_TIMEOUT_S)
+    assert not caller.is_alive(), "the client never got an answer after the kill"
+    assert "response" not in got, got
+    err = got["error"]
+    assert isinstance(err, openai.APIStatusError), repr(err)
+    assert (err.status_code, err.message) == (400, "Error code: 400 - Invalid request")
+    assert mooncake_cluster.keys() == []
