@@ -449,8 +449,8 @@ class KeyedHandoff:
             if pub is not None:
                 pub.wait(self.timeout_s)
                 expires_at = pub.handle.expires_at
-            record = KeyedRecord(pub.encode() if pub is not None else b"", skeleton, nbytes)
-            record = KeyedRecord(record.handle, record.skeleton, nbytes, expires_at)
+            handle = pub.encode() if pub is not None else b""
+            record = KeyedRecord(handle, skeleton, nbytes, expires_at)
             env = _encoder.encode(Envelope(RECORD_MAGIC, RECORD_VERSION, _raw(record)))
             old = box.post(key, env, expires_at=expires_at, replace=True)
         except BaseException:

@@ -40,7 +40,7 @@ class InputWatch:
         return getattr(self._connector, name)
 
     def consume(self, handle: Any, *args: Any, **kwargs: Any) -> Any:
-        if not self._input or not (handle is self._input or handle == self._input):
+        if not self._input or handle != self._input:
             return self._connector.consume(handle, *args, **kwargs)
         kwargs.setdefault("committed", True)
         try:
