@@ -9,7 +9,11 @@ round cannot leak state into the next), writing a JUnit report that this script
 reads. The table gives, for every test seen, how many rounds it passed, failed,
 errored or was skipped in. A skip is never counted as a pass. ``--under-load``
 runs every round beside ``stress-ng --cpu N`` (N = ``--cpus``, default every core),
-started here and stopped when the rounds end. ``--json PATH`` writes the counts.
+started here and stopped when the rounds end; like ``./dev test --under-load`` it then
+widens pytest-timeout's hang guard to 900 s per test (unless ``--timeout`` is given),
+never the tests' own bounds. ``--budget-s S`` starts no new round once S seconds have
+passed (the table then says how many of N rounds ran). ``--json PATH`` writes the
+counts and, per red test, the first line of each failure.
 Exit status 0 only when every test passed in every round.
 """
 
@@ -29,6 +33,8 @@ from collections import defaultdict
 from pathlib import Path
 
 OUTCOMES = ("passed", "failed", "error", "skipped")
+#: pytest-timeout per test under the CPU hog (./dev test --under-load uses the same)
+LOADED_HANG_GUARD_S = 900
 
 
 def parse_junit(path: Path) -> dict[str, str]:
@@ -49,6 +55,21 @@ def parse_junit(path: Path) -> dict[str, str]:
             out[tid] = "skipped"
         else:
             out[tid] = "passed"
+    return out
+
+
+def failure_lines(path: Path) -> dict[str, str]:
+    """Test id -> first line of its failure or error message, for the red tests of one
+    pytest JUnit report (empty if there is none)."""
+    if not path.exists():
+        return {}
+    out: dict[str, str] = {}
+    for case in ET.parse(path).getroot().iter("testcase"):
+        for child in case:
+            if case.get("name") and child.tag in ("failure", "error"):
+                tid = f"{case.get('classname', '')}::{case.get('name', '')}"
+                first = (child.get("message") or child.text or "").strip().splitlines()
+                out.setdefault(tid, first[0][:300] if first else "")
     return out
 
 
@@ -88,18 +109,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpus", type=int, default=os.cpu_count() or 1, help="stress-ng workers")
     ap.add_argument("--json", type=Path, help="write the counts here")
     ap.add_argument("--stop-on-fail", action="store_true", help="end at the first red round")
+    ap.add_argument(
+        "--budget-s", type=float, help="start no new round after this many seconds in all"
+    )
     args, pytest_args = ap.parse_known_args(argv)
     if args.n < 1:
         ap.error("n must be at least 1")
     if args.cpus < 1:
         ap.error("--cpus must be at least 1")
     pytest_args = [a for a in pytest_args if a != "--"]
+    if args.under_load and not any(a.startswith("--timeout") for a in pytest_args):
+        pytest_args = [f"--timeout={LOADED_HANG_GUARD_S}", *pytest_args]
     rounds: list[dict[str, str]] = []
     walls: list[float] = []
+    firsts: dict[str, list[str]] = defaultdict(list)
+    start = time.monotonic()
     hog = start_hog(args.cpus) if args.under_load else None
     try:
         with tempfile.TemporaryDirectory(prefix="mcd-repeat-") as tmp:
             for i in range(args.n):
+                if args.budget_s is not None and time.monotonic() - start > args.budget_s:
+                    print(f"[repeat] --budget-s {args.budget_s:g} spent", file=sys.stderr)
+                    break
                 xml = Path(tmp) / f"round{i}.xml"
                 t0 = time.monotonic()
                 rc = subprocess.call(
@@ -110,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
                 if rc != 0 and all(o == "passed" for o in got.values()):
                     got["<pytest exit status>"] = "error"  # red without a red test: count it
                 rounds.append(got)
+                for tid, line in failure_lines(xml).items():
+                    firsts[tid].append(f"round {i + 1}: {line}")
                 bad = sum(o in ("failed", "error") for o in got.values())
                 print(
                     f"[repeat] round {i + 1}/{args.n}: rc {rc}, {len(got)} tests, "
@@ -123,13 +156,18 @@ def main(argv: list[str] | None = None) -> int:
         stop_hog(hog)
     counts = tally(rounds)
     green = sum(all(o == "passed" for o in r.values()) and bool(r) for r in rounds)
-    print(f"\n{len(rounds)} rounds, {green} fully green; under load: {args.under_load}")
+    print(
+        f"\n{len(rounds)} of {args.n} rounds run, {green} fully green; "
+        f"under load: {args.under_load}"
+    )
     print(f"{'passed':>6} {'failed':>6} {'error':>6} {'skip':>6} {'miss':>6}  test")
     for tid, c in counts.items():
         print(
             f"{c['passed']:>6} {c['failed']:>6} {c['error']:>6} {c['skipped']:>6} "
             f"{c['missing']:>6}  {tid}"
         )
+    for tid, lines in firsts.items():
+        print(f"red: {tid}", *(f"  {line}" for line in lines), sep="\n")
     if args.json:
         args.json.write_text(
             json.dumps(
@@ -140,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
                     "pytest_args": pytest_args,
                     "round_wall_s": walls,
                     "tests": counts,
+                    "failure_first_lines": firsts,
                 },
                 indent=2,
             )

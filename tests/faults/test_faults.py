@@ -103,9 +103,13 @@ def test_killed_store_host_is_a_peer_error():
         pub = conn.publish(StagePayload("r1", "latent", tensor=torch.ones(1024)))
         pub.wait(30)
         cluster.kill_store_host()
-        with pytest.raises((PeerGoneError, TransferError)):
-            conn.consume(pub, timeout=5)
-        conn.close()
+        try:
+            # a dead store host is a peer error, not a deadline: the generous timeout
+            # is only there so a loaded machine cannot turn one into the other
+            with pytest.raises((PeerGoneError, TransferError)):
+                conn.consume(pub, timeout=120)
+        finally:
+            conn.close()
 
 
 def test_reaper_removes_payloads_of_a_dead_producer_after_their_ttl():
@@ -123,10 +127,13 @@ def test_reaper_removes_payloads_of_a_dead_producer_after_their_ttl():
             seed=2,
             ttl_s=0.5,
         )
-        assert kept["ok"] and gone["ok"]
+        assert kept["ok"] and gone["ok"]  # both landed in the store
         p.kill()  # the producer dies; nobody will ever consume "lost"
-        assert len(cluster.keys()) == 2
-        deadline = time.monotonic() + 10
+        # (not counted here: on a loaded machine the 0.5 s TTL may already have passed)
+        now = cluster.keys()
+        assert any(k.startswith("mcd/keep/") for k in now), now
+        assert all(k.startswith(("mcd/keep/", "mcd/lost/")) for k in now), now
+        deadline = time.monotonic() + 120  # the 0.5 s TTL, then the 0.2 s reaper
         while len(cluster.keys()) > 1 and time.monotonic() < deadline:
             time.sleep(0.1)
         (left,) = cluster.keys()

@@ -1,7 +1,7 @@
 """tests/repeat.py: per-test outcome counts over rounds, from pytest's JUnit reports."""
 
 import pytest
-from repeat import parse_junit, tally
+from repeat import failure_lines, parse_junit, tally
 
 pytestmark = pytest.mark.unit
 
@@ -31,3 +31,13 @@ def test_counts_over_rounds_name_a_test_missing_from_a_round():
     counts = tally([{"a": "passed", "b": "failed"}, {"a": "passed"}, {"a": "error", "b": "passed"}])
     assert counts["a"] == {"passed": 2, "failed": 0, "error": 1, "skipped": 0, "missing": 0}
     assert counts["b"] == {"passed": 1, "failed": 1, "error": 0, "skipped": 0, "missing": 1}
+
+
+def test_the_first_line_of_each_red_test_is_kept(tmp_path):
+    p = tmp_path / "r.xml"
+    p.write_text(JUNIT.replace('message="x"', 'message="AssertionError: one&#10;two"'))
+    assert failure_lines(p) == {
+        "tests.faults.t::test_bad": "AssertionError: one",
+        "tests.faults.t::test_err": "y",
+    }
+    assert failure_lines(tmp_path / "absent.xml") == {}

@@ -12,9 +12,12 @@ past it they raise ``TransientStoreError``. A failed or timed-out master RPC is
 retried only while the master is alive: on the first one in a call the client
 probes the master (TCP connect and ``/health``, within ``MASTER_PROBE_S``) and, if
 it does not answer, stops retrying and raises ``MasterUnavailableError`` at once,
-so a dead master costs a caller about a second, not ``store_retry_s``. Reads are
+so a dead master costs a caller about a second, not ``store_retry_s``. Deadlines are
+read off ``clock`` (``time.monotonic`` unless a test passes its own, to say when a
+deadline passes without racing a loaded machine's wall time). Reads are
 issued in batches of at most ``settings.store_part_bytes`` so that one batch cannot
-outlive its leases.
+outlive its leases; the keys of a batch that did (a loaded machine) are retried one
+object per read, each under a lease of its own.
 """
 
 from __future__ import annotations
@@ -67,7 +70,13 @@ class StoreClient:
     """Connects at construction (probing the master first; fails within
     ``settings.connect_timeout_s`` if it is not there); ``close()`` when done."""
 
-    def __init__(self, settings: MooncakeSettings, *, segment_bytes: int = 0) -> None:
+    def __init__(
+        self,
+        settings: MooncakeSettings,
+        *,
+        segment_bytes: int = 0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._mod = import_mooncake("store")
         probe_master(settings)
         self._store = self._mod.MooncakeDistributedStore()
@@ -87,6 +96,7 @@ class StoreClient:
         self.regs = Registrations(self._register, self._unregister)
         self._part_bytes = settings.store_part_bytes
         self._retry_s = settings.store_retry_s
+        self._clock = clock
         self._probe_settings = dataclasses.replace(
             settings, connect_timeout_s=min(MASTER_PROBE_S, settings.connect_timeout_s)
         )
@@ -98,14 +108,22 @@ class StoreClient:
         self._closed = False
 
     def _deadline(self, deadline: float | None) -> float:
-        return time.monotonic() + self._retry_s if deadline is None else deadline
+        return self._clock() + self._retry_s if deadline is None else deadline
 
     def _retrying(
-        self, n: int, call: Callable[[list[int]], Sequence[int]], deadline: float | None
+        self,
+        n: int,
+        call: Callable[[list[int]], Sequence[int]],
+        deadline: float | None,
+        *,
+        split: bool = False,
     ) -> list[int]:
         """Run ``call`` on item indices ``0..n-1`` (it returns one code per index given),
         then again on those with a transient code until none is left or ``deadline``
         passes. Returns every index's last code (still transient past the deadline).
+        ``split``: each retry calls ``call`` once per index (reads: the keys of one
+        batched read share one lease grant, so a batch that outlived its leases would
+        likely outlive them again, every time, on a loaded machine).
 
         Raises ``MasterUnavailableError`` when an RPC failed and the probe that follows
         the first such failure finds the master down (no retry can succeed then)."""
@@ -114,11 +132,15 @@ class StoreClient:
         todo = list(range(n))
         delay = _RETRY_MIN_S
         probed = False
+        first = True
         while True:
-            for i, code in zip(todo, call(todo), strict=True):
-                final[i] = code
+            calls = [[i] for i in todo] if split and not first else [todo]
+            first = False
+            for idx in calls:
+                for i, code in zip(idx, call(idx), strict=True):
+                    final[i] = code
             todo = [i for i in todo if final[i] in TRANSIENT]
-            if not todo or time.monotonic() + delay > end:
+            if not todo or self._clock() + delay > end:
                 return final
             if not probed and any(final[i] in _RPC_FAULTS for i in todo):
                 probed = True
@@ -220,7 +242,7 @@ class StoreClient:
                     [list(sizes[group[i]]) for i in idx],
                 )
 
-            codes += self._retrying(len(group), get, deadline)
+            codes += self._retrying(len(group), get, deadline, split=True)
         found = []
         for key, code in zip(keys, codes, strict=True):
             if code in (OBJECT_NOT_FOUND, REPLICA_NOT_READY):
