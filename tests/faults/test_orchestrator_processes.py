@@ -82,6 +82,9 @@ def test_an_orchestrator_restarted_mid_run_loses_no_accepted_request(stack, tmp_
 
 def test_sigterm_drains_a_worker_its_item_completes(stack, tmp_path):
     gate = Gate(tmp_path)
+    # No heartbeat is missed on purpose here; a starved machine (load average 29) once
+    # missed the fixture's 5 s and requeued the item, which is not what this tests
+    stack.heartbeat_timeout = 60.0
     stack.start_orchestrator()
     stack.start_worker("encode", "enc-0")
     den = stack.start_worker("denoise", "den-0", fn=GATED, env=gate.env(2))
