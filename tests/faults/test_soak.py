@@ -75,7 +75,9 @@ def test_soak(mooncake_cluster, connector_factory):
                 stream=True,
             )
             pub.chunk_ready(0)
-            got = cons[mode].consume(pub.handle, timeout=0.3)
+            # chunks 1-3 never come: the deadline passes after chunk 0 landed, however
+            # slow the machine; 5 s only has to cover chunk 0 beside stress-ng
+            got = cons[mode].consume(pub.handle, timeout=5)
             assert same_bytes(got.chunk(0, timeout=5).tensor, buf[0:1])
             with pytest.raises((DeadlineExceededError, PayloadGoneError)):
                 got.wait()
@@ -103,8 +105,8 @@ def test_soak(mooncake_cluster, connector_factory):
             out[kind].append(bytes.fromhex(r["handle"]))
     p.kill()
     for h in out["p2p"]:
-        with pytest.raises(TransferError):
-            cons["p2p"].consume(h, timeout=5)
+        with pytest.raises(TransferError):  # a peer error, long before the bound
+            cons["p2p"].consume(h, timeout=120)
     for j, h in enumerate(out["store"][:2]):  # two are consumed, two stay unclaimed
         with cons["store"].consume(h) as got:
             assert same_bytes(got.tensor, make_tensor("float32", (512,), 100 + j))
