@@ -509,7 +509,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def miss_ms(conn: Any, repeats: int) -> float:
+    """p50 of ``get`` of a key nobody put, after one untimed call (the first store call
+    of a client pays its connection set-up)."""
     samples = []
+    assert conn.get("0", "1", "bench-never-put-warmup") is None
     for i in range(repeats):
         t0 = time.perf_counter()
         assert conn.get("0", "1", f"bench-never-put-{i}") is None
@@ -518,8 +521,9 @@ def miss_ms(conn: Any, repeats: int) -> float:
 
 
 def raw_miss_ms(raw: RawStore, dst: Any, repeats: int) -> float:
-    """p50 of one bare ``get_into`` of a key nobody put."""
+    """p50 of one bare ``get_into`` of a key nobody put (after one untimed call)."""
     samples = []
+    assert raw.get("bench-never-put-raw-warmup", dst.data_ptr(), SMALL) < 0
     for i in range(repeats):
         t0 = time.perf_counter()
         assert raw.get(f"bench-never-put-raw-{i}", dst.data_ptr(), SMALL) < 0
