@@ -21,6 +21,7 @@ from typing import Any
 from deploy import WORKERS, Deployment
 
 from mooncake_diffusion.orchestrator.errors import OrchestratorError
+from mooncake_diffusion.testing import close_wait_sockets
 
 TERMINAL = ("completed", "failed", "cancelled")
 #: what a finished request's payloads need to go (release follows completion closely)
@@ -48,6 +49,10 @@ class Outcome:
     leaked_keys: int = 0
     leaked_fds: int = 0
     leaked_threads: int = 0
+    #: extra fds of ``mooncake_master`` (Mooncake's binary, not counted in ``leaked_fds``)
+    leaked_fds_mooncake_master: int = 0
+    #: what is left over, by host: [extra fds, extra threads, TCP sockets in CLOSE-WAIT]
+    left_by_host: dict[str, list[int]] = field(default_factory=dict)
     wall_s: float = 0.0
     notes: str = ""
 
@@ -102,8 +107,13 @@ def account(
     base: dict[str, tuple[int, int]],
     fault_t: float | None,
     expected: dict[str, str] | None = None,
+    *,
+    measure: bool = True,
+    rewarm: bool = False,
 ) -> Outcome:
-    """Fill ``o`` from the requests' final statuses and the leftovers against ``base``."""
+    """Fill ``o`` from the requests' final statuses and the leftovers against ``base``
+    (``measure``). ``rewarm``: first run the warm-up again, so that every process
+    has its connections to a restarted store host, as ``base`` had to the old one."""
     sts = settle(d, rids)
     o.accepted = len(rids)
     for rid, st in sts.items():
@@ -139,26 +149,45 @@ def account(
             if acted:
                 dt = min(acted) - fault_t
                 o.detect_s = dt if o.detect_s is None else min(o.detect_s, dt)
-    o.leaked_keys, o.leaked_fds, o.leaked_threads = leftovers(d, base)
+    if measure:
+        if rewarm:
+            _warm(d)
+        leftovers(o, d, base)
     return o
 
 
-def leftovers(d: Deployment, base: dict[str, tuple[int, int]]) -> tuple[int, int, int]:
-    """(store keys, extra fds, extra threads) once the deployment settles (up to
-    ``SETTLE_S``); a restarted process is compared with its predecessor's baseline."""
+#: hosts whose processes are not ours: their leftovers are reported apart
+NOT_OURS = ("master",)
+
+
+def leftovers(o: Outcome, d: Deployment, base: dict[str, tuple[int, int]]) -> None:
+    """Fill ``o.leaked_*`` once the deployment settles (up to ``SETTLE_S``): store keys,
+    and fds and threads above ``base`` by host (a host missing from ``base`` has no
+    baseline and is not compared). ``leaked_fds`` counts our processes; the master's
+    extra fds go to ``leaked_fds_mooncake_master``."""
     deadline = time.monotonic() + SETTLE_S
     while True:
         keys = [k for k in d.store_keys() if not k.startswith("mcd-cache/emb/")]
         now = resources(d)
-        fds = sum(max(0, now[h][0] - base[h][0]) for h in now if h in base)
-        thr = sum(max(0, now[h][1] - base[h][1]) for h in now if h in base)
-        if (not keys and not fds and not thr) or time.monotonic() > deadline:
-            if keys:
-                print(f"chaos: store keys left over: {keys[:5]}", file=sys.stderr)
-            if fds or thr:
-                print(f"chaos: fds/threads now {now}, before {base}", file=sys.stderr)
-            return len(keys), fds, thr
+        extra = {
+            h: [max(0, now[h][0] - base[h][0]), max(0, now[h][1] - base[h][1])]
+            for h in now
+            if h in base
+        }
+        ours = sum(f for h, (f, _) in extra.items() if h not in NOT_OURS)
+        thr = sum(t for _, t in extra.values())
+        if (not keys and not ours and not thr) or time.monotonic() > deadline:
+            break
         time.sleep(0.25)
+    if keys:
+        print(f"chaos: store keys left over: {keys[:5]}", file=sys.stderr)
+    o.leaked_keys, o.leaked_fds, o.leaked_threads = len(keys), ours, thr
+    o.leaked_fds_mooncake_master = sum(extra[h][0] for h in NOT_OURS if h in extra)
+    o.left_by_host = {
+        h: [f, t, len(close_wait_sockets(d.procs[h].pid))] for h, (f, t) in extra.items() if f or t
+    }
+    if o.left_by_host:
+        print(f"chaos: {o.name}: left over by host {o.left_by_host}", file=sys.stderr)
 
 
 def _digest(st: dict) -> str:
@@ -207,9 +236,18 @@ class Run:
         self.rids.append(rid)
         return rid
 
-    def finish(self, fault_t: float | None, notes: str = "") -> Outcome:
+    def finish(
+        self, fault_t: float | None, notes: str = "", *, measure: bool = True, rewarm: bool = False
+    ) -> Outcome:
         o = account(
-            Outcome(self.name, notes=notes), self.d, self.rids, self.base, fault_t, self.expected
+            Outcome(self.name, notes=notes),
+            self.d,
+            self.rids,
+            self.base,
+            fault_t,
+            self.expected,
+            measure=measure,
+            rewarm=rewarm,
         )
         o.wall_s = round(time.monotonic() - self.t0, 2)
         return o
@@ -230,6 +268,14 @@ def warm_up(d: Deployment) -> Outcome:
     They are chunked like the scenarios' decode jobs (5 frames, 2 chunks), so each
     worker's Transfer Engine has opened the connections such a transfer uses."""
     r = Run(d, "warm")
+    _warm(d, r)
+    return r.finish(None, measure=False)
+
+
+def _warm(d: Deployment, r: Run | None = None) -> None:
+    """The warm-up's requests (in ``r``, else in a run of their own), until finished."""
+    own = r is None
+    r = r or Run(d, "warm")
     rids = [r.submit(f"w{i}", {"denoise": 1, "decode": 0}, frames=5, chunks=2) for i in range(2)]
     for stage in ("denoise", "decode"):
         holders = set()
@@ -239,7 +285,9 @@ def warm_up(d: Deployment) -> Outcome:
         for rid in rids:
             d.release(rid, stage)
         assert len(holders) == 2, (stage, holders)
-    return r.finish(None)
+    if own:
+        w = r.finish(None, measure=False)
+        assert w.completed == len(rids), w
 
 
 def scenario_denoise_partition(d: Deployment) -> Outcome:
@@ -314,7 +362,10 @@ def _resume(d: Deployment, r: Run, old: set[str], held: tuple[str, ...], notes: 
     fault_t = time.time()
     for rid in held:
         d.release(rid, "denoise")
-    return r.finish(fault_t, notes=notes)
+    # the baseline had warm connections to the old store host: compare after the same
+    # warm-up against the new one (a fresh pool to a new peer is not a leak; a socket
+    # left to the dead one is, and is counted)
+    return r.finish(fault_t, notes=notes, rewarm=True)
 
 
 def scenario_decode_stopped(d: Deployment) -> Outcome:
@@ -393,6 +444,9 @@ def scenario_p2p_partition(d: Deployment) -> Outcome:
             d.start_worker(h, wait=False)
         for h in ("den0", "den1"):
             d.procs[h].wait_for("worker ready", timeout=120)
+        # the restarted workers' baseline is their own, after the same warm-up as the
+        # others' (now peer to peer: the p2p transport is made on first use)
+        _warm(d)
         r = Run(d, "p2p-partition")
         a = r.submit("a", {"decode": 1}, frames=9, chunks=3)
         d.reached(a, "decode")

@@ -10,7 +10,8 @@ Fixtures:
                        checks each is idle (no in-flight registrations, receive
                        pool empty), closes it, and checks no store key and no
                        extra thread is left
-Helpers: ``assert_no_leaks(cluster, thread_baseline)``, ``thread_names()``.
+Helpers: ``assert_no_leaks(cluster, thread_baseline)``, ``thread_names()``,
+``close_wait_sockets(pid)``.
 
 Isolation: one failure reports one failure. Before each test that uses the
 cluster, a cluster that died (a crashed master or store host) is restarted
@@ -21,6 +22,7 @@ starts from an empty store; ``assert_no_leaks`` removes the keys it reports too.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -31,7 +33,34 @@ import pytest
 from mooncake_diffusion._mooncake.cluster import LocalCluster
 from mooncake_diffusion.connector import DiffusionConnector
 
-__all__ = ["assert_no_leaks", "thread_names"]
+__all__ = ["assert_no_leaks", "close_wait_sockets", "thread_names"]
+
+_CLOSE_WAIT = "08"  # the TCP state's number in /proc/net/tcp
+
+
+def close_wait_sockets(pid: int | str = "self") -> list[str]:
+    """TCP sockets process ``pid`` holds in CLOSE-WAIT (the peer closed, it did not),
+    as ``local->remote`` in the kernel's hex notation; read in that process's own
+    network namespace (``/proc/PID/net/tcp``). A process gone: ``[]``."""
+    ours = set()
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:  # closed meanwhile
+                continue
+            if link.startswith("socket:["):
+                ours.add(link[8:-1])
+        out = []
+        for table in ("tcp", "tcp6"):
+            with open(f"/proc/{pid}/net/{table}") as f:
+                for line in f.read().splitlines()[1:]:
+                    cols = line.split()
+                    if cols[3] == _CLOSE_WAIT and cols[9] in ours:
+                        out.append(f"{cols[1]}->{cols[2]}")
+        return out
+    except OSError:
+        return []
 
 
 def thread_names() -> set[str]:

@@ -19,6 +19,8 @@ from typing import Any
 __all__ = ["add_commands"]
 
 TOKEN_ENV = "MCD_ORCHESTRATOR_TOKEN"
+#: ``store_watch_s`` of a stage worker when ``MOONCAKE_DIFFUSION_STORE_WATCH_S`` is unset
+WORKER_STORE_WATCH_S = 1.0
 
 
 def _label(text: str) -> tuple[str, str]:
@@ -88,7 +90,10 @@ def _run_worker(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(message)s")
     fn = _load_fn(args.fn)
-    settings = MooncakeSettings.from_env(master=args.master)
+    # a long-lived worker recycles its store clients when a store host goes away
+    # (settings.store_watch_s), unless the environment says otherwise
+    watch = None if "MOONCAKE_DIFFUSION_STORE_WATCH_S" in os.environ else WORKER_STORE_WATCH_S
+    settings = MooncakeSettings.from_env(master=args.master, store_watch_s=watch)
     worker = StageWorker(
         args.stage,
         fn,
