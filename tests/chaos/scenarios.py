@@ -21,7 +21,7 @@ from typing import Any
 from deploy import WORKERS, Deployment
 
 from mooncake_diffusion.orchestrator.errors import OrchestratorError
-from mooncake_diffusion.testing import close_wait_sockets
+from mooncake_diffusion.testing import close_wait_sockets, tcp_states
 
 TERMINAL = ("completed", "failed", "cancelled")
 #: what a finished request's payloads need to go (release follows completion closely)
@@ -53,6 +53,8 @@ class Outcome:
     leaked_fds_mooncake_master: int = 0
     #: what is left over, by host: [extra fds, extra threads, TCP sockets in CLOSE-WAIT]
     left_by_host: dict[str, list[int]] = field(default_factory=dict)
+    #: TCP sockets by state of those hosts, before the scenario and after it
+    sockets_by_host: dict[str, list[dict[str, int]]] = field(default_factory=dict)
     wall_s: float = 0.0
     notes: str = ""
 
@@ -110,6 +112,7 @@ def account(
     *,
     measure: bool = True,
     rewarm: bool = False,
+    sockets: dict[str, dict[str, int]] | None = None,
 ) -> Outcome:
     """Fill ``o`` from the requests' final statuses and the leftovers against ``base``
     (``measure``). ``rewarm``: first run the warm-up again, so that every process
@@ -152,7 +155,7 @@ def account(
     if measure:
         if rewarm:
             _warm(d)
-        leftovers(o, d, base)
+        leftovers(o, d, base, sockets or {})
     return o
 
 
@@ -160,7 +163,12 @@ def account(
 NOT_OURS = ("master",)
 
 
-def leftovers(o: Outcome, d: Deployment, base: dict[str, tuple[int, int]]) -> None:
+def leftovers(
+    o: Outcome,
+    d: Deployment,
+    base: dict[str, tuple[int, int]],
+    sockets: dict[str, dict[str, int]],
+) -> None:
     """Fill ``o.leaked_*`` once the deployment settles (up to ``SETTLE_S``): store keys,
     and fds and threads above ``base`` by host (a host missing from ``base`` has no
     baseline and is not compared). ``leaked_fds`` counts our processes; the master's
@@ -186,8 +194,14 @@ def leftovers(o: Outcome, d: Deployment, base: dict[str, tuple[int, int]]) -> No
     o.left_by_host = {
         h: [f, t, len(close_wait_sockets(d.procs[h].pid))] for h, (f, t) in extra.items() if f or t
     }
+    o.sockets_by_host = {
+        h: [sockets.get(h, {}), tcp_states(d.procs[h].pid)] for h in o.left_by_host
+    }
     if o.left_by_host:
-        print(f"chaos: {o.name}: left over by host {o.left_by_host}", file=sys.stderr)
+        print(
+            f"chaos: {o.name}: left over by host {o.left_by_host}, sockets {o.sockets_by_host}",
+            file=sys.stderr,
+        )
 
 
 def _digest(st: dict) -> str:
@@ -226,6 +240,7 @@ class Run:
         self.expected: dict[str, str] = {}
         self.t0 = time.monotonic()
         self.base = resources(d)
+        self.sockets = {h: tcp_states(p.pid) for h, p in d.procs.items() if p.popen.poll() is None}
 
     def submit(self, tag: str, hold: dict[str, int] | None = None, **params: Any) -> str:
         rid = f"{self.prefix}-{tag}"
@@ -248,6 +263,7 @@ class Run:
             self.expected,
             measure=measure,
             rewarm=rewarm,
+            sockets=self.sockets,
         )
         o.wall_s = round(time.monotonic() - self.t0, 2)
         return o
@@ -262,14 +278,34 @@ def _holder(d: Deployment, rid: str) -> str:
 
 
 # ------------------------------------------------------------------ scenarios
-def warm_up(d: Deployment) -> Outcome:
+def warm_up(d: Deployment, *, recycle: bool = True) -> Outcome:
     """Two requests held at every stage so that each worker runs one (credits are 1):
     every process has made its connections and threads before baselines are taken.
     They are chunked like the scenarios' decode jobs (5 frames, 2 chunks), so each
-    worker's Transfer Engine has opened the connections such a transfer uses."""
+    worker's Transfer Engine has opened the connections such a transfer uses.
+
+    ``recycle``: then restart the store host (nothing in flight), wait until every
+    worker has recycled its store clients, and run the requests again against the
+    new host. A process's first recycle allocates, once, an event loop of Mooncake's
+    (an eventfd, an epoll, a timerfd and a thread) that later recycles reuse; the
+    baselines are taken after it, as after every other warm-up (docs/chaos.md)."""
     r = Run(d, "warm")
     _warm(d, r)
+    if recycle:
+        settle(d, r.rids)  # nothing in flight when the store host goes
+        restart_store_host(d)
+        for h in WORKERS:
+            d.procs[h].wait_for("store client recycled", timeout=120)
+        _warm(d)
     return r.finish(None, measure=False)
+
+
+def restart_store_host(d: Deployment) -> set[str]:
+    """SIGKILL the store host and start a new one; the segments listed before."""
+    old = set(d.segments())
+    d.procs["store"].kill()
+    d.start_store()
+    return old
 
 
 def _warm(d: Deployment, r: Run | None = None) -> None:
@@ -320,9 +356,7 @@ def scenario_store_kill(d: Deployment) -> Outcome:
     b = r.submit("b", {"denoise": 0})
     d.reached(a, "denoise")
     d.reached(b, "denoise")
-    old = set(d.segments())
-    d.procs["store"].kill()
-    d.start_store()
+    old = restart_store_host(d)
     return _resume(d, r, old, (a, b), "store host killed and restarted")
 
 

@@ -68,8 +68,9 @@ def test_dead_store_host_sockets_close_after_recycle(cluster):
         _roundtrip(watched, buf, "recycle/b", 2)  # the pinned buffer works on the fresh one
         _roundtrip(control, buf, "recycle/c", 3)
         control.close()
-        left = close_wait_sockets()
-        assert left == [], f"the recycled client still holds sockets to the dead host: {left}"
+        # Mooncake's teardown may finish closing sockets just after close() returns;
+        # one held by the recycled client would never close (the hang guard fails)
+        _wait(lambda: close_wait_sockets() == [], "the recycled client holds no dead socket")
         assert watched.regs.count == 1
     finally:
         control.close()

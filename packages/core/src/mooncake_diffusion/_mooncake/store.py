@@ -183,7 +183,7 @@ class StoreClient:
                     else:
                         del self._users[gen]
             self.recycles += 1
-            log.info("store client recycled: %s", reason)
+            log.warning("store client recycled: %s", reason)
             if not busy:
                 self._close_native((old, extents))
             return True
