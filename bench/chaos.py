@@ -17,8 +17,9 @@ Hypothesis in batches (``fuzz.run(..., batch=)``: one example is a list of input
 each checked), which keeps 21,000 cases to a minute or so. Without root (``ip netns``) the scenarios
 are reported as not run, with the reason; the rest still runs.
 Summary: scenarios, lost_requests, duplicate_completions, leaked_keys, leaked_fds
-(our processes: workers, orchestrator, store host), leaked_fds_mooncake_master (the
-master binary's, reported apart: docs/chaos.md), leaked_threads, fuzz_cases,
+(our processes: workers, orchestrator, store host; extra ESTABLISHED connections to
+live peers are pool members, counted in pool_connections), leaked_fds_mooncake_master
+(the master binary's, reported apart: docs/chaos.md), leaked_threads, fuzz_cases,
 fuzz_crashes, max_detect_s (<= 2x heartbeat_timeout_s), mailbox_double_takes, soak_*.
 """
 
@@ -173,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         "leaked_keys": sum(r["leaked_keys"] for r in ok) + sk.get("leaked_keys", 0),
         "leaked_fds": sum(r["leaked_fds"] for r in ok) + sk.get("leaked_fds", 0),
         "leaked_fds_mooncake_master": sum(r.get("leaked_fds_mooncake_master", 0) for r in ok),
+        "pool_connections": sum(r.get("pool_connections", 0) for r in ok),
         "leaked_threads": sum(r["leaked_threads"] for r in ok) + sk.get("leaked_threads", 0),
         "heartbeat_timeout_s": HEARTBEAT_S,
         "max_detect_s": round(max(detect), 3) if detect else None,

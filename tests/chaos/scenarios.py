@@ -49,9 +49,12 @@ class Outcome:
     leaked_keys: int = 0
     leaked_fds: int = 0
     leaked_threads: int = 0
+    #: extra ESTABLISHED connections of our processes (pool members to live peers; not
+    #: in ``leaked_fds``, see ``leftovers``)
+    pool_connections: int = 0
     #: extra fds of ``mooncake_master`` (Mooncake's binary, not counted in ``leaked_fds``)
     leaked_fds_mooncake_master: int = 0
-    #: what is left over, by host: [extra fds, extra threads, TCP sockets in CLOSE-WAIT]
+    #: left over, by host: [fds (not pool), threads, pool connections, sockets in CLOSE-WAIT]
     left_by_host: dict[str, list[int]] = field(default_factory=dict)
     #: TCP sockets by state of those hosts, before the scenario and after it
     sockets_by_host: dict[str, list[dict[str, int]]] = field(default_factory=dict)
@@ -171,32 +174,43 @@ def leftovers(
 ) -> None:
     """Fill ``o.leaked_*`` once the deployment settles (up to ``SETTLE_S``): store keys,
     and fds and threads above ``base`` by host (a host missing from ``base`` has no
-    baseline and is not compared). ``leaked_fds`` counts our processes; the master's
-    extra fds go to ``leaked_fds_mooncake_master``."""
+    baseline and is not compared).
+
+    Extra fds that are ESTABLISHED TCP connections (more than the host had before,
+    ``sockets``) are Transfer Engine pool members to live peers, whose number varies
+    with how transfers overlapped: they are counted in ``pool_connections``, not in
+    ``leaked_fds``. Every other extra fd (a CLOSE-WAIT socket, a pipe, an epoll...)
+    of our processes is in ``leaked_fds``; the master's extra fds go to
+    ``leaked_fds_mooncake_master``; threads are all counted."""
     deadline = time.monotonic() + SETTLE_S
     while True:
         keys = [k for k in d.store_keys() if not k.startswith("mcd-cache/emb/")]
         now = resources(d)
-        extra = {
-            h: [max(0, now[h][0] - base[h][0]), max(0, now[h][1] - base[h][1])]
-            for h in now
-            if h in base
-        }
-        ours = sum(f for h, (f, _) in extra.items() if h not in NOT_OURS)
-        thr = sum(t for _, t in extra.values())
+        states = {h: tcp_states(d.procs[h].pid) for h in now}
+        extra: dict[str, list[int]] = {}
+        for h in now:
+            if h not in base:
+                continue
+            fds = max(0, now[h][0] - base[h][0])
+            est = states[h].get("ESTABLISHED", 0) - sockets.get(h, {}).get("ESTABLISHED", 0)
+            pool = min(fds, max(0, est))
+            extra[h] = [fds - pool, max(0, now[h][1] - base[h][1]), pool]
+        ours = sum(f for h, (f, _, _) in extra.items() if h not in NOT_OURS)
+        thr = sum(t for _, t, _ in extra.values())
         if (not keys and not ours and not thr) or time.monotonic() > deadline:
             break
         time.sleep(0.25)
     if keys:
         print(f"chaos: store keys left over: {keys[:5]}", file=sys.stderr)
     o.leaked_keys, o.leaked_fds, o.leaked_threads = len(keys), ours, thr
-    o.leaked_fds_mooncake_master = sum(extra[h][0] for h in NOT_OURS if h in extra)
+    o.pool_connections = sum(p for h, (_, _, p) in extra.items() if h not in NOT_OURS)
+    o.leaked_fds_mooncake_master = sum(sum(extra[h][::2]) for h in NOT_OURS if h in extra)
     o.left_by_host = {
-        h: [f, t, len(close_wait_sockets(d.procs[h].pid))] for h, (f, t) in extra.items() if f or t
+        h: [f, t, p, len(close_wait_sockets(d.procs[h].pid))]
+        for h, (f, t, p) in extra.items()
+        if f or t or p
     }
-    o.sockets_by_host = {
-        h: [sockets.get(h, {}), tcp_states(d.procs[h].pid)] for h in o.left_by_host
-    }
+    o.sockets_by_host = {h: [sockets.get(h, {}), states.get(h, {})] for h in o.left_by_host}
     if o.left_by_host:
         print(
             f"chaos: {o.name}: left over by host {o.left_by_host}, sockets {o.sockets_by_host}",

@@ -29,15 +29,18 @@ MUST_COMPLETE = {
 MUST_RERUN = {"store_kill", "master_kill"}
 
 #: Not yet at baseline, measured and reported instead (docs/chaos.md, "What is left
-#: over"): after a p2p producer is cut off mid-transfer, its Transfer Engine and the
-#: consumer's keep a few extra connections (not CLOSE-WAIT, which is asserted) and the
-#: producer one thread. Closing them needs the p2p engine recycled, which is not built.
+#: over"): after a p2p producer is cut off mid-transfer and healed, the producer and the
+#: consumer hold 4-5 more ESTABLISHED connections to each other (none in CLOSE-WAIT,
+#: which is asserted) and the producer one more thread. Not fixed: it would need the
+#: p2p Transfer Engine recycled, which is not built.
 FDS_REPORTED_ONLY = {"p2p_partition"}
 
 
-#: Leftovers: store keys, and the fds and threads of our processes against baselines
-#: taken after the same warm-up (``scenarios.warm_up``; restarted processes get their
-#: own, a restarted store host is compared after a warm-up against it). The
+#: Leftovers: store keys, and the fds (other than extra ESTABLISHED Transfer Engine
+#: connections to live peers: pool members, reported) and threads of our processes
+#: against baselines taken after the same warm-up (``scenarios.warm_up``; restarted
+#: processes get their own, a restarted store host is compared after a warm-up
+#: against it). The
 #: mooncake_master binary's fds are reported (``leaked_fds_mooncake_master``), not
 #: asserted: it is not ours (docs/chaos.md).
 def _check(o: Outcome, name: str) -> None:
@@ -53,7 +56,7 @@ def _check(o: Outcome, name: str) -> None:
         assert o.detect_s <= 2 * HEARTBEAT_S, o
     assert o.leaked_keys == 0, o
     if name in FDS_REPORTED_ONLY:
-        assert all(cw == 0 for _, _, cw in o.left_by_host.values()), o.sockets_by_host
+        assert all(cw == 0 for *_, cw in o.left_by_host.values()), o.sockets_by_host
     else:
         assert o.leaked_fds == 0 and o.leaked_threads == 0, (o.left_by_host, o.sockets_by_host)
 
