@@ -199,21 +199,22 @@ def main(argv: list[str] | None = None) -> int:
 def table(out: dict[str, Any]) -> str:
     lines = [
         "| scenario | accepted | completed | failed (reason) | lost | dup | detect s | "
-        "keys | fds | threads | note |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "keys | fds | threads | pool conns | note |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in out["rows"]:
         if r["part"] != "scenario":
             continue
         if "error" in r:
-            lines.append(f"| {r['name']} | error: {r['error'][:80]} |||||||||")
+            lines.append(f"| {r['name']} | error: {r['error'][:80]} ||||||||||")
             continue
         det = "-" if r["detect_s"] is None else f"{r['detect_s']:.2f}"
         why = "; ".join(x.split(": ", 1)[-1][:60] for x in r["reasons"][:1])
         lines.append(
             f"| {r['name']} | {r['accepted']} | {r['completed']} | {r['failed']}"
             f"{' (' + why + ')' if why else ''} | {r['lost']} | {r['duplicates']} | {det} | "
-            f"{r['leaked_keys']} | {r['leaked_fds']} | {r['leaked_threads']} | {r['notes']} |"
+            f"{r['leaked_keys']} | {r['leaked_fds']} | {r['leaked_threads']} | "
+            f"{r.get('pool_connections', '-')} | {r['notes']} |"
         )
     lines.append("")
     lines.append("| summary | value |")

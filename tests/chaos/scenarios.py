@@ -129,11 +129,15 @@ def account(
             continue
         kinds = Counter((e["kind"], e.get("stage")) for e in st["events"])
         # a stage is done once, and once more per Rerun of it (its output was lost)
-        o.duplicates += sum(
+        twice = sum(
             max(0, n - 1 - kinds[("rerun", stage)])
             for (k, stage), n in kinds.items()
             if k == "done"
         )
+        if twice:  # say which: the events of the request, in order
+            seen = [(e["kind"], e.get("stage"), e.get("worker_id")) for e in st["events"]]
+            o.reasons.append(f"{rid}: a stage done twice: {seen}")
+        o.duplicates += twice
         o.reruns += sum(n for (k, _), n in kinds.items() if k == "rerun")
         o.duplicates += max(0, kinds[("completed", None)] - 1)
         if st["state"] == "completed":
@@ -449,7 +453,8 @@ def scenario_full_pool(d: Deployment) -> Outcome:
     settle(d, list(r.rids))
     filler.stop()
     r.submit("after")
-    return r.finish(fault_t, notes=filler.output().strip().splitlines()[0])
+    said = [line for line in filler.output().splitlines() if line.startswith("full ")]
+    return r.finish(fault_t, notes=(said or ["the tenant said nothing"])[0])
 
 
 def scenario_orchestrator_restart(d: Deployment) -> Outcome:
