@@ -13,7 +13,8 @@ The payload is what the issue names: a dict holding a bf16 latent
 ``[1, 16, T, 64, 64]`` of 16, 64 or 256 MiB plus a small int, one fresh key per put.
 Timed per transfer: the peer's ``put(...)`` (from the call until it returns) plus this
 process's ``get(...)`` right after (until it returns the dict); GB/s = latent bytes / that
-sum. Connectors, all in one run, round-robin per repeat (order flipped every other repeat):
+sum (each row also gives the median put and get apart). Connectors, all in one run,
+round-robin per repeat (order flipped every other repeat):
 
     ours_store     MooncakeDiffusionConnector, transfer_mode: store (the default): tensors
                    put_from the producer's memory into the store host, get_into fresh
@@ -37,17 +38,34 @@ sum. Connectors, all in one run, round-robin per repeat (order flipped every oth
                    no-op, so this process removes each key after the timed get (untimed)
                    to keep its segments from filling.
     builtin_shm    vLLM-Omni's SharedMemoryConnector (/dev/shm, key-addressed), as shipped
+    raw_store      Mooncake alone, no code of ours: a bare ``MooncakeDistributedStore`` per
+                   process (the same setup arguments as core's client), the latent
+                   registered once in the peer, ``put_from`` of it as one object timed as
+                   the put, ``get_into`` a destination registered once here timed as the
+                   get, then ``remove`` (untimed). The ceiling of any store path through
+                   this store host: ``ceiling_vs_builtin_*`` are raw_store against the
+                   built-in connectors, as the ``vs_builtin_*`` figures are ours_store;
+                   ``store_vs_raw_store_64mb`` is ours_store / raw_store
 
 Also per connector: ``get`` of a key nobody put (p50 over a few calls; the built-in
-store connector polls 20 x 50 ms before it gives up). Every connector's first transfer of
-each size is checked byte for byte (SHA-256 of the latent) against the producer's.
+store connector polls 20 x 50 ms before it gives up; raw_store: one ``get_into`` of a
+missing key), and ``small_put_ms`` / ``small_get_ms``, the p50 put and get of a small
+object (``{"x": 1 KiB tensor, "step": i}``; raw_store: 1 KiB ``put_from`` / ``get_into``;
+core_store: not measured). The summary's ``miss_vs_raw``, ``small_get_vs_raw`` and
+``small_put_vs_raw`` are ours_store's costs over raw_store's (one bare Mooncake call
+each), and ``store_rtt_ms`` one bare master round trip in the same run (p50 of
+``is_exist`` of a missing key): a bare ``get_into`` of a present object costs more than
+that, since its bytes go through the Transfer Engine.
+Every connector's first transfer of each size is checked byte for byte (SHA-256 of the
+latent) against the producer's.
 ``ratio`` = ours_store throughput / the row's; the summary's ``vs_builtin_store_64mb`` and
 ``vs_builtin_store_256mb`` are ours_store / builtin_store at those sizes (``*_p2p``: with
 ours_p2p), ``vs_builtin_shm_min`` the smallest ours_store / builtin_shm over the sizes,
 ``store_vs_core_store_64mb`` ours_store / core_store at 64 MiB: each from the medians.
 Spread: every repeat runs every connector once, so each ratio is also taken per repeat
 (paired samples, the same stretch of machine noise); ``spread`` in the summary gives
-[min, max] of those per-repeat ratios, and each row its min / median / max seconds.
+[min, median, max] of those per-repeat ratios, and each row its min / median / max
+seconds.
 ``--quick`` runs the same sizes and connectors as the full run with 3 repeats instead of 7.
 Absolute times on this shared 2-vCPU machine are noise; read the ratios.
 """
@@ -76,8 +94,9 @@ ENGINE = "vllm_omni"
 VENV = ROOT / ".venvs" / ENGINE
 ADAPTER = ROOT / "packages" / "vllm_omni_adapter"
 MIB = 1 << 20
+SMALL = 1024  # bytes of the small object's tensor
 NAME = "MooncakeDiffusionConnector"
-ROWS = ("ours_store", "ours_p2p", "core_store", "builtin_store", "builtin_shm")
+ROWS = ("ours_store", "ours_p2p", "core_store", "raw_store", "builtin_store", "builtin_shm")
 FACTORY_NAME = {
     "ours_store": NAME,
     "ours_p2p": NAME,
@@ -206,6 +225,48 @@ def sha(t: Any) -> str:
     return hashlib.sha256(t.contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
 
 
+class RawStore:
+    """A bare Mooncake Store client (no code of ours) with buffers registered once."""
+
+    def __init__(self, settings: Any) -> None:
+        import mooncake.store as mstore
+
+        self.store = mstore.MooncakeDistributedStore()
+        rc = self.store.setup(
+            settings.local_hostname, "P2PHANDSHAKE", 0, 0, settings.protocol,
+            settings.device, settings.master,
+        )  # fmt: skip
+        if rc != 0:
+            raise RuntimeError(f"raw store setup failed ({rc})")
+        self.config = mstore.ReplicateConfig()
+        self.ptrs: list[int] = []
+
+    def register(self, t: Any) -> int:
+        ptr = t.data_ptr()
+        if self.store.register_buffer(ptr, t.numel() * t.element_size()) != 0:
+            raise RuntimeError("raw store register_buffer failed")
+        self.ptrs.append(ptr)
+        return ptr
+
+    def put(self, key: str, ptr: int, nbytes: int) -> None:
+        if (rc := self.store.put_from(key, ptr, nbytes, self.config)) != 0:
+            raise RuntimeError(f"raw store put_from of {key} failed ({rc})")
+
+    def get(self, key: str, ptr: int, nbytes: int) -> int:
+        return self.store.get_into(key, ptr, nbytes)
+
+    def close(self) -> None:
+        for ptr in self.ptrs:
+            self.store.unregister_buffer(ptr)
+        self.store.close()
+
+
+def small_dict(i: int) -> dict[str, Any]:
+    import torch
+
+    return {"x": torch.full((SMALL // 4,), float(i)), "step": i}
+
+
 # ------------------------------------------------------------------ the peer (producer)
 def peer_main() -> int:
     prepare_process()
@@ -219,14 +280,28 @@ def peer_main() -> int:
         f = factory()
         for row, extra in extras.items():
             state["conns"][row] = build(f, row, extra)
-        core = DiffusionConnector("denoise", "store", MooncakeSettings.from_env())
+        settings = MooncakeSettings.from_env()
+        core = DiffusionConnector("denoise", "store", settings)
         state["core"], state["pubs"] = core, []
+        state["raw"] = raw = RawStore(settings)
+        state["small"] = small_dict(0)
+        raw.register(state["small"]["x"])
         shas = {}
         for mb in sizes:
             state["data"][mb] = latent_dict(mb, mb)
             core.register(state["data"][mb]["latent"])
+            raw.register(state["data"][mb]["latent"])
             shas[str(mb)] = sha(state["data"][mb]["latent"])
         return {"shas": shas}
+
+    def put_small(row: str, key: str) -> dict[str, Any]:
+        data = state["small"]
+        t0 = time.perf_counter()
+        if row == "raw_store":
+            state["raw"].put(key, data["x"].data_ptr(), SMALL)
+        elif not state["conns"][row].put("0", "1", key, data)[0]:
+            raise RuntimeError(f"{row} put of a small object failed")
+        return {"seconds": time.perf_counter() - t0}
 
     def put(row: str, key: str, mb: int) -> dict[str, Any]:
         from mooncake_diffusion import StagePayload
@@ -239,6 +314,11 @@ def peer_main() -> int:
             seconds = time.perf_counter() - t0
             state["pubs"].append(pub)
             return {"seconds": seconds, "size": mb * MIB, "handle": pub.encode().hex()}
+        if row == "raw_store":
+            t = data["latent"]
+            t0 = time.perf_counter()
+            state["raw"].put(key, t.data_ptr(), mb * MIB)
+            return {"seconds": time.perf_counter() - t0, "size": mb * MIB}
         t0 = time.perf_counter()
         ok, size, _ = state["conns"][row].put("0", "1", key, data)
         seconds = time.perf_counter() - t0
@@ -262,9 +342,13 @@ def peer_main() -> int:
         if state.get("core") is not None:
             state["core"].close()
             state["core"] = None
+        if state.get("raw") is not None:
+            state["raw"].close()
+            state["raw"] = None
         return {}
 
-    return serve_peer({"setup": setup, "put": put, "reap": reap, "close": close})
+    ops = {"setup": setup, "put": put, "put_small": put_small, "reap": reap, "close": close}
+    return serve_peer(ops)
 
 
 # ------------------------------------------------------------------ the bench (consumer)
@@ -291,13 +375,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             conns = {row: build(f, row, ex[row]) for row in ex}
             core = DiffusionConnector("decode", "store", s, receive_pool_bytes=0)
             dsts = {mb: torch.empty(latent_shape(mb), dtype=torch.bfloat16) for mb in sizes}
+            raw = RawStore(s)
+            small_dst = torch.empty(SMALL // 4)
+            raw.register(small_dst)
             for dst in dsts.values():
                 core.register(dst)
+                raw.register(dst)
             shas = peer.call("setup", extras=ex, sizes=sizes)["shas"]
             misses = {row: miss_ms(conns[row], args.miss_repeats) for row in ex}
+            misses["raw_store"] = raw_miss_ms(raw, small_dst, args.miss_repeats)
+            rtt_ms = rtt(raw, args.miss_repeats * 5)
+            smalls = {
+                row: small_ms(peer, conns.get(row), raw, small_dst, row, args.miss_repeats * 3)
+                for row in ROWS
+                if row != "core_store"
+            }
             n = 0
             for mb in sizes:
                 times: dict[str, list[float]] = {row: [] for row in ROWS}
+                parts: dict[str, list[tuple[float, float]]] = {row: [] for row in ROWS}
                 for rep in range(args.warmup + args.repeats):
                     order = ROWS if rep % 2 == 0 else tuple(reversed(ROWS))
                     for row in order:
@@ -309,6 +405,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             with core.consume(bytes.fromhex(put["handle"]), dst=dsts[mb]) as g:
                                 g.wait()
                             got = ({"latent": dsts[mb]}, mb * MIB)
+                        elif row == "raw_store":
+                            n_read = raw.get(key, dsts[mb].data_ptr(), mb * MIB)
+                            got = ({"latent": dsts[mb]}, n_read) if n_read == mb * MIB else None
                         else:
                             got = conns[row].get("0", "1", key)
                         get_s = time.perf_counter() - t0
@@ -319,8 +418,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         del got
                         if row == "builtin_store":  # its cleanup() is a no-op (untimed)
                             conns[row].store.remove(conns[row]._make_key(key, "0", "1"), True)
+                        if row == "raw_store":
+                            raw.store.remove(key, True)
                         if rep >= args.warmup:
                             times[row].append(put["seconds"] + get_s)
+                            parts[row].append((put["seconds"], get_s))
                     peer.call("reap")
                 for row in ROWS:
                     med = statistics.median(times[row])
@@ -328,12 +430,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         {"size_mb": mb, "connector": row, "seconds": med,
                          "seconds_min": min(times[row]), "seconds_max": max(times[row]),
                          "seconds_all": times[row],
+                         "put_seconds": statistics.median(p for p, _ in parts[row]),
+                         "get_seconds": statistics.median(g for _, g in parts[row]),
                          "gbps": mb * MIB / med / 1e9, "repeats": len(times[row]),
-                         "miss_get_ms": misses.get(row)}
+                         "miss_get_ms": misses.get(row),
+                         "small_put_ms": smalls.get(row, {}).get("put_ms"),
+                         "small_get_ms": smalls.get(row, {}).get("get_ms")}
                     )  # fmt: skip
             for conn in conns.values():
                 conn.close()
             core.close()
+            raw.close()
             peer.call("close")
             left = cluster.keys()
         finally:
@@ -355,23 +462,36 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return [y / x for x, y in zip(a, b, strict=True)]
 
     def spread(row: str, mbs: list[int], ours: str = "ours_store") -> list[float] | None:
-        """[min, max] of the per-repeat ratio (the smallest over ``mbs`` per repeat)."""
+        """[min, median, max] of the per-repeat ratio (the smallest over ``mbs`` per
+        repeat)."""
         series = [per_repeat(row, mb, ours) for mb in mbs]
         if not all(series):
             return None
         worst = [min(v) for v in zip(*series, strict=True)]
-        return [round(min(worst), 2), round(max(worst), 2)]
+        return [round(v, 2) for v in (min(worst), statistics.median(worst), max(worst))]
 
+    first = {r["connector"]: r for r in rows_out if r["size_mb"] == sizes[0]}
+    ours, bare = first["ours_store"], first["raw_store"]  # per-connector, not per-size
     summary = {
         "store_vs_core_store_64mb": vs("core_store", 64),
+        "ceiling_vs_builtin_store_64mb": vs("builtin_store", 64, "raw_store"),
+        "ceiling_vs_builtin_shm_min": min(vs("builtin_shm", mb, "raw_store") or 0 for mb in sizes),
+        "store_vs_raw_store_64mb": vs("raw_store", 64),
         "vs_builtin_store_64mb": vs("builtin_store", 64),
         "vs_builtin_store_256mb": vs("builtin_store", 256),
         "vs_builtin_shm_min": min(vs("builtin_shm", mb) or 0 for mb in sizes),
         "vs_builtin_store_64mb_p2p": vs("builtin_store", 64, "ours_p2p"),
         "vs_builtin_store_256mb_p2p": vs("builtin_store", 256, "ours_p2p"),
         "vs_builtin_shm_min_p2p": min(vs("builtin_shm", mb, "ours_p2p") or 0 for mb in sizes),
+        "store_rtt_ms": rtt_ms,
+        "miss_vs_raw": round(ours["miss_get_ms"] / bare["miss_get_ms"], 2),
+        "small_get_vs_raw": round(ours["small_get_ms"] / bare["small_get_ms"], 2),
+        "small_put_vs_raw": round(ours["small_put_ms"] / bare["small_put_ms"], 2),
         "spread": {
             "store_vs_core_store_64mb": spread("core_store", [64]),
+            "ceiling_vs_builtin_store_64mb": spread("builtin_store", [64], "raw_store"),
+            "ceiling_vs_builtin_shm_min": spread("builtin_shm", sizes, "raw_store"),
+            "store_vs_raw_store_64mb": spread("raw_store", [64]),
             "vs_builtin_store_64mb": spread("builtin_store", [64]),
             "vs_builtin_store_256mb": spread("builtin_store", [256]),
             "vs_builtin_shm_min": spread("builtin_shm", sizes),
@@ -389,12 +509,65 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def miss_ms(conn: Any, repeats: int) -> float:
+    """p50 of ``get`` of a key nobody put, after one untimed call (the first store call
+    of a client pays its connection set-up)."""
     samples = []
+    assert conn.get("0", "1", "bench-never-put-warmup") is None
     for i in range(repeats):
         t0 = time.perf_counter()
         assert conn.get("0", "1", f"bench-never-put-{i}") is None
         samples.append((time.perf_counter() - t0) * 1e3)
     return round(statistics.median(samples), 3)
+
+
+def raw_miss_ms(raw: RawStore, dst: Any, repeats: int) -> float:
+    """p50 of one bare ``get_into`` of a key nobody put (after one untimed call)."""
+    samples = []
+    assert raw.get("bench-never-put-raw-warmup", dst.data_ptr(), SMALL) < 0
+    for i in range(repeats):
+        t0 = time.perf_counter()
+        assert raw.get(f"bench-never-put-raw-{i}", dst.data_ptr(), SMALL) < 0
+        samples.append((time.perf_counter() - t0) * 1e3)
+    return round(statistics.median(samples), 3)
+
+
+def rtt(raw: RawStore, repeats: int) -> float:
+    """p50 of one bare ``is_exist`` of a missing key (one master round trip), in ms."""
+    samples = []
+    for i in range(repeats):
+        t0 = time.perf_counter()
+        assert raw.store.is_exist(f"bench-never-put-rtt-{i}") == 0
+        samples.append((time.perf_counter() - t0) * 1e3)
+    return round(statistics.median(samples), 3)
+
+
+def small_ms(
+    peer: Any, conn: Any, raw: RawStore, dst: Any, row: str, repeats: int
+) -> dict[str, float]:
+    """p50 put (in the peer) and get (here) of a small object through ``row``."""
+    puts, gets = [], []
+    for i in range(repeats + 1):
+        key = f"bench-small-{row}-{i}"
+        put = peer.call("put_small", row=row, key=key)
+        t0 = time.perf_counter()
+        if row == "raw_store":
+            ok = raw.get(key, dst.data_ptr(), SMALL) == SMALL
+        else:
+            ok = conn.get("0", "1", key) is not None
+        get_s = time.perf_counter() - t0
+        if not ok:
+            raise RuntimeError(f"{row}: small {key} not found after its put")
+        if row == "raw_store":
+            raw.store.remove(key, True)
+        elif row == "builtin_store":
+            conn.store.remove(conn._make_key(key, "0", "1"), True)
+        if i:  # the first is a warm-up
+            puts.append(put["seconds"] * 1e3)
+            gets.append(get_s * 1e3)
+    return {
+        "put_ms": round(statistics.median(puts), 3),
+        "get_ms": round(statistics.median(gets), 3),
+    }
 
 
 def machine_info() -> dict[str, Any]:
@@ -420,15 +593,19 @@ def machine_info() -> dict[str, Any]:
 def table(result: dict[str, Any]) -> str:
     lines = [
         "| size | connector | seconds (median) | min-max | GB/s | ours_store speedup "
-        "| missing-key get ms |",
-        "|---:|---|---:|---:|---:|---:|---:|",
+        "| missing-key get ms | small put / get ms |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|",
     ]  # fmt: skip
+
+    def ms(v: float | None) -> str:
+        return "-" if v is None else f"{v:.2f}"
+
     for r in result["rows"]:
-        miss = "-" if r["miss_get_ms"] is None else f"{r['miss_get_ms']:.2f}"
         lines.append(
             f"| {r['size_mb']} MiB | {r['connector']} | {r['seconds']:.4f} | "
             f"{r['seconds_min']:.4f}-{r['seconds_max']:.4f} | {r['gbps']:.2f} | "
-            f"{r['ratio']:.2f} | {miss} |"
+            f"{r['ratio']:.2f} | {ms(r['miss_get_ms'])} | "
+            f"{ms(r['small_put_ms'])} / {ms(r['small_get_ms'])} |"
         )
     s = result["summary"]
     lines += [

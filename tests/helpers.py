@@ -19,3 +19,20 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
             a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8)
         )
     )
+
+
+class Recorder:
+    """Stands in for an engine's register/unregister and enforces its no-overlap rule."""
+
+    def __init__(self) -> None:
+        self.live: dict[int, int] = {}
+        self.calls = 0
+
+    def register(self, ptr: int, n: int, device: str) -> None:
+        for p, m in self.live.items():
+            assert not (ptr < p + m and p < ptr + n), "engine would reject an overlap (-7)"
+        self.live[ptr] = n
+        self.calls += 1
+
+    def unregister(self, ptr: int) -> None:
+        del self.live[ptr]

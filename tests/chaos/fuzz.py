@@ -11,12 +11,13 @@ Targets: payload handles (``schema.decode_handle``), side-channel messages
 ``decode_from_service``), keyed mailbox records and their skeletons (what the
 vLLM-Omni connector decodes: ``keyed._decode_record``, ``keyed.unpack``),
 mailbox names, LightX2V's Phase 1 payload dicts (``payloads.unpack_phase1``,
-``payloads.verify``) and the HTTP API's request bodies (a live ``ApiServer``).
+``payloads.verify``) and the HTTP API's request bodies (its ASGI app, called in
+process).
 """
 
 from __future__ import annotations
 
-import http.client
+import asyncio
 import json
 from collections.abc import Callable
 from typing import Any
@@ -41,11 +42,16 @@ from mooncake_diffusion.schema import (
 )
 
 # ------------------------------------------------------------------ strategies
+_scalar = st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20)
+#: any JSON value, nested a little (drawing deep trees costs Hypothesis more than the
+#: checks cost us, and the decoders reject a wrong type at the first level anyway)
 _json = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
-    lambda c: st.lists(c, max_size=5) | st.dictionaries(st.text(max_size=10), c, max_size=5),
-    max_leaves=20,
+    _scalar,
+    lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=10), c, max_size=4),
+    max_leaves=6,
 )
+#: a value of the wrong type where a field expects one shape: flat, cheap to draw
+_junk = _scalar | st.lists(_scalar, max_size=3)
 _msgpackable = st.recursive(
     st.none()
     | st.booleans()
@@ -204,13 +210,13 @@ _L2V_CONFIGS = st.sampled_from(
 _L2V_META = st.fixed_dictionaries(
     {},
     optional={
-        "version": st.integers(-1, 3) | _json,
-        "task": st.sampled_from(["t2v", "i2v", "i2i"]) | _json,
-        "latent_shape": st.lists(st.integers(-2, 8), max_size=5) | _json,
-        "image_info": st.none() | st.dictionaries(st.text(max_size=5), _json, max_size=3) | _json,
+        "version": st.integers(-1, 3) | _junk,
+        "task": st.sampled_from(["t2v", "i2v", "i2i"]) | _junk,
+        "latent_shape": st.lists(st.integers(-2, 8), max_size=5) | _junk,
+        "image_info": st.none() | st.dictionaries(st.text(max_size=5), _json, max_size=3) | _junk,
         "zeros": st.lists(st.sampled_from(["clip_encoder_out", "vae_encoder_out", "x"]), max_size=3)
-        | _json,
-        "crc32": st.dictionaries(st.text(max_size=8), st.integers(0, 2**32)) | _json,
+        | _junk,
+        "crc32": st.dictionaries(st.text(max_size=8), st.integers(0, 2**32)) | _junk,
     },
 )
 _L2V_TENSORS = st.dictionaries(
@@ -241,38 +247,76 @@ def check_lightx2v(case: tuple[dict, dict, dict]) -> None:
 
 # ------------------------------------------------------------------ HTTP bodies
 class ApiTarget:
-    """A live ``ApiServer`` (no workers): bodies that are refused change nothing."""
+    """The HTTP API's app (``build_app``: its middleware, body limits, parsing and
+    routes) in front of a started ``OrchestratorService`` with no workers, called
+    in this process as an ASGI app, one request per case: no server, socket or
+    thread between the body and the code that parses it. Refused bodies change
+    nothing."""
 
     def __init__(self) -> None:
-        from mooncake_diffusion.orchestrator.api import ApiServer
+        from mooncake_diffusion.orchestrator.api import build_app
         from mooncake_diffusion.orchestrator.service import OrchestratorService, ServiceConfig
 
         self.svc = OrchestratorService(ServiceConfig(worker_bind="tcp://127.0.0.1:0")).start()
-        self.api = ApiServer(self.svc, "127.0.0.1", 0)
-        self.conn = http.client.HTTPConnection(self.api.host, self.api.port, timeout=10)
+        self.app = build_app(self.svc)
+        self.loop = asyncio.new_event_loop()
         self.accepted = 0
 
     def close(self) -> None:
-        self.conn.close()
-        self.api.close()
+        self.loop.close()
         self.svc.close()
 
-    def _post(self, path: str, body: bytes, ctype: str) -> tuple[int, Any]:
-        for attempt in (1, 2):
-            try:
-                self.conn.request("POST", path, body=body, headers={"Content-Type": ctype})
-                resp = self.conn.getresponse()
-                return resp.status, json.loads(resp.read() or b"{}")
-            except (OSError, http.client.HTTPException):
-                self.conn.close()
-                if attempt == 2:
-                    raise
-        raise AssertionError("unreachable")
+    async def _call(self, path: str, body: bytes, ctype: str) -> tuple[int, bytes]:
+        """One POST through the app; (status, body). The client stays connected until
+        the answer is complete (a disconnect only after it)."""
+        answered = asyncio.Event()
+        sent = False
+        status = 0
+        out = bytearray()
+
+        async def receive() -> dict[str, Any]:
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            await answered.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(msg: dict[str, Any]) -> None:
+            nonlocal status
+            if msg["type"] == "http.response.start":
+                status = msg["status"]
+            elif msg["type"] == "http.response.body":
+                out.extend(msg.get("body", b""))
+                if not msg.get("more_body"):
+                    answered.set()
+
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0"},
+            "http_version": "1.1",
+            "method": "POST",
+            "scheme": "http",
+            "path": path,
+            "raw_path": path.encode(),
+            "query_string": b"",
+            "root_path": "",
+            "headers": [
+                (b"host", b"fuzz"),
+                (b"content-type", ctype.encode()),
+                (b"content-length", str(len(body)).encode()),
+            ],
+            "client": ("127.0.0.1", 1),
+            "server": ("127.0.0.1", 80),
+        }
+        await asyncio.wait_for(self.app(scope, receive, send), timeout=30)
+        return status, bytes(out)
 
     def check(self, case: tuple[str, bytes, str]) -> None:
         path, body, ctype = case
         before = len(self.svc.table.live())
-        status, reply = self._post(path, body, ctype)
+        status, raw = self.loop.run_until_complete(self._call(path, body, ctype))
+        reply = json.loads(raw or b"{}")
         assert status < 500, (status, reply, body[:200])
         if status in (200, 201):
             self.accepted += 1
@@ -286,10 +330,10 @@ class ApiTarget:
 
 _SUBMIT_VALUE = {
     "params": _json,
-    "request_id": st.text(max_size=300) | _json,
-    "slo_class": st.sampled_from(["interactive", "batch", "standard"]) | _json,
-    "cached_embeddings": st.text(max_size=20) | _json,
-    "deadline_s": st.floats() | _json,
+    "request_id": st.text(max_size=300) | _junk,
+    "slo_class": st.sampled_from(["interactive", "batch", "standard"]) | _junk,
+    "cached_embeddings": st.text(max_size=20) | _junk,
+    "deadline_s": st.floats() | _junk,
 }
 _BODIES = st.one_of(
     st.binary(max_size=200),

@@ -21,6 +21,7 @@ from typing import Any
 from deploy import WORKERS, Deployment
 
 from mooncake_diffusion.orchestrator.errors import OrchestratorError
+from mooncake_diffusion.testing import close_wait_sockets, tcp_states
 
 TERMINAL = ("completed", "failed", "cancelled")
 #: what a finished request's payloads need to go (release follows completion closely)
@@ -48,6 +49,15 @@ class Outcome:
     leaked_keys: int = 0
     leaked_fds: int = 0
     leaked_threads: int = 0
+    #: extra ESTABLISHED connections of our processes (pool members to live peers; not
+    #: in ``leaked_fds``, see ``leftovers``)
+    pool_connections: int = 0
+    #: extra fds of ``mooncake_master`` (Mooncake's binary, not counted in ``leaked_fds``)
+    leaked_fds_mooncake_master: int = 0
+    #: left over, by host: [fds (not pool), threads, pool connections, sockets in CLOSE-WAIT]
+    left_by_host: dict[str, list[int]] = field(default_factory=dict)
+    #: TCP sockets by state of those hosts, before the scenario and after it
+    sockets_by_host: dict[str, list[dict[str, int]]] = field(default_factory=dict)
     wall_s: float = 0.0
     notes: str = ""
 
@@ -102,8 +112,14 @@ def account(
     base: dict[str, tuple[int, int]],
     fault_t: float | None,
     expected: dict[str, str] | None = None,
+    *,
+    measure: bool = True,
+    rewarm: bool = False,
+    sockets: dict[str, dict[str, int]] | None = None,
 ) -> Outcome:
-    """Fill ``o`` from the requests' final statuses and the leftovers against ``base``."""
+    """Fill ``o`` from the requests' final statuses and the leftovers against ``base``
+    (``measure``). ``rewarm``: first run the warm-up again, so that every process
+    has its connections to a restarted store host, as ``base`` had to the old one."""
     sts = settle(d, rids)
     o.accepted = len(rids)
     for rid, st in sts.items():
@@ -113,11 +129,15 @@ def account(
             continue
         kinds = Counter((e["kind"], e.get("stage")) for e in st["events"])
         # a stage is done once, and once more per Rerun of it (its output was lost)
-        o.duplicates += sum(
+        twice = sum(
             max(0, n - 1 - kinds[("rerun", stage)])
             for (k, stage), n in kinds.items()
             if k == "done"
         )
+        if twice:  # say which: the events of the request, in order
+            seen = [(e["kind"], e.get("stage"), e.get("worker_id")) for e in st["events"]]
+            o.reasons.append(f"{rid}: a stage done twice: {seen}")
+        o.duplicates += twice
         o.reruns += sum(n for (k, _), n in kinds.items() if k == "rerun")
         o.duplicates += max(0, kinds[("completed", None)] - 1)
         if st["state"] == "completed":
@@ -139,26 +159,67 @@ def account(
             if acted:
                 dt = min(acted) - fault_t
                 o.detect_s = dt if o.detect_s is None else min(o.detect_s, dt)
-    o.leaked_keys, o.leaked_fds, o.leaked_threads = leftovers(d, base)
+    if measure:
+        if rewarm:
+            _warm(d)
+        leftovers(o, d, base, sockets or {})
     return o
 
 
-def leftovers(d: Deployment, base: dict[str, tuple[int, int]]) -> tuple[int, int, int]:
-    """(store keys, extra fds, extra threads) once the deployment settles (up to
-    ``SETTLE_S``); a restarted process is compared with its predecessor's baseline."""
+#: hosts whose processes are not ours: their leftovers are reported apart
+NOT_OURS = ("master",)
+
+
+def leftovers(
+    o: Outcome,
+    d: Deployment,
+    base: dict[str, tuple[int, int]],
+    sockets: dict[str, dict[str, int]],
+) -> None:
+    """Fill ``o.leaked_*`` once the deployment settles (up to ``SETTLE_S``): store keys,
+    and fds and threads above ``base`` by host (a host missing from ``base`` has no
+    baseline and is not compared).
+
+    Extra fds that are ESTABLISHED TCP connections (more than the host had before,
+    ``sockets``) are Transfer Engine pool members to live peers, whose number varies
+    with how transfers overlapped: they are counted in ``pool_connections``, not in
+    ``leaked_fds``. Every other extra fd (a CLOSE-WAIT socket, a pipe, an epoll...)
+    of our processes is in ``leaked_fds``; the master's extra fds go to
+    ``leaked_fds_mooncake_master``; threads are all counted."""
     deadline = time.monotonic() + SETTLE_S
     while True:
         keys = [k for k in d.store_keys() if not k.startswith("mcd-cache/emb/")]
         now = resources(d)
-        fds = sum(max(0, now[h][0] - base[h][0]) for h in now if h in base)
-        thr = sum(max(0, now[h][1] - base[h][1]) for h in now if h in base)
-        if (not keys and not fds and not thr) or time.monotonic() > deadline:
-            if keys:
-                print(f"chaos: store keys left over: {keys[:5]}", file=sys.stderr)
-            if fds or thr:
-                print(f"chaos: fds/threads now {now}, before {base}", file=sys.stderr)
-            return len(keys), fds, thr
+        states = {h: tcp_states(d.procs[h].pid) for h in now}
+        extra: dict[str, list[int]] = {}
+        for h in now:
+            if h not in base:
+                continue
+            fds = max(0, now[h][0] - base[h][0])
+            est = states[h].get("ESTABLISHED", 0) - sockets.get(h, {}).get("ESTABLISHED", 0)
+            pool = min(fds, max(0, est))
+            extra[h] = [fds - pool, max(0, now[h][1] - base[h][1]), pool]
+        ours = sum(f for h, (f, _, _) in extra.items() if h not in NOT_OURS)
+        thr = sum(t for _, t, _ in extra.values())
+        if (not keys and not ours and not thr) or time.monotonic() > deadline:
+            break
         time.sleep(0.25)
+    if keys:
+        print(f"chaos: store keys left over: {keys[:5]}", file=sys.stderr)
+    o.leaked_keys, o.leaked_fds, o.leaked_threads = len(keys), ours, thr
+    o.pool_connections = sum(p for h, (_, _, p) in extra.items() if h not in NOT_OURS)
+    o.leaked_fds_mooncake_master = sum(sum(extra[h][::2]) for h in NOT_OURS if h in extra)
+    o.left_by_host = {
+        h: [f, t, p, len(close_wait_sockets(d.procs[h].pid))]
+        for h, (f, t, p) in extra.items()
+        if f or t or p
+    }
+    o.sockets_by_host = {h: [sockets.get(h, {}), states.get(h, {})] for h in o.left_by_host}
+    if o.left_by_host:
+        print(
+            f"chaos: {o.name}: left over by host {o.left_by_host}, sockets {o.sockets_by_host}",
+            file=sys.stderr,
+        )
 
 
 def _digest(st: dict) -> str:
@@ -197,6 +258,7 @@ class Run:
         self.expected: dict[str, str] = {}
         self.t0 = time.monotonic()
         self.base = resources(d)
+        self.sockets = {h: tcp_states(p.pid) for h, p in d.procs.items() if p.popen.poll() is None}
 
     def submit(self, tag: str, hold: dict[str, int] | None = None, **params: Any) -> str:
         rid = f"{self.prefix}-{tag}"
@@ -207,9 +269,19 @@ class Run:
         self.rids.append(rid)
         return rid
 
-    def finish(self, fault_t: float | None, notes: str = "") -> Outcome:
+    def finish(
+        self, fault_t: float | None, notes: str = "", *, measure: bool = True, rewarm: bool = False
+    ) -> Outcome:
         o = account(
-            Outcome(self.name, notes=notes), self.d, self.rids, self.base, fault_t, self.expected
+            Outcome(self.name, notes=notes),
+            self.d,
+            self.rids,
+            self.base,
+            fault_t,
+            self.expected,
+            measure=measure,
+            rewarm=rewarm,
+            sockets=self.sockets,
         )
         o.wall_s = round(time.monotonic() - self.t0, 2)
         return o
@@ -224,12 +296,40 @@ def _holder(d: Deployment, rid: str) -> str:
 
 
 # ------------------------------------------------------------------ scenarios
-def warm_up(d: Deployment) -> Outcome:
+def warm_up(d: Deployment, *, recycle: bool = True) -> Outcome:
     """Two requests held at every stage so that each worker runs one (credits are 1):
     every process has made its connections and threads before baselines are taken.
     They are chunked like the scenarios' decode jobs (5 frames, 2 chunks), so each
-    worker's Transfer Engine has opened the connections such a transfer uses."""
+    worker's Transfer Engine has opened the connections such a transfer uses.
+
+    ``recycle``: then restart the store host (nothing in flight), wait until every
+    worker has recycled its store clients, and run the requests again against the
+    new host. A process's first recycle allocates, once, an event loop of Mooncake's
+    (an eventfd, an epoll, a timerfd and a thread) that later recycles reuse; the
+    baselines are taken after it, as after every other warm-up (docs/chaos.md)."""
     r = Run(d, "warm")
+    _warm(d, r)
+    if recycle:
+        settle(d, r.rids)  # nothing in flight when the store host goes
+        restart_store_host(d)
+        for h in WORKERS:
+            d.procs[h].wait_for("store client recycled", timeout=120)
+        _warm(d)
+    return r.finish(None, measure=False)
+
+
+def restart_store_host(d: Deployment) -> set[str]:
+    """SIGKILL the store host and start a new one; the segments listed before."""
+    old = set(d.segments())
+    d.procs["store"].kill()
+    d.start_store()
+    return old
+
+
+def _warm(d: Deployment, r: Run | None = None) -> None:
+    """The warm-up's requests (in ``r``, else in a run of their own), until finished."""
+    own = r is None
+    r = r or Run(d, "warm")
     rids = [r.submit(f"w{i}", {"denoise": 1, "decode": 0}, frames=5, chunks=2) for i in range(2)]
     for stage in ("denoise", "decode"):
         holders = set()
@@ -239,7 +339,9 @@ def warm_up(d: Deployment) -> Outcome:
         for rid in rids:
             d.release(rid, stage)
         assert len(holders) == 2, (stage, holders)
-    return r.finish(None)
+    if own:
+        w = r.finish(None, measure=False)
+        assert w.completed == len(rids), w
 
 
 def scenario_denoise_partition(d: Deployment) -> Outcome:
@@ -272,9 +374,7 @@ def scenario_store_kill(d: Deployment) -> Outcome:
     b = r.submit("b", {"denoise": 0})
     d.reached(a, "denoise")
     d.reached(b, "denoise")
-    old = set(d.segments())
-    d.procs["store"].kill()
-    d.start_store()
+    old = restart_store_host(d)
     return _resume(d, r, old, (a, b), "store host killed and restarted")
 
 
@@ -314,7 +414,10 @@ def _resume(d: Deployment, r: Run, old: set[str], held: tuple[str, ...], notes: 
     fault_t = time.time()
     for rid in held:
         d.release(rid, "denoise")
-    return r.finish(fault_t, notes=notes)
+    # the baseline had warm connections to the old store host: compare after the same
+    # warm-up against the new one (a fresh pool to a new peer is not a leak; a socket
+    # left to the dead one is, and is counted)
+    return r.finish(fault_t, notes=notes, rewarm=True)
 
 
 def scenario_decode_stopped(d: Deployment) -> Outcome:
@@ -350,7 +453,8 @@ def scenario_full_pool(d: Deployment) -> Outcome:
     settle(d, list(r.rids))
     filler.stop()
     r.submit("after")
-    return r.finish(fault_t, notes=filler.output().strip().splitlines()[0])
+    said = [line for line in filler.output().splitlines() if line.startswith("full ")]
+    return r.finish(fault_t, notes=(said or ["the tenant said nothing"])[0])
 
 
 def scenario_orchestrator_restart(d: Deployment) -> Outcome:
@@ -393,6 +497,9 @@ def scenario_p2p_partition(d: Deployment) -> Outcome:
             d.start_worker(h, wait=False)
         for h in ("den0", "den1"):
             d.procs[h].wait_for("worker ready", timeout=120)
+        # the restarted workers' baseline is their own, after the same warm-up as the
+        # others' (now peer to peer: the p2p transport is made on first use)
+        _warm(d)
         r = Run(d, "p2p-partition")
         a = r.submit("a", {"decode": 1}, frames=9, chunks=3)
         d.reached(a, "decode")

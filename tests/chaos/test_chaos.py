@@ -3,8 +3,9 @@
 Each scenario holds work at the point where its fault must land (``gated``), lands
 it, and accounts for every request it accepted: none lost, none completed twice,
 every completed output bitwise equal to the colocated run, detection within twice
-the heartbeat timeout, and no store key left over afterwards (fds and threads are
-measured, see ``_check``)."""
+the heartbeat timeout, and nothing left over afterwards: no store key, and every
+one of our processes (workers, orchestrator, store host) back at its fds and
+threads baseline (see ``_check``)."""
 
 from __future__ import annotations
 
@@ -27,12 +28,21 @@ MUST_COMPLETE = {
 #: scenarios where a request's embeddings are lost with the store: its encode re-runs
 MUST_RERUN = {"store_kill", "master_kill"}
 
+#: Not yet at baseline, measured and reported instead (docs/chaos.md, "What is left
+#: over"): after a p2p producer is cut off mid-transfer and healed, the producer and the
+#: consumer hold 4-5 more ESTABLISHED connections to each other (none in CLOSE-WAIT,
+#: which is asserted) and the producer one more thread. Not fixed: it would need the
+#: p2p Transfer Engine recycled, which is not built.
+FDS_REPORTED_ONLY = {"p2p_partition"}
 
-#: fds and threads left over are measured and reported (bench/chaos.py), not asserted
-#: here: a worker paused or cut off past Mooncake's client TTL reconnects and its
-#: Transfer Engine keeps the old TCP sockets (a few per pause, in it and in the store
-#: host), native code this project does not own; see docs/chaos.md. Store keys, which
-#: are ours, must be zero after every scenario; the service soak asserts fds and threads.
+
+#: Leftovers: store keys, and the fds (other than extra ESTABLISHED Transfer Engine
+#: connections to live peers: pool members, reported) and threads of our processes
+#: against baselines taken after the same warm-up (``scenarios.warm_up``; restarted
+#: processes get their own, a restarted store host is compared after a warm-up
+#: against it). The
+#: mooncake_master binary's fds are reported (``leaked_fds_mooncake_master``), not
+#: asserted: it is not ours (docs/chaos.md).
 def _check(o: Outcome, name: str) -> None:
     assert o.lost == 0, o
     assert o.duplicates == 0, o
@@ -45,6 +55,10 @@ def _check(o: Outcome, name: str) -> None:
     if o.detect_s is not None:
         assert o.detect_s <= 2 * HEARTBEAT_S, o
     assert o.leaked_keys == 0, o
+    if name in FDS_REPORTED_ONLY:
+        assert all(cw == 0 for *_, cw in o.left_by_host.values()), o.sockets_by_host
+    else:
+        assert o.leaked_fds == 0 and o.leaked_threads == 0, (o.left_by_host, o.sockets_by_host)
 
 
 @pytest.mark.parametrize("fn", SCENARIOS, ids=[f.__name__[9:] for f in SCENARIOS])

@@ -127,8 +127,19 @@ def test_reap_forgets_what_consumers_took(pair):
 
 
 def test_receive_memory_is_reused_only_once_the_caller_dropped_it(pair):
+    """Reuse follows the caller's last reference, with no garbage-collector pass (the
+    collector is off while this runs: a cycle holding the tensors would show here)."""
     import gc
 
+    gc.collect()
+    gc.disable()
+    try:
+        _reuse_after_drop(pair)
+    finally:
+        gc.enable()
+
+
+def _reuse_after_drop(pair) -> None:
     producer, consumer = pair(), pair()
     big = [{"x": torch.full((1 << 20,), float(i))} for i in range(3)]  # 4 MiB each
     producer.send("a", big[0])
@@ -139,7 +150,6 @@ def test_receive_memory_is_reused_only_once_the_caller_dropped_it(pair):
     assert torch.equal(first["x"], big[0]["x"]) and torch.equal(second["x"], big[1]["x"])
     ptr = first["x"].data_ptr()
     del first
-    gc.collect()
     producer.send("c", big[2])
     third, _ = consumer.receive("c")  # lands in the memory "a" left behind
     assert third["x"].data_ptr() == ptr and torch.equal(third["x"], big[2]["x"])

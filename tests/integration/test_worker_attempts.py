@@ -154,3 +154,69 @@ def test_a_stale_result_is_released_not_orphaned():
         for c in conns:
             c.close()
     assert fabric_keys() == []
+
+
+def test_a_result_refused_after_an_orchestrator_restart_is_not_shown_done(tmp_path):
+    """The orchestrator was down longer than the heartbeat timeout while a worker held
+    an item: the restarted service (on its journal) gives that attempt up, so the
+    worker's result, flushed as soon as it reconnects, is refused as stale. The client
+    must not see the stage done for it, only for the attempt that is taken (the chaos
+    tier's orch-restart saw a stage done twice: the refused result, then the re-run)."""
+    from servicestack import free_port
+
+    from mooncake_diffusion.orchestrator import OrchestratorConfig
+    from mooncake_diffusion.orchestrator.service import OrchestratorService, ServiceConfig
+    from mooncake_diffusion.orchestrator.wire import ItemRef, Refused, decode_from_service
+
+    cfg = ServiceConfig(
+        orchestrator=OrchestratorConfig(heartbeat_timeout=1.0),
+        worker_bind=f"tcp://127.0.0.1:{free_port()}",
+        journal=str(tmp_path / "orchestrator.db"),
+    )
+    ctx = zmq.Context()
+    rogue = ctx.socket(zmq.DEALER)
+    rogue.setsockopt(zmq.ROUTING_ID, b"enc")
+    rogue.setsockopt(zmq.LINGER, 0)
+    rogue.connect(cfg.worker_bind)
+
+    def next_of(kind: type) -> object:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if rogue.poll(200):
+                msg = decode_from_service(rogue.recv())
+                if isinstance(msg, kind):
+                    return msg
+        raise AssertionError(f"no {kind.__name__} from the service")
+
+    svc = OrchestratorService(cfg).start()
+    try:
+        rogue.send(encode(Hello("enc", "encode")))
+        next_of(Welcome)
+        rid = svc.submit({"prompt": "held", "steps": 1})
+        first = next_of(Work)
+        assert first.item.attempt == 1, first
+        svc.close()
+        time.sleep(2.5)  # down for longer than the heartbeat timeout (load only adds)
+        svc = OrchestratorService(cfg).start()
+        rogue.send(encode(Done("enc", ItemRef(rid, "encode", 1), b"")))
+        refused = next_of(Refused)
+        assert refused.code == "stale_attempt", refused
+        kinds = [(e.kind, e.stage) for e in svc.status(rid).events]
+        assert ("done", "encode") not in kinds, kinds
+        # back with a Hello, the worker gets the new attempt; its result is taken once
+        rogue.send(encode(Hello("enc", "encode", fresh=False)))
+        again = next_of(Work)
+        assert again.item.attempt == 2, again
+        rogue.send(encode(Done("enc", ItemRef(rid, "encode", 2), b"")))
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            kinds = [(e.kind, e.stage) for e in svc.status(rid).events]
+            if ("done", "encode") in kinds:
+                break
+            time.sleep(0.05)
+        assert kinds.count(("done", "encode")) == 1, kinds
+    finally:
+        svc.close()
+        rogue.close()
+        ctx.term()
+    assert fabric_keys() == []

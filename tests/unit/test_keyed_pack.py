@@ -109,3 +109,42 @@ def test_a_corrupt_inline_tensor_is_a_handle_error(ext):
     )
     with pytest.raises(HandleError, match="keyed record"):
         unpack(skeleton, {})
+
+
+@pytest.fixture
+def no_gc():
+    """The cyclic garbage collector off: what is freed is freed by reference counting."""
+    import gc
+
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+def test_unpacked_tensors_die_with_the_callers_last_reference(no_gc):
+    """A receive's tensors live in recycled buffers that come back only when the caller
+    drops them; ``unpack`` must not keep them in a reference cycle until a gc pass
+    (it did: every receive then allocated fresh memory)."""
+    import weakref
+
+    skeleton, _ = pack({"big": torch.randn(64, 64), "nested": [{"b": torch.randn(64, 64)}]}, 1024)
+    received = {0: torch.randn(64, 64), 1: torch.randn(64, 64)}
+    gone = [weakref.ref(t) for t in received.values()]
+    out = unpack(skeleton, received)
+    assert out["big"] is received[0] and out["nested"][0]["b"] is received[1]
+    del out, received
+    assert [r() for r in gone] == [None, None]
+
+
+def test_pack_keeps_no_reference_to_the_callers_tensors(no_gc):
+    import weakref
+
+    big = {"a": torch.randn(64, 64), "n": [np.zeros(4096)], "s": Meta(finished=torch.ones(1))}
+    gone = [weakref.ref(big["a"]), weakref.ref(big["n"][0])]
+    skeleton, moved = pack(big, 1024)
+    assert len(moved) == 2 and skeleton
+    del big, moved
+    assert [r() for r in gone] == [None, None]

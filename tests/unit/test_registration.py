@@ -1,27 +1,11 @@
 import pytest
 
+from helpers import Recorder
 from mooncake_diffusion.errors import TransferError
 from mooncake_diffusion.registration import Registrations
 from mooncake_diffusion.tensors import Region
 
 pytestmark = pytest.mark.unit
-
-
-class Recorder:
-    """Stands in for an engine's register/unregister and enforces its no-overlap rule."""
-
-    def __init__(self):
-        self.live: dict[int, int] = {}
-        self.calls = 0
-
-    def register(self, ptr, n, device):
-        for p, m in self.live.items():
-            assert not (ptr < p + m and p < ptr + n), "engine would reject an overlap (-7)"
-        self.live[ptr] = n
-        self.calls += 1
-
-    def unregister(self, ptr):
-        del self.live[ptr]
 
 
 def region(ptr, n, base=0, base_n=0):

@@ -183,12 +183,37 @@ def pack(
     Each tensor to move is ``(kind, t)``: kind ``torch``, ``numpy`` or ``bytes``, ``t`` a
     contiguous torch tensor or numpy array; the payload names index ``i`` ``f"t{i}.{kind}"``.
     ``to_host`` copies device tensors to host memory first (for Mooncake builds that
-    cannot register device memory).
+    cannot register device memory). Keeps no reference to ``obj`` or its tensors once
+    the caller drops the result.
     """
-    moved: list[tuple[str, Any]] = []
+    packer = _Packer(inline_bytes, to_host)
+    if isinstance(obj, bytes | bytearray | memoryview) and len(obj) >= inline_bytes:
+        flat = np.frombuffer(obj, dtype=np.uint8)
+        ext = packer.place("bytes", flat, "uint8", (len(flat),), len(flat))
+        return _encoder.encode(ext), packer.moved
+    try:
+        target = _mark(obj) if packer.native else obj
+        skeleton = msgspec.msgpack.encode(target, enc_hook=packer.hook)
+    except (TypeError, ValueError, OverflowError, RecursionError) as e:
+        raise PayloadError(f"cannot send this object without pickle: {e}") from None
+    return skeleton, packer.moved
 
-    def place(kind: str, t: Any, dtype: str, shape: tuple[int, ...], nbytes: int) -> Any:
-        if nbytes >= inline_bytes and len(moved) < MAX_TENSORS - 1:
+
+class _Packer:
+    """One ``pack`` call's state. A class rather than nested closures on purpose: a
+    closure that calls itself (nested objects) is a reference cycle, and one holding
+    the tensors keeps them (and, on the consumer, their recycled buffer) alive until
+    the next garbage-collector pass instead of the caller's last reference."""
+
+    def __init__(self, inline_bytes: int, to_host: bool) -> None:
+        self.inline_bytes = inline_bytes
+        self.to_host = to_host
+        self.native = carried.native_carried()
+        self.moved: list[tuple[str, Any]] = []
+
+    def place(self, kind: str, t: Any, dtype: str, shape: tuple[int, ...], nbytes: int) -> Any:
+        moved = self.moved
+        if nbytes >= self.inline_bytes and len(moved) < MAX_TENSORS - 1:
             moved.append((kind, t))
             return msgspec.msgpack.Ext(
                 EXT_TENSOR, _encoder.encode((kind, dtype, shape, len(moved) - 1))
@@ -196,41 +221,31 @@ def pack(
         raw = _raw_bytes(kind, t)
         return msgspec.msgpack.Ext(EXT_TENSOR, _encoder.encode((kind, dtype, shape, raw)))
 
-    def hook(o: Any) -> Any:
+    def hook(self, o: Any) -> Any:
         if _is_torch(o):
             t = o.detach()
-            if to_host and t.device.type != "cpu":
+            if self.to_host and t.device.type != "cpu":
                 t = t.cpu()
             if not t.is_contiguous():
                 t = t.contiguous()
             dtype = str(t.dtype).removeprefix("torch.")
-            return place("torch", t, dtype, tuple(t.shape), t.numel() * t.element_size())
+            return self.place("torch", t, dtype, tuple(t.shape), t.numel() * t.element_size())
         if isinstance(o, np.ndarray):
             if o.dtype.kind in "OV":
                 raise TypeError(f"numpy arrays of dtype {o.dtype} cannot travel")
             a = np.ascontiguousarray(o)
-            return place("numpy", a, a.dtype.name, tuple(a.shape), a.nbytes)
+            return self.place("numpy", a, a.dtype.name, tuple(a.shape), a.nbytes)
         if isinstance(o, np.generic):
             return o.item()
         entry, target = (o.entry, o.obj) if isinstance(o, _Tagged) else (None, o)
         entry = entry or carried.carried_for(o)
         if entry is not None:
             state = entry.to_state(target)
-            if native:
+            if self.native:
                 state = _mark(state)
-            inner = msgspec.msgpack.encode((entry.tag, state), enc_hook=hook)
+            inner = msgspec.msgpack.encode((entry.tag, state), enc_hook=self.hook)
             return msgspec.msgpack.Ext(EXT_OBJECT, inner)
         raise TypeError(f"objects of type {type(o).__module__}.{type(o).__qualname__}")
-
-    if isinstance(obj, bytes | bytearray | memoryview) and len(obj) >= inline_bytes:
-        flat = np.frombuffer(obj, dtype=np.uint8)
-        return _encoder.encode(place("bytes", flat, "uint8", (len(flat),), len(flat))), moved
-    native = carried.native_carried()
-    try:
-        skeleton = msgspec.msgpack.encode(_mark(obj) if native else obj, enc_hook=hook)
-    except (TypeError, ValueError, OverflowError, RecursionError) as e:
-        raise PayloadError(f"cannot send this object without pickle: {e}") from None
-    return skeleton, moved
 
 
 def _raw_bytes(kind: str, t: Any) -> bytes:
@@ -243,11 +258,26 @@ def _raw_bytes(kind: str, t: Any) -> bytes:
 
 
 def unpack(skeleton: bytes | memoryview, moved: dict[int, Any]) -> Any:
-    """The inverse of ``pack``: ``moved[i]`` is the received tensor ``i``."""
+    """The inverse of ``pack``: ``moved[i]`` is the received tensor ``i``. Keeps no
+    reference to ``moved``'s tensors once the caller drops the result (see ``_Packer``:
+    the consumer's recycled receive buffers come back on the caller's last reference)."""
+    unpacker = _Unpacker(moved)
+    try:
+        return msgspec.msgpack.decode(skeleton, ext_hook=unpacker.ext)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise HandleError(f"corrupt keyed record skeleton: {e}") from None
 
-    def ext(code: int, data: memoryview) -> Any:
+
+class _Unpacker:
+    """One ``unpack`` call's state (a class, not a self-calling closure: see ``_Packer``)."""
+
+    def __init__(self, moved: dict[int, Any]) -> None:
+        self.moved = moved
+
+    def ext(self, code: int, data: memoryview) -> Any:
+        moved = self.moved
         if code == EXT_OBJECT:
-            tag, state = msgspec.msgpack.decode(data, type=_ObjectExt, ext_hook=ext)
+            tag, state = msgspec.msgpack.decode(data, type=_ObjectExt, ext_hook=self.ext)
             entry = carried.by_tag(tag)
             try:
                 return entry.from_state(entry.cls, state)
@@ -264,11 +294,6 @@ def unpack(skeleton: bytes | memoryview, moved: dict[int, Any]) -> Any:
             got = moved[where]
             return bytes(got) if kind == "bytes" and not isinstance(got, bytes) else got
         return _from_raw(kind, dtype, shape, where)
-
-    try:
-        return msgspec.msgpack.decode(skeleton, ext_hook=ext)
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
-        raise HandleError(f"corrupt keyed record skeleton: {e}") from None
 
 
 def _from_raw(kind: str, dtype: str, shape: tuple[int, ...], raw: bytes) -> Any:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from mooncake_diffusion.errors import TransferError
@@ -109,6 +109,14 @@ class Registrations:
         if entry.refs <= 0 and not entry.pinned:
             del self._entries[entry.ptr]
             self._unregister(entry.ptr)
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[list[tuple[int, int]]]:
+        """Hold the set still: yields every registered extent as ``(ptr, nbytes)``, and
+        no ``pin``/``acquire``/``release`` changes it until the block ends (the store
+        client registers them all on a fresh client and swaps inside it)."""
+        with self._lock:
+            yield [(e.ptr, e.nbytes) for e in self._entries.values()]
 
     @property
     def count(self) -> int:

@@ -58,7 +58,10 @@ class MooncakeSettings:
     embedded cluster; 16 MiB takes ~0.15 s at the slowest rate measured on a
     loaded 2-core machine, 0.11 GB/s). 0 means never split. ``store_retry_s``
     bounds the retries of transient Store faults for calls that have no deadline
-    of their own.
+    of their own. ``store_watch_s`` > 0: every pure Store client of the process is
+    recycled when a store host leaves the master's segment list, which is checked
+    that often (``_mooncake/segment_watch.py``; one thread per process). 0 (the
+    default for a library; stage workers run with 1 s) never recycles.
     """
 
     master: str = "127.0.0.1:50051"
@@ -72,6 +75,7 @@ class MooncakeSettings:
     same_host: bool = True
     store_part_bytes: int = 16 << 20
     store_retry_s: float = 10.0
+    store_watch_s: float = 0.0
     #: how device tensors travel: ``auto`` (GPU-direct where Mooncake is a CUDA
     #: build and the NIC reaches GPU memory, else pinned host staging),
     #: ``staged`` or ``gpu-direct``; ``MOONCAKE_DIFFUSION_GPU_PATH``.
@@ -87,6 +91,8 @@ class MooncakeSettings:
             raise ConfigError("store_part_bytes must be 0 (never split) or positive")
         if self.store_retry_s < 0:
             raise ConfigError("store_retry_s must not be negative")
+        if self.store_watch_s < 0:
+            raise ConfigError("store_watch_s must be 0 (off) or positive")
         if self.gpu_path not in ("auto", "staged", "gpu-direct"):
             raise ConfigError(
                 f"gpu_path must be 'auto', 'staged' or 'gpu-direct', got {self.gpu_path!r}"
@@ -101,9 +107,9 @@ class MooncakeSettings:
     @classmethod
     def from_env(cls, **overrides: object) -> MooncakeSettings:
         """Settings from ``MOONCAKE_MASTER``, ``MOONCAKE_ADMIN``, ``MOONCAKE_LOCAL_HOSTNAME``,
-        ``MOONCAKE_PROTOCOL``, ``MOONCAKE_DEVICE``, ``MOONCAKE_DIFFUSION_STORE_PART_BYTES``
-        and ``MOONCAKE_DIFFUSION_STORE_RETRY_S``; explicit ``overrides`` win. A
-        malformed number raises ``ConfigError``."""
+        ``MOONCAKE_PROTOCOL``, ``MOONCAKE_DEVICE``, ``MOONCAKE_DIFFUSION_STORE_PART_BYTES``,
+        ``MOONCAKE_DIFFUSION_STORE_RETRY_S`` and ``MOONCAKE_DIFFUSION_STORE_WATCH_S``;
+        explicit ``overrides`` win. A malformed number raises ``ConfigError``."""
         env = {
             "master": os.environ.get("MOONCAKE_MASTER"),
             "admin": os.environ.get("MOONCAKE_ADMIN"),
@@ -115,6 +121,7 @@ class MooncakeSettings:
         for field, var, conv in (
             ("store_part_bytes", "MOONCAKE_DIFFUSION_STORE_PART_BYTES", int),
             ("store_retry_s", "MOONCAKE_DIFFUSION_STORE_RETRY_S", float),
+            ("store_watch_s", "MOONCAKE_DIFFUSION_STORE_WATCH_S", float),
         ):
             raw = os.environ.get(var)
             if raw is not None:
@@ -132,8 +139,10 @@ class MooncakeSettings:
         return replace(cls(), **merged)  # type: ignore[arg-type]
 
     def as_env(self) -> dict[str, str]:
-        """The environment variables that ``from_env`` reads back to these settings."""
-        return {
+        """The environment variables that ``from_env`` reads back to these settings
+        (``store_watch_s`` only when on, so a worker started with them keeps its own
+        default)."""
+        env = {
             "MOONCAKE_MASTER": self.master,
             "MOONCAKE_ADMIN": self.admin_address,
             "MOONCAKE_LOCAL_HOSTNAME": self.local_hostname,
@@ -141,3 +150,6 @@ class MooncakeSettings:
             "MOONCAKE_DIFFUSION_STORE_PART_BYTES": str(self.store_part_bytes),
             "MOONCAKE_DIFFUSION_STORE_RETRY_S": str(self.store_retry_s),
         }
+        if self.store_watch_s:
+            env["MOONCAKE_DIFFUSION_STORE_WATCH_S"] = str(self.store_watch_s)
+        return env

@@ -10,7 +10,8 @@ Fixtures:
                        checks each is idle (no in-flight registrations, receive
                        pool empty), closes it, and checks no store key and no
                        extra thread is left
-Helpers: ``assert_no_leaks(cluster, thread_baseline)``, ``thread_names()``.
+Helpers: ``assert_no_leaks(cluster, thread_baseline)``, ``thread_names()``,
+``close_wait_sockets(pid)``, ``tcp_states(pid)``.
 
 Isolation: one failure reports one failure. Before each test that uses the
 cluster, a cluster that died (a crashed master or store host) is restarted
@@ -21,6 +22,7 @@ starts from an empty store; ``assert_no_leaks`` removes the keys it reports too.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -31,7 +33,64 @@ import pytest
 from mooncake_diffusion._mooncake.cluster import LocalCluster
 from mooncake_diffusion.connector import DiffusionConnector
 
-__all__ = ["assert_no_leaks", "thread_names"]
+__all__ = ["assert_no_leaks", "close_wait_sockets", "tcp_states", "thread_names"]
+
+_CLOSE_WAIT = "08"  # the TCP state's number in /proc/net/tcp
+
+
+def _tcp_sockets(pid: int | str) -> list[tuple[str, str]]:
+    """(state, ``local->remote``) of each TCP socket process ``pid`` holds, read in its
+    own network namespace (``/proc/PID/net/tcp``); hex, as the kernel lists them."""
+    ours = set()
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:  # closed meanwhile
+                continue
+            if link.startswith("socket:["):
+                ours.add(link[8:-1])
+        out = []
+        for table in ("tcp", "tcp6"):
+            with open(f"/proc/{pid}/net/{table}") as f:
+                for line in f.read().splitlines()[1:]:
+                    cols = line.split()
+                    if cols[9] in ours:
+                        out.append((cols[3], f"{cols[1]}->{cols[2]}"))
+        return out
+    except OSError:  # the process is gone
+        return []
+
+
+#: TCP state numbers of /proc/net/tcp
+_TCP_STATES = {
+    "01": "ESTABLISHED",
+    "02": "SYN_SENT",
+    "03": "SYN_RECV",
+    "04": "FIN_WAIT1",
+    "05": "FIN_WAIT2",
+    "06": "TIME_WAIT",
+    "07": "CLOSE",
+    "08": "CLOSE_WAIT",
+    "09": "LAST_ACK",
+    "0A": "LISTEN",
+    "0B": "CLOSING",
+}
+
+
+def close_wait_sockets(pid: int | str = "self") -> list[str]:
+    """TCP sockets process ``pid`` holds in CLOSE-WAIT (the peer closed, it did not),
+    as ``local->remote``. A process gone: ``[]``."""
+    return [addr for state, addr in _tcp_sockets(pid) if state == _CLOSE_WAIT]
+
+
+def tcp_states(pid: int | str = "self") -> dict[str, int]:
+    """How many TCP sockets process ``pid`` holds in each state (``ESTABLISHED``...)."""
+    out: dict[str, int] = {}
+    for state, _ in _tcp_sockets(pid):
+        name = _TCP_STATES.get(state, state)
+        out[name] = out.get(name, 0) + 1
+    return out
 
 
 def thread_names() -> set[str]:

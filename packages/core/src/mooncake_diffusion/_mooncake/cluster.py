@@ -140,6 +140,20 @@ class LocalCluster:
             self._store_host.kill()
             self._store_host.wait()
 
+    def restart_store_host(self, timeout: float = 30.0) -> None:
+        """Start a fresh store host (an empty pool) in place of the current one, which
+        is SIGKILLed first if still alive (fault tests). ``settings`` stay valid."""
+        assert self.settings is not None, "start() first"
+        old, self._store_host = self._store_host, None
+        if old is not None:
+            if old.poll() is None:
+                old.kill()
+            old.wait()
+            for stream in (old.stdin, old.stdout):
+                if stream is not None:
+                    stream.close()
+        self._start_store_host(self.settings, timeout)
+
     def close(self) -> None:
         """Stop the store host, then the master. Idempotent."""
         proc, self._store_host = self._store_host, None

@@ -2,14 +2,16 @@
 
 Peers find each other by segment name ``ip:rpc_port``, which travels in handles.
 Transfers block the calling thread and release the GIL inside Mooncake;
-``write`` with a deadline submits asynchronously and polls, so a peer that stops
-reading cannot hold the caller past it.
+``write`` with a deadline submits asynchronously and polls (paced by ``Pacer``
+from the rate of recent writes), so a peer that stops reading cannot hold the
+caller past it. Polling rather than ``transfer_sync_write``'s busy wait also
+leaves the CPU to Mooncake's own threads (``docs/performance.md``).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from mooncake_diffusion._mooncake import import_mooncake
 from mooncake_diffusion.errors import (
@@ -21,7 +23,7 @@ from mooncake_diffusion.errors import (
 from mooncake_diffusion.registration import Registrations
 from mooncake_diffusion.settings import MooncakeSettings
 
-__all__ = ["Engine"]
+__all__ = ["Engine", "Pacer"]
 
 # polling of an asynchronous write: first pause, longest pause (seconds)
 _POLL_MIN_S = 50e-6
@@ -29,6 +31,54 @@ _POLL_MAX_S = 5e-4
 # a batch id is the address of Mooncake's batch record; transfer_submit_write
 # answers a failure with 0 (peer not reachable) or -1 as an unsigned 64-bit id
 _BAD_BATCH = 1 << 63
+
+
+class Pacer:
+    """When to check a polled write: from how fast recent large writes went.
+
+    Without a rate (no large write yet, or a small one) the pauses start at
+    ``_POLL_MIN_S`` and double up to ``_POLL_MAX_S``. For a write of at least
+    ``LEARN_BYTES`` with a known rate, the first pause is ``SHARE`` of the time the
+    rate predicts (one wake-up instead of a dozen), and the later ones double from
+    ``_POLL_MIN_S`` up to a sixteenth of that prediction, so the write is seen done
+    within a few percent of its time instead of up to ``_POLL_MAX_S`` late. The rate
+    follows a faster write at once and a slower one by ``SLOWER_WEIGHT``, so one
+    stalled write does not make the next ones sleep past their end. Not thread-safe
+    beyond what a float assignment is: a lost update only costs a worse guess.
+    """
+
+    LEARN_BYTES = 1 << 20
+    SHARE = 0.7
+    SLOWER_WEIGHT = 0.2
+
+    def __init__(self) -> None:
+        self.s_per_byte = 0.0  # 0: not known yet
+
+    def predict(self, nbytes: int) -> float:
+        """Seconds a write of ``nbytes`` should take; 0.0 when there is no guess."""
+        return nbytes * self.s_per_byte if nbytes >= self.LEARN_BYTES else 0.0
+
+    def pauses(self, nbytes: int) -> Iterator[float]:
+        """The pauses between checks of one write (endless; the caller stops)."""
+        expect = self.predict(nbytes)
+        cap = _POLL_MAX_S
+        if expect:
+            yield self.SHARE * expect
+            cap = min(cap, max(_POLL_MIN_S, expect / 16))
+        pause = _POLL_MIN_S
+        while True:
+            yield pause
+            pause = min(pause * 2, cap)
+
+    def learn(self, nbytes: int, seconds: float) -> None:
+        """Record a completed write of ``nbytes`` that took ``seconds``."""
+        if nbytes < self.LEARN_BYTES or seconds <= 0:
+            return
+        rate = seconds / nbytes
+        if not self.s_per_byte or rate < self.s_per_byte:
+            self.s_per_byte = rate
+        else:
+            self.s_per_byte += self.SLOWER_WEIGHT * (rate - self.s_per_byte)
 
 
 class Engine:
@@ -47,6 +97,7 @@ class Engine:
             )
         self.segment = f"{settings.local_hostname}:{self._te.get_rpc_port()}"
         self.regs = Registrations(self._register, self._unregister)
+        self.pacer = Pacer()
 
     def _register(self, ptr: int, nbytes: int, device: str) -> None:
         location = "*" if device == "cpu" else device
@@ -100,13 +151,15 @@ class Engine:
         lengths: Sequence[int],
         deadline: float,
     ) -> None:
+        start = time.monotonic()
         pending = []
         for s, d, n in zip(src, dst, lengths, strict=True):
             batch = self._te.transfer_submit_write(peer, s, d, n)
             if not 0 < batch < _BAD_BATCH:  # never poll these: Mooncake crashes on them
                 raise self._failed(peer, lengths, -1)
             pending.append(batch)
-        pause = _POLL_MIN_S
+        total = sum(lengths)
+        pauses = self.pacer.pauses(total)
         while pending:
             still = []
             for batch in pending:
@@ -116,16 +169,17 @@ class Engine:
                 if rc == 0:
                     still.append(batch)
             pending = still
+            now = time.monotonic()
             if not pending:
+                self.pacer.learn(total, now - start)
                 return
-            if time.monotonic() >= deadline:
+            if now >= deadline:
                 raise DeadlineExceededError(
-                    f"write of {sum(lengths)} bytes to {peer}: {len(pending)} of "
+                    f"write of {total} bytes to {peer}: {len(pending)} of "
                     f"{len(lengths)} range(s) still in flight at the deadline "
                     "(the peer stopped reading, or the link is too slow)"
                 )
-            time.sleep(pause)
-            pause = min(pause * 2, _POLL_MAX_S)
+            time.sleep(min(next(pauses), deadline - now))
 
     @staticmethod
     def _failed(peer: str, lengths: Sequence[int], rc: int) -> TransferError:

@@ -18,16 +18,30 @@ deadline passes without racing a loaded machine's wall time). Reads are
 issued in batches of at most ``settings.store_part_bytes`` so that one batch cannot
 outlive its leases; the keys of a batch that did (a loaded machine) are retried one
 object per read, each under a lease of its own.
+
+Recycling: a pure client (``segment_bytes=0``) with ``settings.store_watch_s`` > 0 is
+watched (``segment_watch``): when a store host leaves the master's segment list
+(killed, or lost with a restarted master), ``recycle()`` builds a fresh native
+client with the same config, registers the same buffers on it and swaps it in, then
+closes the old one once the calls still running on it have returned. That closes
+the old client's Transfer Engine sockets to the dead host, which Mooncake itself
+never does. Calls made during a recycle wait for the swap (at most the fresh
+client's set-up), never fail because of it. ``recycle()`` may also be called
+directly.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
 import re
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
-from mooncake_diffusion._mooncake import import_mooncake
+from mooncake_diffusion._mooncake import import_mooncake, segment_watch
 from mooncake_diffusion._mooncake.codes import (
     OBJECT_NOT_FOUND,
     REPLICA_NOT_READY,
@@ -49,6 +63,7 @@ _RETRY_MAX_S = 0.2
 #: how long the master probe after a failed RPC may take (a live master answers in ms)
 MASTER_PROBE_S = 1.0
 _RPC_FAULTS = frozenset({RPC_FAIL, RPC_TIMEOUT})
+log = logging.getLogger("mooncake_diffusion.store")
 
 
 def _batches(sizes: Sequence[Sequence[int]], limit: int) -> list[list[int]]:
@@ -78,21 +93,10 @@ class StoreClient:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._mod = import_mooncake("store")
+        self._settings = settings
+        self._segment_bytes = segment_bytes
         probe_master(settings)
-        self._store = self._mod.MooncakeDistributedStore()
-        rc = self._store.setup(
-            settings.local_hostname,
-            "P2PHANDSHAKE",
-            segment_bytes,
-            0,
-            settings.protocol,
-            settings.device,
-            settings.master,
-        )
-        if rc != 0:
-            raise MasterUnavailableError(
-                f"Mooncake Store setup against master {settings.master} failed ({rc})"
-            )
+        self._store = self._connect()
         self.regs = Registrations(self._register, self._unregister)
         self._part_bytes = settings.store_part_bytes
         self._retry_s = settings.store_retry_s
@@ -105,7 +109,103 @@ class StoreClient:
         #: master probes after a failed RPC, and how many found it down (tests, metrics)
         self.master_probes = 0
         self.master_down = 0
+        #: native clients replaced by ``recycle()`` (tests, metrics)
+        self.recycles = 0
+        # the native client in use and the calls running on each one (by generation)
+        self._cv = threading.Condition()
+        self._generation = 0
+        self._users: dict[int, int] = {0: 0}
+        self._retired: dict[int, Any] = {}
+        self._recycling = threading.Lock()
         self._closed = False
+        if segment_bytes == 0 and settings.store_watch_s > 0:
+            segment_watch.watch(self, settings.admin_address, settings.store_watch_s)
+
+    def _connect(self) -> Any:
+        """A native client set up against the master (``MasterUnavailableError`` if not)."""
+        s = self._settings
+        store = self._mod.MooncakeDistributedStore()
+        rc = store.setup(
+            s.local_hostname,
+            "P2PHANDSHAKE",
+            self._segment_bytes,
+            0,
+            s.protocol,
+            s.device,
+            s.master,
+        )
+        if rc != 0:
+            raise MasterUnavailableError(
+                f"Mooncake Store setup against master {s.master} failed ({rc})"
+            )
+        return store
+
+    @contextlib.contextmanager
+    def _use(self) -> Iterator[Any]:
+        """The native client for one call; a recycle closes it only after this returns."""
+        with self._cv:
+            gen, store = self._generation, self._store
+            self._users[gen] += 1
+        try:
+            yield store
+        finally:
+            with self._cv:
+                self._users[gen] -= 1
+                last = gen != self._generation and self._users[gen] == 0
+                retired = self._retired.pop(gen, None) if last else None
+                self._cv.notify_all()
+            if retired is not None:
+                self._close_native(retired)
+
+    def recycle(self, reason: str = "asked") -> bool:
+        """Replace the native client with a fresh one of the same config: the same
+        buffers registered, then swapped in; the old one is closed (its sockets with
+        it) once no call runs on it, here or by the last such call. Thread-safe; a
+        pure client only (a segment owner's pool would die with its client). Returns
+        ``False`` when it could not be done now (closed, or the master does not
+        answer: the old client stays in use)."""
+        if self._segment_bytes:
+            raise ValueError("a store client that owns a segment cannot be recycled")
+        with self._recycling:
+            if self._closed:
+                return False
+            try:
+                probe_master(self._probe_settings)
+                fresh = self._connect()
+            except MasterUnavailableError as e:
+                log.info("store client not recycled yet (%s): %s", reason, e)
+                return False
+            with self.regs.held() as extents:
+                try:
+                    for ptr, nbytes in extents:
+                        check(fresh.register_buffer(ptr, nbytes), "store register_buffer")
+                except Exception:
+                    self._close_native(fresh)
+                    raise
+                with self._cv:
+                    old, gen = self._store, self._generation
+                    self._store = fresh
+                    self._generation += 1
+                    self._users[self._generation] = 0
+                    busy = self._users[gen] > 0
+                    if busy:
+                        self._retired[gen] = (old, extents)
+                    else:
+                        del self._users[gen]
+            self.recycles += 1
+            log.warning("store client recycled: %s", reason)
+            if not busy:
+                self._close_native((old, extents))
+            return True
+
+    @staticmethod
+    def _close_native(retired: tuple[Any, list[tuple[int, int]]]) -> None:
+        store, extents = retired
+        for ptr, _ in extents:
+            with contextlib.suppress(Exception):
+                store.unregister_buffer(ptr)
+        with contextlib.suppress(Exception):
+            store.close()
 
     def _deadline(self, deadline: float | None) -> float:
         return self._clock() + self._retry_s if deadline is None else deadline
@@ -163,10 +263,12 @@ class StoreClient:
             ) from None
 
     def _register(self, ptr: int, nbytes: int, device: str) -> None:
-        check(self._store.register_buffer(ptr, nbytes), "store register_buffer")
+        with self._use() as store:
+            check(store.register_buffer(ptr, nbytes), "store register_buffer")
 
     def _unregister(self, ptr: int) -> None:
-        check(self._store.unregister_buffer(ptr), "store unregister_buffer")
+        with self._use() as store:
+            check(store.unregister_buffer(ptr), "store unregister_buffer")
 
     def _config(self, pin: str) -> object:
         cfg = self._mod.ReplicateConfig()
@@ -201,12 +303,13 @@ class StoreClient:
         cfg = self._config(pin)
 
         def put(idx: list[int]) -> Sequence[int]:
-            return self._store.batch_put_from_multi_buffers(
-                [keys[i] for i in idx],
-                [list(ptrs[i]) for i in idx],
-                [list(sizes[i]) for i in idx],
-                cfg,
-            )
+            with self._use() as store:
+                return store.batch_put_from_multi_buffers(
+                    [keys[i] for i in idx],
+                    [list(ptrs[i]) for i in idx],
+                    [list(sizes[i]) for i in idx],
+                    cfg,
+                )
 
         codes = self._retrying(len(keys), put, deadline)
         failed = [(k, c) for k, c in zip(keys, codes, strict=True) if c < 0]
@@ -236,11 +339,12 @@ class StoreClient:
         for group in _batches(sizes, self._part_bytes):
 
             def get(idx: list[int], group: list[int] = group) -> Sequence[int]:
-                return self._store.batch_get_into_multi_buffers(
-                    [keys[group[i]] for i in idx],
-                    [list(ptrs[group[i]]) for i in idx],
-                    [list(sizes[group[i]]) for i in idx],
-                )
+                with self._use() as store:
+                    return store.batch_get_into_multi_buffers(
+                        [keys[group[i]] for i in idx],
+                        [list(ptrs[group[i]]) for i in idx],
+                        [list(sizes[group[i]]) for i in idx],
+                    )
 
             codes += self._retrying(len(group), get, deadline, split=True)
         found = []
@@ -260,11 +364,12 @@ class StoreClient:
         or still being put. An object larger than ``capacity`` raises ``MooncakeError``;
         any other failure raises as in ``get_many``. One round trip, no size query
         (more only when a transient fault is retried, until ``deadline``)."""
-        (code,) = self._retrying(
-            1,
-            lambda _i: [self._store.get_into(key, ptr, capacity)],
-            deadline,
-        )
+
+        def get(_idx: list[int]) -> Sequence[int]:
+            with self._use() as store:
+                return [store.get_into(key, ptr, capacity)]
+
+        (code,) = self._retrying(1, get, deadline)
         if code in (OBJECT_NOT_FOUND, REPLICA_NOT_READY):
             return None
         return check(code, f"store read of {key!r}")
@@ -274,11 +379,12 @@ class StoreClient:
         faults); any other failure raises."""
         if not keys:
             return []
-        codes = self._retrying(
-            len(keys),
-            lambda idx: self._store.batch_is_exist([keys[i] for i in idx]),
-            None,
-        )
+
+        def exist(idx: list[int]) -> Sequence[int]:
+            with self._use() as store:
+                return store.batch_is_exist([keys[i] for i in idx])
+
+        codes = self._retrying(len(keys), exist, None)
         found = []
         for key, code in zip(keys, codes, strict=True):
             found.append(check(code, f"store existence check of {key!r}") == 1)
@@ -289,11 +395,12 @@ class StoreClient:
         are fine; transient faults are retried."""
         if not keys:
             return
-        codes = self._retrying(
-            len(keys),
-            lambda idx: self._store.batch_remove([keys[i] for i in idx], True),
-            None,
-        )
+
+        def remove(idx: list[int]) -> Sequence[int]:
+            with self._use() as store:
+                return store.batch_remove([keys[i] for i in idx], True)
+
+        codes = self._retrying(len(keys), remove, None)
         for key, code in zip(keys, codes, strict=True):
             if code < 0 and code != OBJECT_NOT_FOUND:
                 raise error_for(code, f"store remove of {key!r}")
@@ -303,7 +410,8 @@ class StoreClient:
         exactly one of any number of callers racing on one key (the master removes an
         object once; the others get OBJECT_NOT_FOUND), ``False`` when it was absent.
         ``also``: keys removed in the same round trip whatever their outcome."""
-        codes = self._store.batch_remove([key, *also], True)
+        with self._use() as store:
+            codes = store.batch_remove([key, *also], True)
         code = codes[0]
         if code == OBJECT_NOT_FOUND:
             return False
@@ -317,12 +425,20 @@ class StoreClient:
     def remove_regex(self, pattern: str) -> int:
         """Remove every key matching the regular expression ``pattern`` (with force;
         one scan of the master's keys); returns how many."""
-        return max(self._store.remove_by_regex(pattern, True), 0)
+        with self._use() as store:
+            return max(store.remove_by_regex(pattern, True), 0)
 
     def close(self) -> None:
         """Unregister buffers and disconnect (about 1 s inside Mooncake). Idempotent."""
         if self._closed:
             return
-        self._closed = True
+        segment_watch.unwatch(self)  # first: a recycle in progress finishes
+        with self._recycling:
+            self._closed = True
         self.regs.close()
+        with self._cv:
+            retired = list(self._retired.values())
+            self._retired.clear()
+        for r in retired:
+            self._close_native(r)
         self._store.close()

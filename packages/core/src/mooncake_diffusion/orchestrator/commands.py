@@ -19,6 +19,8 @@ from typing import Any
 __all__ = ["add_commands"]
 
 TOKEN_ENV = "MCD_ORCHESTRATOR_TOKEN"
+#: ``store_watch_s`` of a stage worker when ``MOONCAKE_DIFFUSION_STORE_WATCH_S`` is unset
+WORKER_STORE_WATCH_S = 1.0
 
 
 def _label(text: str) -> tuple[str, str]:
@@ -88,6 +90,10 @@ def _run_worker(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(message)s")
     fn = _load_fn(args.fn)
+    # a long-lived worker recycles its store clients when a store host goes away
+    # (settings.store_watch_s), unless the environment says otherwise; set in the
+    # environment so that every client of the process (connectors made from_env) does
+    os.environ.setdefault("MOONCAKE_DIFFUSION_STORE_WATCH_S", str(WORKER_STORE_WATCH_S))
     settings = MooncakeSettings.from_env(master=args.master)
     worker = StageWorker(
         args.stage,

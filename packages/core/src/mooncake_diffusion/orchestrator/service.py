@@ -452,9 +452,13 @@ class OrchestratorService:
             log.exception("orchestrator: error while handling %s", fn.__name__)
 
     # ------------------------------------------------------------------ events
-    def _feed(self, event: Event, ident: bytes | None) -> list[Action]:
+    def _feed(
+        self, event: Event, ident: bytes | None, accepted: Callable[[], None] | None = None
+    ) -> list[Action]:
         """Run one event through the core and execute its actions. An API event that
-        is rejected raises ``RequestRejected``; a worker's gets ``Refused``."""
+        is rejected raises ``RequestRejected``; a worker's gets ``Refused``.
+        ``accepted`` runs only if the core took the event, before its actions run (so
+        a client sees a stage done before the dispatch or completion that follows)."""
         assert self._core is not None
         actions = self._core.handle(event)
         name = type(event).__name__
@@ -462,6 +466,8 @@ class OrchestratorService:
         if rejected is None and isinstance(event, Submit):
             self._counters["submitted"] += 1
             self._table_submitted(event)
+        if rejected is None and accepted is not None:
+            accepted()
         for a in actions:
             self._execute(a, ident)
         if rejected is not None and ident is None:
@@ -596,12 +602,14 @@ class OrchestratorService:
             self._feed(Heartbeat(wid, msg.credits), ident)
             self._resend_missing(wid, set(msg.running))
         elif isinstance(msg, Done):
-            r = msg.item
-            out = self._outstanding.get(r)
-            if out is not None and out.worker_id == wid:  # first copy: tell the client
-                self.table.done(r, wid, msg.info)
-                self._observe_done(r.request_id, r.stage, msg.info)
-            acts = self._feed(ItemDone(wid, r.request_id, r.stage, r.attempt, msg.output), ident)
+            r, info = msg.item, msg.info
+
+            def tell() -> None:  # only a result the core took reaches the client
+                self.table.done(r, wid, info)
+                self._observe_done(r.request_id, r.stage, info)
+
+            ev = ItemDone(wid, r.request_id, r.stage, r.attempt, msg.output)
+            acts = self._feed(ev, ident, accepted=tell)
             refused = _rejected_code(acts, "ItemDone")
             if refused in _ORPHANING and msg.output:
                 self._orphaned(r.request_id, wid)

@@ -1,16 +1,23 @@
 """Relay through Mooncake Store: the producer puts, any consumer gets, later.
 
-Each (tensor, chunk) is one object, ``f"{prefix}/{tensor}.{chunk}"``, gathered
-from (and scattered into) the chunk's byte ranges with the multi-buffer batch
-calls, so an inner-dim chunk needs no staging copy. One larger than the
-handle's ``part_bytes`` (the producer's ``settings.store_part_bytes``) is cut
-into parts ``f"{prefix}/{tensor}.{chunk}.{part}"`` of at most that many bytes,
-so no single read can outlive the lease the master grants it (Mooncake -707).
-The prefix is unique per publication (Store's ``put`` never overwrites, so keys are never reused).
+Each (tensor, chunk) is one object, ``f"{prefix}/{tensor}.{chunk}"``: the
+chunk's byte ranges in order (inner-dim chunks: see the scratch buffers below).
+One larger than the handle's ``part_bytes`` (the producer's
+``settings.store_part_bytes``) is cut into parts
+``f"{prefix}/{tensor}.{chunk}.{part}"`` of at most that many bytes, so no single
+read can outlive the lease the master grants it (Mooncake -707). The prefix is
+unique per publication (Store's ``put`` never overwrites, so keys are never reused).
 Delete-on-consume objects are hard-pinned (never evicted before their consumer
 comes) and removed with force right after the read; retained objects are
 hard-pinned too but stay after reads until released; shared objects are
 soft-pinned and stay until discarded.
+
+An object made of several byte ranges in host memory (an inner-dim chunk) of at
+most ``_GATHER_MAX`` bytes is gathered into one registered scratch buffer
+(``gather.ScratchPool``) before its put and scattered from one after its get:
+Mooncake moves every range as a transfer of its own, and one memcpy of the bytes
+costs less than the extra transfers (``docs/performance.md``). The object's bytes
+and key are the same either way, so either end may gather or not.
 
 A chunk is ready when all its objects exist (a put is atomic per object).
 Pipelined relay: the producer serves its commits on the side channel
@@ -34,6 +41,8 @@ the first removes it (the orchestrator gives each payload one consumer).
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import select
 import threading
 import time
 from collections import OrderedDict
@@ -64,6 +73,7 @@ from mooncake_diffusion.sidechannel import SideChannelServer, connect, recv_fram
 from mooncake_diffusion.staging import Stager
 from mooncake_diffusion.tensors import Region
 from mooncake_diffusion.transports.base import Plan, Transport
+from mooncake_diffusion.transports.gather import Scratch, ScratchPool
 
 __all__ = ["KEY_ROOT", "StoreTransport"]
 
@@ -73,6 +83,8 @@ _POLL_MIN_S = 0.0005  # bounded backoff while a chunk is not there yet
 _POLL_MAX_S = 0.02
 _PROGRESS_MAX = 4096  # payloads whose commits this producer still answers for
 _WAKE_S = 0.25  # a waiting notify handler re-checks for close() this often
+#: larger many-range objects move range by range (their ranges are large too)
+_GATHER_MAX = 16 << 20
 
 
 class _Progress:
@@ -120,13 +132,60 @@ def _objects(source: StoreSource, plan: Plan, chunk: int) -> list[tuple[str, lis
     return out
 
 
-def _buffers(
-    objects: list[tuple[str, list[Segment]]], regions: Sequence[Region]
-) -> tuple[list[str], list[list[int]], list[list[int]]]:
-    keys = [k for k, _ in objects]
-    ptrs = [[regions[s.tensor].ptr + s.offset for s in segs] for _, segs in objects]
-    sizes = [[s.length for s in segs] for _, segs in objects]
-    return keys, ptrs, sizes
+class _Moved:
+    """The buffers one put or get of ``objects`` uses: each object's own ranges, or a
+    scratch buffer it is gathered into (``gather()`` before a put) and scattered
+    from (``scatter()`` after a get). ``release()`` gives the scratch back."""
+
+    def __init__(
+        self, pool: ScratchPool, objects: list[tuple[str, list[Segment]]], regions: Sequence[Region]
+    ) -> None:
+        self.keys = [k for k, _ in objects]
+        self.ptrs: list[list[int]] = []
+        self.sizes: list[list[int]] = []
+        self._pool = pool
+        self._regions = regions
+        self._scratch: list[tuple[int, Scratch, list[Segment]]] = []  # (object, buffer, ranges)
+        try:
+            for i, (_, segs) in enumerate(objects):
+                n = sum(s.length for s in segs)
+                if len(segs) > 1 and n <= _GATHER_MAX and _host(segs, regions):
+                    scratch = pool.take(n)
+                    self._scratch.append((i, scratch, segs))
+                    self.ptrs.append([scratch.ptr])
+                    self.sizes.append([n])
+                else:
+                    self.ptrs.append([regions[s.tensor].ptr + s.offset for s in segs])
+                    self.sizes.append([s.length for s in segs])
+        except BaseException:
+            self.release()
+            raise
+
+    def gather(self) -> None:
+        for _, scratch, segs in self._scratch:
+            at = scratch.ptr
+            for s in segs:
+                ctypes.memmove(at, self._regions[s.tensor].ptr + s.offset, s.length)
+                at += s.length
+
+    def scatter(self, found: Sequence[bool]) -> None:
+        """Copy each object read into scratch (``found[i]``) to its ranges."""
+        for i, scratch, segs in self._scratch:
+            if not found[i]:
+                continue
+            at = scratch.ptr
+            for s in segs:
+                ctypes.memmove(self._regions[s.tensor].ptr + s.offset, at, s.length)
+                at += s.length
+
+    def release(self) -> None:
+        scratch, self._scratch = self._scratch, []
+        for _, buf, _ in scratch:
+            self._pool.give(buf)
+
+
+def _host(segs: list[Segment], regions: Sequence[Region]) -> bool:
+    return all(regions[s.tensor].device == "cpu" for s in segs)
 
 
 class StoreTransport(Transport):
@@ -135,6 +194,7 @@ class StoreTransport(Transport):
     def __init__(self, settings: MooncakeSettings) -> None:
         super().__init__(settings)
         self._client = StoreClient(settings)
+        self._scratch = ScratchPool(self._client.regs)
         self._stager = Stager(
             cuda_build, lambda: nic_reaches_gpu(settings.protocol), settings.gpu_path
         )
@@ -194,14 +254,18 @@ class StoreTransport(Transport):
             staged.send(plan[chunk])
             regions = staged.regions
         leases = []
+        moved: _Moved | None = None
         try:
             for t in used:
                 leases.append(self._client.regs.acquire(regions[t]))
+            moved = _Moved(self._scratch, objects, regions)
+            moved.gather()
             self._client.put_many(
-                *_buffers(objects, regions),
-                pin="soft" if lease == "shared" else "hard",
+                moved.keys, moved.ptrs, moved.sizes, pin="soft" if lease == "shared" else "hard"
             )
         finally:
+            if moved is not None:
+                moved.release()
             for lease_id in leases:
                 self._client.regs.release(lease_id)
             if staged is not None:
@@ -245,22 +309,29 @@ class StoreTransport(Transport):
         leases = [self._client.regs.acquire(r) for r in regions if r.nbytes]
         read = 0  # chunks read and reported so far
 
-        def land(chunk: int, wait: bool = True) -> bool:
+        def land(chunk: int, wait: bool = True, stop: int = 0) -> bool:
+            """Read chunks ``chunk`` .. ``stop - 1`` (just ``chunk`` by default) in one
+            batch, then report each in order."""
             nonlocal read
-            if not self._read_chunk(
-                handle, objects, regions, chunk, len(plan), deadline, wait, committed
+            chunks = range(chunk, max(stop, chunk + 1))
+            if not self._read_chunks(
+                handle, objects, regions, chunks, len(plan), deadline, wait, committed
             ):
                 return False
-            if staged is not None:
-                staged.receive(plan[chunk])
-            on_chunk(chunk)
-            read = chunk + 1
+            for c in chunks:
+                if staged is not None:
+                    staged.receive(plan[c])
+                on_chunk(c)
+            read = chunks.stop
             return True
 
-        def told(done: ChunkDone) -> None:
-            if done.index == read:  # the producer tells chunks in order, each once
-                land(done.index)
-                self.told += 1
+        def told(done: list[ChunkDone]) -> None:
+            # The producer tells chunks in order, each once: ``done`` is a run of them,
+            # all told while the previous read ran, so one batched read takes them all.
+            fresh = [d.index for d in done if d.index >= read]
+            if fresh and fresh[0] == read:
+                land(read, stop=fresh[-1] + 1)
+                self.told += len(fresh)
 
         try:
             # What is already there costs one read per chunk and no notifier round trip
@@ -286,25 +357,33 @@ class StoreTransport(Transport):
             return f"store|dst={staged.path}"
         return "store"
 
-    def _read_chunk(
+    def _read_chunks(
         self,
         handle: PayloadHandle,
         objects: list[list[tuple[str, list[Segment]]]],
         regions: Sequence[Region],
-        chunk: int,
+        chunks: range,
         total: int,
         deadline: float,
         wait: bool,
         committed: bool = False,
     ) -> bool:
-        """Read ``chunk``; with ``wait``, poll with bounded backoff until all its objects
-        exist (or raise at the deadline), else report whether one attempt got it all.
-        ``committed``: nothing is still being published, so a missing object is gone and
-        raises :class:`PayloadGoneError` at once, with or without ``wait``."""
-        pending = list(objects[chunk])
+        """Read ``chunks`` (one batch); with ``wait``, poll with bounded backoff until
+        all their objects exist (or raise at the deadline), else report whether one
+        attempt got them all. ``committed``: nothing is still being published, so a
+        missing object is gone and raises :class:`PayloadGoneError` at once, with or
+        without ``wait``."""
+        pending = [o for c in chunks for o in objects[c]]
         delay = _POLL_MIN_S
         while pending:
-            found = self._client.get_many(*_buffers(pending, regions), deadline=deadline)
+            moved = _Moved(self._scratch, pending, regions)
+            try:
+                found = self._client.get_many(
+                    moved.keys, moved.ptrs, moved.sizes, deadline=deadline
+                )
+                moved.scatter(found)
+            finally:
+                moved.release()
             pending = [o for o, ok in zip(pending, found, strict=True) if not ok]
             if not pending:
                 return True
@@ -317,22 +396,22 @@ class StoreTransport(Transport):
             if not wait:
                 return False
             if time.monotonic() + delay > deadline:
-                self._give_up(handle, total - chunk, total)
+                self._give_up(handle, total - chunks.start, total)
             time.sleep(delay)
             delay = min(delay * 2, _POLL_MAX_S)
         return True
 
     @staticmethod
     def _follow(
-        handle: PayloadHandle, deadline: float, on_done: Callable[[ChunkDone], None]
+        handle: PayloadHandle, deadline: float, on_done: Callable[[list[ChunkDone]], None]
     ) -> str:
         """Ask the producer's side channel for ``handle``'s commits and run ``on_done``
-        for each ``ChunkDone`` as it comes (it reads the chunk meanwhile the producer
-        puts the next). Returns the producer's final status: ``ok`` (all told), ``gone``
-        (it withdrew the payload) or, when it cannot help (gone process, payload not
-        followed there, broken connection, deadline), ``failed``: the caller polls
-        for what is left. Errors raised by ``on_done`` propagate; the connection is
-        closed either way."""
+        with the ``ChunkDone``s that came (all that are queued when it is free: it reads
+        those chunks meanwhile the producer puts the next). Returns the producer's final
+        status: ``ok`` (all told), ``gone`` (it withdrew the payload) or, when it
+        cannot help (gone process, payload not followed there, broken connection,
+        deadline), ``failed``: the caller polls for what is left. Errors raised by
+        ``on_done`` propagate; the connection is closed either way."""
         assert isinstance(handle.source, StoreSource)
         try:
             sock = connect(handle.source.notify, deadline)
@@ -345,16 +424,24 @@ class StoreTransport(Transport):
             except OSError:
                 return "failed"
             while True:
+                batch: list[ChunkDone] = []
+                status = None
                 try:  # OSError covers timeouts and resets
-                    sock.settimeout(max(deadline - time.monotonic(), 0.001))
-                    msg = decode_message(recv_frame(sock))
+                    while status is None:
+                        if batch and not select.select([sock], [], [], 0)[0]:
+                            break  # nothing more told yet: read what was
+                        sock.settimeout(max(deadline - time.monotonic(), 0.001))
+                        msg = decode_message(recv_frame(sock))
+                        if isinstance(msg, ChunkDone):
+                            batch.append(msg)
+                        else:
+                            status = msg.status if isinstance(msg, FetchReply) else "failed"
                 except (OSError, HandleError):
-                    return "failed"
-                if isinstance(msg, FetchReply):
-                    return msg.status
-                if not isinstance(msg, ChunkDone):
-                    return "failed"
-                on_done(msg)  # its errors are the fetch's
+                    status = "failed"
+                if batch:
+                    on_done(batch)  # its errors are the fetch's
+                if status is not None:
+                    return status
 
     @staticmethod
     def _give_up(handle: PayloadHandle, missing: int, total: int) -> None:
@@ -389,4 +476,5 @@ class StoreTransport(Transport):
             self._cv.notify_all()
         if server is not None:
             server.close()
+        self._scratch.close()
         self._client.close()

@@ -1,0 +1,113 @@
+"""Store clients are recycled after their store host dies: the Transfer Engine
+sockets to the dead host (which Mooncake leaves in CLOSE-WAIT) close, the same
+registered buffers keep working on the fresh client, and calls running during a
+recycle never fail because of it. A private cluster (its store host is killed)."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+
+import pytest
+import torch
+
+from mooncake_diffusion._mooncake.cluster import LocalCluster
+from mooncake_diffusion._mooncake.store import StoreClient
+from mooncake_diffusion.tensors import Region
+from mooncake_diffusion.testing import assert_no_leaks, close_wait_sockets, thread_names
+
+pytestmark = pytest.mark.integration
+
+#: a hang guard only (the watch lists segments every 0.2 s here)
+HANG_S = 120.0
+
+
+def _roundtrip(client: StoreClient, buf: torch.Tensor, key: str, fill: int) -> None:
+    """Put ``buf`` filled with ``fill`` under ``key``, read it back over zeros, remove."""
+    lease = client.regs.acquire(Region(buf.data_ptr(), buf.numel(), buf))
+    try:
+        buf.fill_(fill)
+        client.put_many([key], [[buf.data_ptr()]], [[buf.numel()]], pin="none")
+        buf.zero_()
+        assert client.get_many([key], [[buf.data_ptr()]], [[buf.numel()]]) == [True]
+        assert int(buf.min()) == int(buf.max()) == fill
+        client.remove_many([key])
+    finally:
+        client.regs.release(lease)
+
+
+def _wait(cond, what: str) -> None:
+    deadline = time.monotonic() + HANG_S
+    while not cond():
+        assert time.monotonic() < deadline, f"hang guard: {what}"
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def cluster():
+    with LocalCluster(pool_bytes=64 << 20) as c:
+        yield c
+
+
+def test_dead_store_host_sockets_close_after_recycle(cluster):
+    threads = thread_names()
+    buf = torch.zeros(1 << 20, dtype=torch.uint8)
+    pinned = Region(buf.data_ptr(), buf.numel(), buf)
+    # the control never recycles: it shows the fault leaves CLOSE-WAIT sockets behind
+    control = StoreClient(cluster.settings)
+    watched = StoreClient(dataclasses.replace(cluster.settings, store_watch_s=0.2))
+    try:
+        watched.regs.pin(pinned)  # registered across the recycle
+        for c in (control, watched):
+            _roundtrip(c, buf, "recycle/a", 1)
+        assert close_wait_sockets() == []
+        cluster.restart_store_host()  # SIGKILL: the pool's bytes and sockets die with it
+        _wait(lambda: watched.recycles >= 1, "the watched client is recycled")
+        _wait(lambda: len(close_wait_sockets()) >= 1, "the control's sockets to the dead host")
+        _roundtrip(watched, buf, "recycle/b", 2)  # the pinned buffer works on the fresh one
+        _roundtrip(control, buf, "recycle/c", 3)
+        control.close()
+        # Mooncake's teardown may finish closing sockets just after close() returns;
+        # one held by the recycled client would never close (the hang guard fails)
+        _wait(lambda: close_wait_sockets() == [], "the recycled client holds no dead socket")
+        assert watched.regs.count == 1
+    finally:
+        control.close()
+        watched.close()
+    assert_no_leaks(cluster, threads)
+
+
+def test_calls_running_across_recycles_do_not_fail(cluster):
+    threads = thread_names()
+    client = StoreClient(cluster.settings)  # no watch: recycled by hand below
+    buf = torch.zeros(1 << 16, dtype=torch.uint8)
+    done = [0]
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def loop() -> None:
+        try:
+            while not stop.is_set():
+                _roundtrip(client, buf, "recycle/loop", done[0] % 200 + 1)
+                done[0] += 1
+        except BaseException as e:  # reported by the main thread
+            errors.append(e)
+
+    t = threading.Thread(target=loop, name="recycle-loop")
+    t.start()
+    try:
+        for i in range(3):
+            before = done[0]
+            _wait(lambda b=before: done[0] > b or errors, "a call on this generation")
+            assert client.recycle(f"test {i}") is True
+        before = done[0]
+        _wait(lambda: done[0] > before or errors, "a call on the last generation")
+    finally:
+        stop.set()
+        t.join()
+        client.close()
+    assert not errors, errors
+    assert client.recycles == 3
+    assert client.recycle("after close") is False
+    assert_no_leaks(cluster, threads)
