@@ -87,6 +87,10 @@ class ConnectorStats:
     #: receive memory held back after a p2p fetch was abandoned mid-transfer
     pool_bytes_quarantined: int
     transports: tuple[str, ...]
+    #: of ``registered_regions`` / ``registered_bytes``: idle buffers a transport keeps
+    #: registered for reuse (the store transport's gather scratch, bounded by its pool)
+    cached_regions: int = 0
+    cached_bytes: int = 0
 
 
 class _Transports:
@@ -676,6 +680,9 @@ class DiffusionConnector:
 
     def stats(self) -> ConnectorStats:
         regs = [t.registered() for t in self._transports.existing()]
+        cached = [
+            cache() for t in self._transports.existing() if (cache := getattr(t, "cached", None))
+        ]
         return ConnectorStats(
             live_publications=self._publisher.live_count(),
             registered_regions=sum(r[0] for r in regs),
@@ -684,6 +691,8 @@ class DiffusionConnector:
             pool_bytes_in_use=self._receiver.pool_in_use,
             pool_bytes_quarantined=self._receiver.quarantined,
             transports=tuple(t.name for t in self._transports.existing()),
+            cached_regions=sum(c[0] for c in cached),
+            cached_bytes=sum(c[1] for c in cached),
         )
 
     @property

@@ -83,6 +83,11 @@ class ScratchPool:
                 return
         self._regs.unpin(scratch.region)
 
+    def idle(self) -> tuple[int, int]:
+        """How many buffers are kept for reuse, and their bytes (a consistent snapshot)."""
+        with self._lock:
+            return sum(len(free) for free in self._idle.values()), self.idle_nbytes
+
     @property
     def idle_nbytes(self) -> int:
         return sum(s.nbytes for free in self._idle.values() for s in free)

@@ -465,6 +465,10 @@ class StoreTransport(Transport):
         regs = self._client.regs
         return regs.count, regs.nbytes, regs.temporary
 
+    def cached(self) -> tuple[int, int]:
+        """Idle scratch buffers kept registered for reuse: (count, bytes)."""
+        return self._scratch.idle()
+
     def remove_request(self, request_id: str) -> int:
         """Remove every object of ``request_id`` in the store, whoever published it."""
         return self._client.remove_prefix(f"{KEY_ROOT}{request_id}/")
