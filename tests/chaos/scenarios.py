@@ -208,7 +208,8 @@ def leftovers(
         print(f"chaos: store keys left over: {keys[:5]}", file=sys.stderr)
     o.leaked_keys, o.leaked_fds, o.leaked_threads = len(keys), ours, thr
     o.pool_connections = sum(p for h, (_, _, p) in extra.items() if h not in NOT_OURS)
-    o.leaked_fds_mooncake_master = sum(sum(extra[h][::2]) for h in NOT_OURS if h in extra)
+    # every extra fd of a process not ours, pool connections included
+    o.leaked_fds_mooncake_master = sum(extra[h][0] + extra[h][2] for h in NOT_OURS if h in extra)
     o.left_by_host = {
         h: [f, t, p, len(close_wait_sockets(d.procs[h].pid))]
         for h, (f, t, p) in extra.items()

@@ -94,3 +94,34 @@ def test_arrays_held_at_close_stay_valid_and_are_never_reused():
     del a
     gc.collect()
     assert bufs.idle == 0
+
+
+def test_concurrent_takers_never_share_a_buffer():
+    """The store transport's gather scratch takes from one pool on many threads."""
+    import threading
+
+    rec, bufs = make()
+    seen: list[int] = []
+    lock = threading.Lock()
+    errors: list[str] = []
+
+    def work():
+        for _ in range(50):
+            a = bufs.take(4096)
+            with lock:
+                if a.ctypes.data in seen:
+                    errors.append(f"{a.ctypes.data:#x} handed out twice")
+                seen.append(a.ctypes.data)
+            with lock:
+                seen.remove(a.ctypes.data)
+            del a  # back to the pool
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert 1 <= bufs.idle_count <= 4 and bufs.busy == 0  # at most one per thread
+    bufs.close()
+    assert rec.live == {} and all(not t.is_alive() for t in threads)

@@ -127,6 +127,12 @@ class RecycledBuffers:
             return sum(b.capacity for b in self._idle)
 
     @property
+    def idle_count(self) -> int:
+        """Idle (reusable) buffers."""
+        with self._lock:
+            return len(self._idle)
+
+    @property
     def busy(self) -> int:
         """Buffers handed out whose arrays are still alive."""
         with self._lock:

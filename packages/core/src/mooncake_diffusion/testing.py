@@ -35,8 +35,6 @@ from mooncake_diffusion.connector import DiffusionConnector
 
 __all__ = ["assert_no_leaks", "close_wait_sockets", "tcp_states", "thread_names"]
 
-_CLOSE_WAIT = "08"  # the TCP state's number in /proc/net/tcp
-
 
 def _tcp_sockets(pid: int | str) -> list[tuple[str, str]]:
     """(state, ``local->remote``) of each TCP socket process ``pid`` holds, read in its
@@ -81,7 +79,7 @@ _TCP_STATES = {
 def close_wait_sockets(pid: int | str = "self") -> list[str]:
     """TCP sockets process ``pid`` holds in CLOSE-WAIT (the peer closed, it did not),
     as ``local->remote``. A process gone: ``[]``."""
-    return [addr for state, addr in _tcp_sockets(pid) if state == _CLOSE_WAIT]
+    return [addr for state, addr in _tcp_sockets(pid) if _TCP_STATES.get(state) == "CLOSE_WAIT"]
 
 
 def tcp_states(pid: int | str = "self") -> dict[str, int]:

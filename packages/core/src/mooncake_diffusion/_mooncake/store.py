@@ -157,6 +157,12 @@ class StoreClient:
             if retired is not None:
                 self._close_native(retired)
 
+    def _call(self, method: str, *args: Any) -> Any:
+        """The native client's ``method`` called with ``args`` (on the client in use:
+        see ``_use``)."""
+        with self._use() as store:
+            return getattr(store, method)(*args)
+
     def recycle(self, reason: str = "asked") -> bool:
         """Replace the native client with a fresh one of the same config: the same
         buffers registered, then swapped in; the old one is closed (its sockets with
@@ -232,14 +238,13 @@ class StoreClient:
         todo = list(range(n))
         delay = _RETRY_MIN_S
         probed = False
-        first = True
+        calls = [todo]  # the first try as one batch; with ``split``, retries one by one
         while True:
-            calls = [[i] for i in todo] if split and not first else [todo]
-            first = False
             for idx in calls:
                 for i, code in zip(idx, call(idx), strict=True):
                     final[i] = code
             todo = [i for i in todo if final[i] in TRANSIENT]
+            calls = [[i] for i in todo] if split else [todo]
             if not todo or self._clock() + delay > end:
                 return final
             if not probed and any(final[i] in _RPC_FAULTS for i in todo):
@@ -263,12 +268,10 @@ class StoreClient:
             ) from None
 
     def _register(self, ptr: int, nbytes: int, device: str) -> None:
-        with self._use() as store:
-            check(store.register_buffer(ptr, nbytes), "store register_buffer")
+        check(self._call("register_buffer", ptr, nbytes), "store register_buffer")
 
     def _unregister(self, ptr: int) -> None:
-        with self._use() as store:
-            check(store.unregister_buffer(ptr), "store unregister_buffer")
+        check(self._call("unregister_buffer", ptr), "store unregister_buffer")
 
     def _config(self, pin: str) -> object:
         cfg = self._mod.ReplicateConfig()
@@ -303,13 +306,13 @@ class StoreClient:
         cfg = self._config(pin)
 
         def put(idx: list[int]) -> Sequence[int]:
-            with self._use() as store:
-                return store.batch_put_from_multi_buffers(
-                    [keys[i] for i in idx],
-                    [list(ptrs[i]) for i in idx],
-                    [list(sizes[i]) for i in idx],
-                    cfg,
-                )
+            return self._call(
+                "batch_put_from_multi_buffers",
+                [keys[i] for i in idx],
+                [list(ptrs[i]) for i in idx],
+                [list(sizes[i]) for i in idx],
+                cfg,
+            )
 
         codes = self._retrying(len(keys), put, deadline)
         failed = [(k, c) for k, c in zip(keys, codes, strict=True) if c < 0]
@@ -339,12 +342,12 @@ class StoreClient:
         for group in _batches(sizes, self._part_bytes):
 
             def get(idx: list[int], group: list[int] = group) -> Sequence[int]:
-                with self._use() as store:
-                    return store.batch_get_into_multi_buffers(
-                        [keys[group[i]] for i in idx],
-                        [list(ptrs[group[i]]) for i in idx],
-                        [list(sizes[group[i]]) for i in idx],
-                    )
+                return self._call(
+                    "batch_get_into_multi_buffers",
+                    [keys[group[i]] for i in idx],
+                    [list(ptrs[group[i]]) for i in idx],
+                    [list(sizes[group[i]]) for i in idx],
+                )
 
             codes += self._retrying(len(group), get, deadline, split=True)
         found = []
@@ -364,12 +367,9 @@ class StoreClient:
         or still being put. An object larger than ``capacity`` raises ``MooncakeError``;
         any other failure raises as in ``get_many``. One round trip, no size query
         (more only when a transient fault is retried, until ``deadline``)."""
-
-        def get(_idx: list[int]) -> Sequence[int]:
-            with self._use() as store:
-                return [store.get_into(key, ptr, capacity)]
-
-        (code,) = self._retrying(1, get, deadline)
+        (code,) = self._retrying(
+            1, lambda _i: [self._call("get_into", key, ptr, capacity)], deadline
+        )
         if code in (OBJECT_NOT_FOUND, REPLICA_NOT_READY):
             return None
         return check(code, f"store read of {key!r}")
@@ -379,12 +379,9 @@ class StoreClient:
         faults); any other failure raises."""
         if not keys:
             return []
-
-        def exist(idx: list[int]) -> Sequence[int]:
-            with self._use() as store:
-                return store.batch_is_exist([keys[i] for i in idx])
-
-        codes = self._retrying(len(keys), exist, None)
+        codes = self._retrying(
+            len(keys), lambda idx: self._call("batch_is_exist", [keys[i] for i in idx]), None
+        )
         found = []
         for key, code in zip(keys, codes, strict=True):
             found.append(check(code, f"store existence check of {key!r}") == 1)
@@ -395,12 +392,9 @@ class StoreClient:
         are fine; transient faults are retried."""
         if not keys:
             return
-
-        def remove(idx: list[int]) -> Sequence[int]:
-            with self._use() as store:
-                return store.batch_remove([keys[i] for i in idx], True)
-
-        codes = self._retrying(len(keys), remove, None)
+        codes = self._retrying(
+            len(keys), lambda idx: self._call("batch_remove", [keys[i] for i in idx], True), None
+        )
         for key, code in zip(keys, codes, strict=True):
             if code < 0 and code != OBJECT_NOT_FOUND:
                 raise error_for(code, f"store remove of {key!r}")
@@ -410,8 +404,7 @@ class StoreClient:
         exactly one of any number of callers racing on one key (the master removes an
         object once; the others get OBJECT_NOT_FOUND), ``False`` when it was absent.
         ``also``: keys removed in the same round trip whatever their outcome."""
-        with self._use() as store:
-            codes = store.batch_remove([key, *also], True)
+        codes = self._call("batch_remove", [key, *also], True)
         code = codes[0]
         if code == OBJECT_NOT_FOUND:
             return False
@@ -425,8 +418,7 @@ class StoreClient:
     def remove_regex(self, pattern: str) -> int:
         """Remove every key matching the regular expression ``pattern`` (with force;
         one scan of the master's keys); returns how many."""
-        with self._use() as store:
-            return max(store.remove_by_regex(pattern, True), 0)
+        return max(self._call("remove_by_regex", pattern, True), 0)
 
     def close(self) -> None:
         """Unregister buffers and disconnect (about 1 s inside Mooncake). Idempotent."""

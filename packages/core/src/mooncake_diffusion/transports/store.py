@@ -14,7 +14,8 @@ soft-pinned and stay until discarded.
 
 An object made of several byte ranges in host memory (an inner-dim chunk) of at
 most ``_GATHER_MAX`` bytes is gathered into one registered scratch buffer
-(``gather.ScratchPool``) before its put and scattered from one after its get:
+(``recycle.RecycledBuffers``, at most ``_SCRATCH_IDLE`` kept idle) before its put
+and scattered from one after its get:
 Mooncake moves every range as a transfer of its own, and one memcpy of the bytes
 costs less than the extra transfers (``docs/performance.md``). The object's bytes
 and key are the same either way, so either end may gather or not.
@@ -48,6 +49,8 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
+import numpy as np
+
 from mooncake_diffusion._mooncake.store import StoreClient
 from mooncake_diffusion.chunks import Segment, plan_for
 from mooncake_diffusion.deployment import cuda_build
@@ -58,6 +61,7 @@ from mooncake_diffusion.errors import (
     MooncakeDiffusionError,
     PayloadGoneError,
 )
+from mooncake_diffusion.recycle import RecycledBuffers
 from mooncake_diffusion.schema import (
     ChunkDone,
     FetchReply,
@@ -71,9 +75,8 @@ from mooncake_diffusion.schema import (
 from mooncake_diffusion.settings import MooncakeSettings
 from mooncake_diffusion.sidechannel import SideChannelServer, connect, recv_frame, send_frame
 from mooncake_diffusion.staging import Stager
-from mooncake_diffusion.tensors import Region
+from mooncake_diffusion.tensors import Region, describe
 from mooncake_diffusion.transports.base import Plan, Transport
-from mooncake_diffusion.transports.gather import Scratch, ScratchPool
 
 __all__ = ["KEY_ROOT", "StoreTransport"]
 
@@ -85,6 +88,8 @@ _PROGRESS_MAX = 4096  # payloads whose commits this producer still answers for
 _WAKE_S = 0.25  # a waiting notify handler re-checks for close() this often
 #: larger many-range objects move range by range (their ranges are large too)
 _GATHER_MAX = 16 << 20
+#: idle gather scratch kept registered for reuse (per store client)
+_SCRATCH_IDLE = 64 << 20
 
 
 class _Progress:
@@ -138,21 +143,24 @@ class _Moved:
     from (``scatter()`` after a get). ``release()`` gives the scratch back."""
 
     def __init__(
-        self, pool: ScratchPool, objects: list[tuple[str, list[Segment]]], regions: Sequence[Region]
+        self,
+        pool: RecycledBuffers,
+        objects: list[tuple[str, list[Segment]]],
+        regions: Sequence[Region],
     ) -> None:
         self.keys = [k for k, _ in objects]
         self.ptrs: list[list[int]] = []
         self.sizes: list[list[int]] = []
-        self._pool = pool
         self._regions = regions
-        self._scratch: list[tuple[int, Scratch, list[Segment]]] = []  # (object, buffer, ranges)
+        # (object, scratch array, ranges); a scratch buffer is reused once its array goes
+        self._scratch: list[tuple[int, np.ndarray, list[Segment]]] = []
         try:
             for i, (_, segs) in enumerate(objects):
                 n = sum(s.length for s in segs)
                 if len(segs) > 1 and n <= _GATHER_MAX and _host(segs, regions):
                     scratch = pool.take(n)
                     self._scratch.append((i, scratch, segs))
-                    self.ptrs.append([scratch.ptr])
+                    self.ptrs.append([scratch.ctypes.data])
                     self.sizes.append([n])
                 else:
                     self.ptrs.append([regions[s.tensor].ptr + s.offset for s in segs])
@@ -162,26 +170,27 @@ class _Moved:
             raise
 
     def gather(self) -> None:
-        for _, scratch, segs in self._scratch:
-            at = scratch.ptr
-            for s in segs:
-                ctypes.memmove(at, self._regions[s.tensor].ptr + s.offset, s.length)
-                at += s.length
+        self._copy(None)
 
     def scatter(self, found: Sequence[bool]) -> None:
         """Copy each object read into scratch (``found[i]``) to its ranges."""
+        self._copy(found)
+
+    def _copy(self, found: Sequence[bool] | None) -> None:
+        """Ranges into scratch (``found`` None: a gather), or scratch into the ranges
+        of the objects found (a scatter)."""
         for i, scratch, segs in self._scratch:
-            if not found[i]:
+            if found is not None and not found[i]:
                 continue
-            at = scratch.ptr
+            at = scratch.ctypes.data
             for s in segs:
-                ctypes.memmove(self._regions[s.tensor].ptr + s.offset, at, s.length)
+                mine = self._regions[s.tensor].ptr + s.offset
+                src, dst = (mine, at) if found is None else (at, mine)
+                ctypes.memmove(dst, src, s.length)
                 at += s.length
 
     def release(self) -> None:
-        scratch, self._scratch = self._scratch, []
-        for _, buf, _ in scratch:
-            self._pool.give(buf)
+        self._scratch = []  # the last references: each buffer goes back to the pool
 
 
 def _host(segs: list[Segment], regions: Sequence[Region]) -> bool:
@@ -194,7 +203,12 @@ class StoreTransport(Transport):
     def __init__(self, settings: MooncakeSettings) -> None:
         super().__init__(settings)
         self._client = StoreClient(settings)
-        self._scratch = ScratchPool(self._client.regs)
+        regs = self._client.regs
+        self._scratch = RecycledBuffers(
+            lambda a: regs.pin(describe("scratch", a)[1]),
+            lambda a: regs.unpin(describe("scratch", a)[1]),
+            idle_bytes=_SCRATCH_IDLE,
+        )
         self._stager = Stager(
             cuda_build, lambda: nic_reaches_gpu(settings.protocol), settings.gpu_path
         )
@@ -467,7 +481,7 @@ class StoreTransport(Transport):
 
     def cached(self) -> tuple[int, int]:
         """Idle scratch buffers kept registered for reuse: (count, bytes)."""
-        return self._scratch.idle()
+        return self._scratch.idle_count, self._scratch.idle
 
     def remove_request(self, request_id: str) -> int:
         """Remove every object of ``request_id`` in the store, whoever published it."""
