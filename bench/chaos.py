@@ -18,8 +18,9 @@ each checked), which keeps 21,000 cases to a minute or so. Without root (``ip ne
 are reported as not run, with the reason; the rest still runs.
 Summary: scenarios, lost_requests, duplicate_completions, leaked_keys, leaked_fds
 (our processes: workers, orchestrator, store host; extra ESTABLISHED connections to
-live peers are pool members, counted in pool_connections), leaked_fds_mooncake_master
-(the master binary's, reported apart: docs/chaos.md), leaked_threads, fuzz_cases,
+live peers are pool members, counted in pool_connections), leaked_threads (ours),
+leaked_fds_mooncake_master and leaked_threads_mooncake_master (the master binary's,
+reported apart: docs/chaos.md), fuzz_cases,
 fuzz_crashes, max_detect_s (<= 2x heartbeat_timeout_s), mailbox_double_takes, soak_*.
 """
 
@@ -176,6 +177,9 @@ def main(argv: list[str] | None = None) -> int:
         "leaked_fds_mooncake_master": sum(r.get("leaked_fds_mooncake_master", 0) for r in ok),
         "pool_connections": sum(r.get("pool_connections", 0) for r in ok),
         "leaked_threads": sum(r["leaked_threads"] for r in ok) + sk.get("leaked_threads", 0),
+        "leaked_threads_mooncake_master": sum(
+            r.get("leaked_threads_mooncake_master", 0) for r in ok
+        ),
         "heartbeat_timeout_s": HEARTBEAT_S,
         "max_detect_s": round(max(detect), 3) if detect else None,
         "fuzz_cases": sum(r["cases"] for r in fz),

@@ -42,7 +42,8 @@ class Proc:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            env={**os.environ, **(env or {})},
+            # a child that will not exit is sent SIGABRT: this prints every thread's stack
+            env={**os.environ, "PYTHONFAULTHANDLER": "1", **(env or {})},
         )
         self.lines: list[str] = []
         self._cv = threading.Condition()
@@ -95,13 +96,25 @@ class Proc:
             raise
 
     def terminate(self, timeout: float = EXIT_TIMEOUT_S) -> int:
+        """SIGTERM, then wait up to ``timeout`` for the exit code. A child still there
+        is sent SIGABRT (its Python stacks, by faulthandler, go to its output, which is
+        printed to stderr for the test report) and then SIGKILL; returns its code."""
         if self.popen.poll() is None:
             self.popen.send_signal(signal.SIGTERM)
         try:
             rc = self.popen.wait(timeout)
         except subprocess.TimeoutExpired:
-            self.popen.kill()
-            rc = self.popen.wait(10)
+            self.popen.send_signal(signal.SIGABRT)
+            try:
+                rc = self.popen.wait(10)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                rc = self.popen.wait(10)
+            self._reader.join(5)
+            tail = "\n".join(self.lines[-200:])
+            print(
+                f"{self.argv[3:5]} did not exit {timeout} s after SIGTERM:\n{tail}", file=sys.stderr
+            )
         self._reader.join(5)
         return rc
 

@@ -54,6 +54,8 @@ class Outcome:
     pool_connections: int = 0
     #: extra fds of ``mooncake_master`` (Mooncake's binary, not counted in ``leaked_fds``)
     leaked_fds_mooncake_master: int = 0
+    #: extra threads of ``mooncake_master`` (not counted in ``leaked_threads``)
+    leaked_threads_mooncake_master: int = 0
     #: left over, by host: [fds (not pool), threads, pool connections, sockets in CLOSE-WAIT]
     left_by_host: dict[str, list[int]] = field(default_factory=dict)
     #: TCP sockets by state of those hosts, before the scenario and after it
@@ -184,8 +186,10 @@ def leftovers(
     ``sockets``) are Transfer Engine pool members to live peers, whose number varies
     with how transfers overlapped: they are counted in ``pool_connections``, not in
     ``leaked_fds``. Every other extra fd (a CLOSE-WAIT socket, a pipe, an epoll...)
-    of our processes is in ``leaked_fds``; the master's extra fds go to
-    ``leaked_fds_mooncake_master``; threads are all counted."""
+    of our processes is in ``leaked_fds``, every extra thread in ``leaked_threads``;
+    the master's go to ``leaked_fds_mooncake_master`` and
+    ``leaked_threads_mooncake_master`` (after master_kill the master is a new process
+    compared with its predecessor's baseline)."""
     deadline = time.monotonic() + SETTLE_S
     while True:
         keys = [k for k in d.store_keys() if not k.startswith("mcd-cache/emb/")]
@@ -200,7 +204,7 @@ def leftovers(
             pool = min(fds, max(0, est))
             extra[h] = [fds - pool, max(0, now[h][1] - base[h][1]), pool]
         ours = sum(f for h, (f, _, _) in extra.items() if h not in NOT_OURS)
-        thr = sum(t for _, t, _ in extra.values())
+        thr = sum(t for h, (_, t, _) in extra.items() if h not in NOT_OURS)
         if (not keys and not ours and not thr) or time.monotonic() > deadline:
             break
         time.sleep(0.25)
@@ -210,6 +214,7 @@ def leftovers(
     o.pool_connections = sum(p for h, (_, _, p) in extra.items() if h not in NOT_OURS)
     # every extra fd of a process not ours, pool connections included
     o.leaked_fds_mooncake_master = sum(extra[h][0] + extra[h][2] for h in NOT_OURS if h in extra)
+    o.leaked_threads_mooncake_master = sum(extra[h][1] for h in NOT_OURS if h in extra)
     o.left_by_host = {
         h: [f, t, p, len(close_wait_sockets(d.procs[h].pid))]
         for h, (f, t, p) in extra.items()

@@ -2,6 +2,7 @@
 nothing left registered after close. Registration is a recording fake (pure logic)."""
 
 import gc
+import threading
 
 import numpy as np
 import pytest
@@ -42,6 +43,29 @@ def test_a_dropped_buffer_is_reused_without_registering_again():
     b = bufs.take(3 * MIB)
     assert b.ctypes.data == ptr and bufs.allocations == 1 and rec.calls == 1
     del b
+    bufs.close()
+    assert rec.live == {}
+
+
+def test_a_buffer_freed_on_a_thread_inside_the_pool_lock_does_not_deadlock():
+    """The cyclic collector runs a finaliser on whichever thread allocates, which can
+    be one holding the pool's lock (inside ``take``). Here the last reference dies
+    while the lock is held; a finaliser that took the lock would hang this thread."""
+    rec, bufs = make()
+    box = [bufs.take(MIB)]
+    done = threading.Event()
+
+    def drop():
+        with bufs._lock:  # what a collection inside take()'s locked section does
+            box.clear()  # the array dies here: its finaliser runs now, on this thread
+        done.set()
+
+    threading.Thread(target=drop, daemon=True).start()
+    assert done.wait(30), "the finaliser blocked on the pool's own lock"
+    assert bufs.busy == 0 and bufs.idle_count == 1  # it came back, and is reused
+    again = bufs.take(MIB)
+    assert bufs.allocations == 1
+    del again
     bufs.close()
     assert rec.live == {}
 

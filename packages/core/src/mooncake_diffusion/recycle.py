@@ -18,11 +18,15 @@ its data change.
 
 Idle buffers beyond ``idle_bytes`` are unregistered and freed on the next
 ``take`` (never in the finaliser, which runs wherever the last reference died).
-Thread-safe.
+Thread-safe. The finaliser takes no lock: it can run inside any allocation,
+including one this pool makes while holding its own lock (the cyclic garbage
+collector runs finalisers of whatever it frees, on the thread that allocated),
+so it only appends the buffer to a queue that every other call empties first.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import mmap
 import threading
@@ -64,6 +68,7 @@ class RecycledBuffers:
         self._lock = threading.Lock()
         self._idle: list[_Buffer] = []  # free, registered, faulted in
         self._busy: set[_Buffer] = set()  # handed out, a finaliser pending
+        self._returns: collections.deque[_Buffer] = collections.deque()  # finalised, not yet idle
         self._closed = False
         self.allocations = 0  # buffers ever made (a test sees reuse through it)
 
@@ -74,6 +79,7 @@ class RecycledBuffers:
         with self._lock:
             if self._closed:
                 raise RuntimeError("recycled buffers are closed")
+            self._collect()
             fits = [b for b in self._idle if b.capacity >= nbytes]
             buf = min(fits, key=lambda b: b.capacity) if fits else None
             if buf is not None:
@@ -111,7 +117,13 @@ class RecycledBuffers:
         return _Buffer(mem, base, capacity)
 
     def _returned(self, buf: _Buffer) -> None:
-        with self._lock:
+        """The finaliser: lock-free (see the module docstring); deque appends are atomic."""
+        self._returns.append(buf)
+
+    def _collect(self) -> None:
+        """Buffers whose arrays are gone become idle (lock held)."""
+        while self._returns:
+            buf = self._returns.popleft()
             self._busy.discard(buf)
             if not self._closed:
                 self._idle.append(buf)
@@ -124,18 +136,21 @@ class RecycledBuffers:
     def idle(self) -> int:
         """Bytes of idle (reusable) buffers."""
         with self._lock:
+            self._collect()
             return sum(b.capacity for b in self._idle)
 
     @property
     def idle_count(self) -> int:
         """Idle (reusable) buffers."""
         with self._lock:
+            self._collect()
             return len(self._idle)
 
     @property
     def busy(self) -> int:
         """Buffers handed out whose arrays are still alive."""
         with self._lock:
+            self._collect()
             return len(self._busy)
 
     def close(self) -> None:
@@ -144,6 +159,7 @@ class RecycledBuffers:
         with self._lock:
             if self._closed:
                 return
+            self._collect()
             self._closed = True
             bufs, self._idle = self._idle + list(self._busy), []
             self._busy = set()
