@@ -43,7 +43,8 @@ FDS_REPORTED_ONLY = {"p2p_partition"}
 #: against it). The
 #: mooncake_master binary's fds and threads are reported (``leaked_*_mooncake_master``),
 #: not asserted: it is not ours, and after master_kill it is a new process compared
-#: with its predecessor (docs/chaos.md).
+#: with its predecessor (docs/chaos.md). So are the threads of any of our processes
+#: the fault replaced (``replaced_threads``); their fds are asserted.
 def _check(o: Outcome, name: str) -> None:
     assert o.lost == 0, o
     assert o.duplicates == 0, o
