@@ -1,11 +1,15 @@
 """Store clients are recycled after their store host dies: the Transfer Engine
 sockets to the dead host (which Mooncake leaves in CLOSE-WAIT) close, the same
 registered buffers keep working on the fresh client, and calls running during a
-recycle never fail because of it. A private cluster (its store host is killed)."""
+recycle never fail because of it. Also when the new store host comes back under the
+dead one's segment name (its port pinned; a random port drawn again did this in a
+chaos run). A private cluster (its store host is killed)."""
 
 from __future__ import annotations
 
 import dataclasses
+import random
+import socket
 import threading
 import time
 
@@ -13,6 +17,7 @@ import pytest
 import torch
 
 from mooncake_diffusion._mooncake.cluster import LocalCluster
+from mooncake_diffusion._mooncake.master import admin_get
 from mooncake_diffusion._mooncake.store import StoreClient
 from mooncake_diffusion.tensors import Region
 from mooncake_diffusion.testing import assert_no_leaks, close_wait_sockets, thread_names
@@ -50,7 +55,34 @@ def cluster():
         yield c
 
 
-def test_dead_store_host_sockets_close_after_recycle(cluster):
+def _pinnable_port() -> int:
+    """A free port below the ephemeral range: Mooncake ignores a pin at 49157, say
+    (it drew a random port instead), and honours one at 15777 or 30777."""
+    start = random.randrange(20000, 30000)
+    for port in range(start, start + 500):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise AssertionError("no free port in 20000-30500")
+
+
+@pytest.fixture(params=["new address", "same address"])
+def restarted(request):
+    """A cluster whose store host restarts under a new segment name, or its own."""
+    port = _pinnable_port() if request.param == "same address" else None
+    with LocalCluster(pool_bytes=64 << 20, store_port=port) as c:
+        yield c
+
+
+def _segments(cluster: LocalCluster) -> list[str]:
+    return sorted(set(admin_get(cluster.settings.admin_address, "/get_all_segments").split()))
+
+
+def test_dead_store_host_sockets_close_after_recycle(restarted):
+    cluster = restarted
     threads = thread_names()
     buf = torch.zeros(1 << 20, dtype=torch.uint8)
     pinned = Region(buf.data_ptr(), buf.numel(), buf)
@@ -62,8 +94,11 @@ def test_dead_store_host_sockets_close_after_recycle(cluster):
         for c in (control, watched):
             _roundtrip(c, buf, "recycle/a", 1)
         assert close_wait_sockets() == []
+        before = _segments(cluster)
         cluster.restart_store_host()  # SIGKILL: the pool's bytes and sockets die with it
         _wait(lambda: watched.recycles >= 1, "the watched client is recycled")
+        if cluster.store_port is not None:  # what this case is about
+            _wait(lambda: _segments(cluster) == before, "the new host under the old name")
         _wait(lambda: len(close_wait_sockets()) >= 1, "the control's sockets to the dead host")
         _roundtrip(watched, buf, "recycle/b", 2)  # the pinned buffer works on the fresh one
         _roundtrip(control, buf, "recycle/c", 3)

@@ -1,12 +1,14 @@
 """The segment watch's rules (``_mooncake/segment_watch.py``): recycle the watched
-clients when a listed store segment disappears, only once the master lists one
-again, retry a recycle that failed, and leave no thread once the last client goes.
+clients when a listed store segment disappears or is mounted again under its own
+name, only once the master lists one again, retry a recycle that failed, and leave
+no thread once the last client goes.
 The master's listing is scripted here; the real one is in
 ``tests/integration/test_store_recycle.py``."""
 
 from __future__ import annotations
 
 import threading
+from collections import Counter
 
 import pytest
 
@@ -28,9 +30,17 @@ class Client:
         return self.answers.pop(0)
 
 
-def _scripted(w: _Watch, listings: list[set[str] | None]) -> None:
+def _scripted(w: _Watch, listings: list) -> None:
+    """Each tick's answer: None (no answer), names, or (names, mount count)."""
+
+    def answer(x):
+        if x is None:
+            return None
+        names, mounts = x if isinstance(x, tuple) else (x, None)
+        return Counter(names), mounts
+
     it = iter(listings)
-    w._segments = lambda: next(it)  # type: ignore[method-assign]
+    w._listing = lambda: answer(next(it))  # type: ignore[method-assign]
 
 
 def test_recycles_once_a_segment_is_gone_and_another_is_listed():
@@ -51,6 +61,53 @@ def test_recycles_once_a_segment_is_gone_and_another_is_listed():
     assert len(c.reasons) == 2 and not w.pending
     w.tick()  # nothing changed: no recycle
     assert len(c.reasons) == 2
+
+
+def test_a_store_host_back_on_its_own_address_is_recycled_for():
+    """A restarted store host that draws the same address (or has it pinned) keeps
+    the segment's name: the list shows it twice until the dead one expires, or, if
+    that fell between two ticks, only the mount count tells."""
+    w = _Watch("127.0.0.1:1", 10.0)
+    c = Client([True, True, True])
+    w.clients[id(c)] = c
+    _scripted(
+        w,
+        [
+            (["a"], 1),
+            (["a", "b"], 2),  # a new host, a new name: nothing to do
+            (["a", "b"], 2),
+            (["a", "a", "b"], 3),  # "a" restarted: listed twice, one mount: nothing yet
+            (["a", "b"], 3),  # the dead "a" expired: one "a" fewer
+            (["a", "b"], 4),  # "a" again, both listings between two ticks: the count
+            (["a", "b", "c"], 4),  # a mount between the count and the list: "c" first
+            (["a", "b", "c"], 5),  # then its count: explained, nothing to do
+            (["a", "b", "c"], 1),  # the count went back: the master restarted
+        ],
+    )
+    for _ in range(4):
+        w.tick()
+    assert c.reasons == []
+    w.tick()
+    assert len(c.reasons) == 1 and "['a']" in c.reasons[0]
+    w.tick()
+    assert len(c.reasons) == 2 and "name already listed" in c.reasons[1]
+    w.tick()
+    w.tick()
+    assert len(c.reasons) == 2
+    w.tick()
+    assert len(c.reasons) == 3 and "master restarted" in c.reasons[2]
+
+
+def test_the_mount_count_is_read_from_the_metrics_text():
+    text = (
+        b"# TYPE master_mount_segment_requests_total counter\n"
+        b"master_mount_segment_failures_total 0\n"
+        b"master_mount_segment_requests_total 12\n"
+        b"master_remount_segment_requests_total 3\n"
+    )
+    m = segment_watch._MOUNTS.search(text)
+    assert m is not None and int(float(m.group(1))) == 12
+    assert segment_watch._MOUNTS.search(b"master_remount_segment_requests_total 3\n") is None
 
 
 def test_the_watch_thread_lives_while_a_client_is_watched():

@@ -41,8 +41,12 @@ class LocalCluster:
         lease_ttl_ms: int = 1000,
         log_dir: str | None = None,
         reap_interval_s: float = 1.0,
+        store_port: int | None = None,
     ) -> None:
         self.pool_bytes = pool_bytes
+        #: the store host's segment port, pinned (Mooncake's MC_STORE_CLIENT_MIN/MAX_PORT):
+        #: a restarted store host comes back under the same segment name
+        self.store_port = store_port
         self.reap_interval_s = reap_interval_s
         self.host = host
         self.log_dir = log_dir
@@ -87,6 +91,7 @@ class LocalCluster:
             stdout=subprocess.PIPE,
             stderr=log,
             start_new_session=True,
+            env=self._store_env(),
         )
         if log is not subprocess.DEVNULL:
             log.close()
@@ -99,6 +104,12 @@ class LocalCluster:
                 f"store host did not come up within {timeout:.0f}s "
                 f"(exit code {self._store_host.poll()})"
             )
+
+    def _store_env(self) -> dict[str, str] | None:
+        if self.store_port is None:
+            return None  # inherited
+        port = str(self.store_port)
+        return {**os.environ, "MC_STORE_CLIENT_MIN_PORT": port, "MC_STORE_CLIENT_MAX_PORT": port}
 
     def keys(self) -> list[str]:
         """Every key the store holds now, from the master's admin API."""

@@ -13,10 +13,20 @@ Calls, in order:
   ``settings.store_watch_s`` > 0). One daemon thread per process and admin address
   (``mcd-store-watch``) lists the master's segments every ``interval_s`` (one HTTP
   GET of ``/get_all_segments``); it starts with the first watched client.
-- When a segment it listed before is no longer listed (its store host died or left;
-  a restarted master lists only the hosts that mounted again), every watched client
-  is recycled, in this thread, once the master lists at least one segment again. A
-  recycle that fails (the master is still down) is tried again on the next tick.
+- Each tick reads the master's count of segment mounts (``/metrics``,
+  ``master_mount_segment_requests_total``), then its segment list, names counted
+  with repeats. Every watched client is recycled, in this thread, once the master
+  lists at least one segment again, when:
+  - a name it listed before is listed fewer times, or not at all (its store host
+    died or left; a restarted master lists only the hosts that mounted again). A
+    store host restarted on the same address (a pinned port, or a random one drawn
+    again) is listed twice until the master expires the dead one;
+  - the mount count grew by more than the new names explain: a segment was
+    mounted under a name already listed, a restart on the same address that fell
+    between two ticks (the two listings can overlap for under a second);
+  - the mount count went back: the master restarted.
+  A recycle that fails (the master is still down) is tried again on the next tick.
+  A master without that metric is watched by its names alone.
 - ``unwatch(client)``: from ``StoreClient.close``; the last one stops and joins the
   thread (so leak checks see no thread left over).
 A master that does not answer is skipped for that tick, never an error.
@@ -25,7 +35,9 @@ A master that does not answer is skipped for that tick, never an error.
 from __future__ import annotations
 
 import logging
+import re
 import threading
+from collections import Counter
 from typing import Protocol
 
 from mooncake_diffusion._mooncake.master import admin_get
@@ -33,6 +45,8 @@ from mooncake_diffusion._mooncake.master import admin_get
 __all__ = ["Recyclable", "unwatch", "watch"]
 
 log = logging.getLogger("mooncake_diffusion.store")
+
+_MOUNTS = re.compile(rb"^master_mount_segment_requests_total(?:\{[^}]*\})? +([0-9.eE+]+)\s*$", re.M)
 
 
 class Recyclable(Protocol):
@@ -48,28 +62,71 @@ class _Watch:
         self.clients: dict[int, Recyclable] = {}
         self.pending: dict[int, Recyclable] = {}
         self.reason = ""
-        self.known: set[str] | None = None
+        self.known: Counter[str] | None = None  # names listed last tick, with repeats
+        self.mounts: int | None = None  # the master's mount count last tick
+        self.unseen = 0  # names listed before their mount was counted (read order)
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="mcd-store-watch", daemon=True)
 
-    def _segments(self) -> set[str] | None:
+    def _mount_count(self) -> int | None:
+        try:
+            text = admin_get(self.admin, "/metrics", max(0.5, self.interval_s))
+        except (OSError, ValueError):
+            return None
+        m = _MOUNTS.search(text)
+        return int(float(m.group(1))) if m else None
+
+    def _segments(self) -> Counter[str] | None:
         try:
             text = admin_get(self.admin, "/get_all_segments", max(0.5, self.interval_s))
         except (OSError, ValueError):
             return None
-        return {line.strip() for line in text.decode(errors="replace").splitlines() if line}
+        return Counter(
+            n for n in (x.strip() for x in text.decode(errors="replace").splitlines()) if n
+        )
+
+    def _listing(self) -> tuple[Counter[str], int | None] | None:
+        """(names with repeats, mount count or None); None when the master does not
+        answer. The count is read first, so a mount between the two reads shows as a
+        name whose count comes a tick later (``unseen``), never the other way round."""
+        mounts = self._mount_count()
+        names = self._segments()
+        return None if names is None else (names, mounts)
+
+    def _replaced(self, now: Counter[str], mounts: int | None) -> str:
+        """Why the clients must be recycled (see the module doc), or ``""``."""
+        known, before = self.known, self.mounts
+        if known is None:
+            return ""
+        gone = known - now
+        if gone:
+            return f"store segment(s) {sorted(gone)} gone from the master"
+        if mounts is None or before is None:
+            return ""
+        if mounts < before:
+            self.unseen = 0
+            return "the master restarted (its segment mount count went back)"
+        added = sum((now - known).values())
+        unexplained = (mounts - before) - added - self.unseen
+        self.unseen = max(0, -unexplained)
+        if unexplained > 0:
+            return "a store segment was mounted again under a name already listed"
+        return ""
 
     def tick(self) -> None:
-        """One listing; recycle the clients if a segment went (or some are pending)."""
-        now = self._segments()
-        if now is None:
+        """One listing; recycle the clients if a store host went (or some are pending)."""
+        got = self._listing()
+        if got is None:
             return
-        gone = (self.known or set()) - now
-        if gone:
+        now, mounts = got
+        why = self._replaced(now, mounts)
+        if why:
             with _lock:
                 self.pending.update(self.clients)
-            self.reason = f"store segment(s) {sorted(gone)} gone from the master"
+            self.reason = why
         self.known = now
+        if mounts is not None:
+            self.mounts = mounts
         if not now:  # nowhere to connect yet: recycle once a store host is listed
             return
         with _lock:

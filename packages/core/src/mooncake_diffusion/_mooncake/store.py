@@ -21,7 +21,8 @@ object per read, each under a lease of its own.
 
 Recycling: a pure client (``segment_bytes=0``) with ``settings.store_watch_s`` > 0 is
 watched (``segment_watch``): when a store host leaves the master's segment list
-(killed, or lost with a restarted master), ``recycle()`` builds a fresh native
+(killed, or lost with a restarted master) or comes back under its own segment name,
+``recycle()`` builds a fresh native
 client with the same config, registers the same buffers on it and swaps it in, then
 closes the old one once the calls still running on it have returned. That closes
 the old client's Transfer Engine sockets to the dead host, which Mooncake itself
