@@ -11,8 +11,8 @@ client down and build a fresh one with the same config (``StoreClient.recycle``)
 Calls, in order:
 - ``watch(client, admin, interval_s)``: from ``StoreClient.__init__`` (pure clients,
   ``settings.store_watch_s`` > 0). One daemon thread per process and admin address
-  (``mcd-store-watch``) lists the master's segments every ``interval_s`` (one HTTP
-  GET of ``/get_all_segments``); it starts with the first watched client.
+  (``mcd-store-watch``) asks the master every ``interval_s`` (two HTTP GETs:
+  ``/metrics`` and ``/get_all_segments``); it starts with the first watched client.
 - Each tick reads the master's count of segment mounts (``/metrics``,
   ``master_mount_segment_requests_total``), then its segment list, names counted
   with repeats. Every watched client is recycled, in this thread, once the master
