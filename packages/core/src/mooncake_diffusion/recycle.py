@@ -117,8 +117,10 @@ class RecycledBuffers:
         return _Buffer(mem, base, capacity)
 
     def _returned(self, buf: _Buffer) -> None:
-        """The finaliser: lock-free (see the module docstring); deque appends are atomic."""
-        self._returns.append(buf)
+        """The finaliser: lock-free (see the module docstring); deque appends are atomic.
+        After ``close`` nothing is reused, so nothing is kept."""
+        if not self._closed:
+            self._returns.append(buf)
 
     def _collect(self) -> None:
         """Buffers whose arrays are gone become idle (lock held)."""

@@ -68,18 +68,21 @@ class _Watch:
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="mcd-store-watch", daemon=True)
 
-    def _mount_count(self) -> int | None:
+    def _get(self, path: str) -> bytes | None:
+        """The master admin's answer at ``path``; None when it does not answer."""
         try:
-            text = admin_get(self.admin, "/metrics", max(0.5, self.interval_s))
+            return admin_get(self.admin, path, max(0.5, self.interval_s))
         except (OSError, ValueError):
             return None
-        m = _MOUNTS.search(text)
+
+    def _mount_count(self) -> int | None:
+        text = self._get("/metrics")
+        m = _MOUNTS.search(text) if text is not None else None
         return int(float(m.group(1))) if m else None
 
     def _segments(self) -> Counter[str] | None:
-        try:
-            text = admin_get(self.admin, "/get_all_segments", max(0.5, self.interval_s))
-        except (OSError, ValueError):
+        text = self._get("/get_all_segments")
+        if text is None:
             return None
         return Counter(
             n for n in (x.strip() for x in text.decode(errors="replace").splitlines()) if n
