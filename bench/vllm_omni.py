@@ -2,9 +2,9 @@
 
 Run ``uv run python bench/vllm_omni.py [--quick] [--json PATH] [--sizes-mb 16,64,256]
 [--repeats N]`` from the repository root. It re-launches itself inside the engine
-environment ``.venvs/vllm_omni`` (the real vllm 0.30.0 + vllm-omni 0.30.0; built with the
-same recipe and stamp as ``./dev engines vllm_omni`` when missing or stale). One run starts
-a ``LocalCluster`` (a real ``mooncake_master`` plus a store host process) and a peer
+environment ``.venvs/vllm_omni`` (the real vllm 0.30.0 + vllm-omni 0.30.0), which
+``./dev env vllm_omni`` builds with ``./dev engines``' recipe when missing or stale.
+One run starts a ``LocalCluster`` (a real ``mooncake_master`` plus a store host process) and a peer
 process (this file with ``--peer``). The peer is the producer stage, this process the
 consumer; both build every connector through vLLM-Omni's ``OmniConnectorFactory`` after
 vLLM's plugin loader ran (the adapter's entry point registers its name).
@@ -41,8 +41,9 @@ round-robin per repeat (order flipped every other repeat):
     raw_store      Mooncake alone, no code of ours: a bare ``MooncakeDistributedStore`` per
                    process (the same setup arguments as core's client), the latent
                    registered once in the peer, ``put_from`` of it as one object timed as
-                   the put, ``get_into`` a destination registered once here timed as the
-                   get, then ``remove`` (untimed). The ceiling of any store path through
+                   the put, ``get_into`` a destination registered once here plus the
+                   ``remove`` timed as the get (our get removes what it took, so the
+                   ceiling pays the same). The ceiling of any store path through
                    this store host: ``ceiling_vs_builtin_*`` are raw_store against the
                    built-in connectors, as the ``vs_builtin_*`` figures are ours_store;
                    ``store_vs_raw_store_64mb`` is ours_store / raw_store
@@ -50,11 +51,11 @@ round-robin per repeat (order flipped every other repeat):
 Also per connector: ``get`` of a key nobody put (p50 over a few calls; the built-in
 store connector polls 20 x 50 ms before it gives up; raw_store: one ``get_into`` of a
 missing key), and ``small_put_ms`` / ``small_get_ms``, the p50 put and get of a small
-object (``{"x": 1 KiB tensor, "step": i}``; raw_store: 1 KiB ``put_from`` / ``get_into``;
-core_store: not measured). The summary's ``miss_vs_raw``, ``small_get_vs_raw`` and
-``small_put_vs_raw`` are ours_store's costs over raw_store's (one bare Mooncake call
-each), and ``store_rtt_ms`` one bare master round trip in the same run (p50 of
-``is_exist`` of a missing key): a bare ``get_into`` of a present object costs more than
+object (``{"x": 1 KiB tensor, "step": i}``; raw_store: 1 KiB ``put_from`` / ``get_into``
+plus ``remove``; core_store: not measured). The summary's ``miss_vs_raw``,
+``small_get_vs_raw`` and ``small_put_vs_raw`` are ours_store's costs over raw_store's
+(bare Mooncake calls), and ``store_rtt_ms`` one bare master round trip in the same run
+(p50 of ``is_exist`` of a missing key): a bare ``get_into`` of a present object costs more than
 that, since its bytes go through the Transfer Engine.
 Every connector's first transfer of each size is checked byte for byte (SHA-256 of the
 latent) against the producer's.
@@ -91,8 +92,6 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.getcwd()) != _HERE
 
 ROOT = Path(__file__).resolve().parent.parent
 ENGINE = "vllm_omni"
-VENV = ROOT / ".venvs" / ENGINE
-ADAPTER = ROOT / "packages" / "vllm_omni_adapter"
 MIB = 1 << 20
 SMALL = 1024  # bytes of the small object's tensor
 NAME = "MooncakeDiffusionConnector"
@@ -106,50 +105,14 @@ FACTORY_NAME = {
 
 
 # ------------------------------------------------------------------ environment
-def _stamp() -> str:
-    """The stamp ``./dev`` writes for the engine venv (same inputs in the same order,
-    ``engine/*.txt`` included, so the same hash)."""
-    files = [
-        ADAPTER / "engine" / "requirements.txt",
-        ADAPTER / "pyproject.toml",
-        ROOT / "packages" / "core" / "pyproject.toml",
-        *sorted((ADAPTER / "engine").glob("*.txt")),
-    ]
-    data = b"".join(p.read_bytes() for p in files)
-    return hashlib.sha256(data).hexdigest()[:16]
-
-
 def ensure_engine_venv() -> Path:
-    """``.venvs/vllm_omni/bin/python``, (re)built like ``./dev engines vllm_omni`` does."""
-    py = VENV / "bin" / "python"
-    stamp_file = VENV / ".stamp"
-    if py.exists() and stamp_file.exists() and stamp_file.read_text().strip() == _stamp():
-        return py
-    print(f"[bench] building {VENV} (as ./dev engines {ENGINE} does)", file=sys.stderr)
-    python = next(
-        (p for p in ("/usr/bin/python3.11", "python3.11", "python3") if _runs(p)), "python3"
+    """The engine environment's python, built by ``./dev env vllm_omni`` (the one recipe
+    ``./dev engines`` uses; it rebuilds only when an input file changed)."""
+    out = subprocess.run(
+        [str(ROOT / "dev"), "env", ENGINE], check=True, stdout=subprocess.PIPE, text=True
     )
-    subprocess.run(["uv", "venv", "--quiet", "--python-preference", "only-system",
-                    "--python", python, str(VENV)], check=True)  # fmt: skip
-    extra = []
-    if (ADAPTER / "engine" / "constraints.txt").exists():
-        extra = ["--constraint", str(ADAPTER / "engine" / "constraints.txt")]
-    subprocess.run(
-        ["uv", "pip", "install", "--quiet", "--python", str(py), *extra,
-         "-r", str(ADAPTER / "engine" / "requirements.txt"),
-         "-e", f"{ROOT / 'packages' / 'core'}[cpu]", "-e", str(ADAPTER),
-         "pytest>=8.4", "pytest-timeout>=2.4"],
-        check=True,
-    )  # fmt: skip
-    stamp_file.write_text(_stamp() + "\n")
-    return py
-
-
-def _runs(python: str) -> bool:
-    try:
-        return subprocess.run([python, "-c", "0"], capture_output=True).returncode == 0
-    except OSError:
-        return False
+    # not resolved: the venv's python is a symlink, and its own path makes it the venv's
+    return ROOT / out.stdout.strip().splitlines()[-1]
 
 
 def prepare_process() -> None:
@@ -405,8 +368,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             with core.consume(bytes.fromhex(put["handle"]), dst=dsts[mb]) as g:
                                 g.wait()
                             got = ({"latent": dsts[mb]}, mb * MIB)
-                        elif row == "raw_store":
+                        elif row == "raw_store":  # the remove timed, as our take's is
                             n_read = raw.get(key, dsts[mb].data_ptr(), mb * MIB)
+                            raw.store.remove(key, True)
                             got = ({"latent": dsts[mb]}, n_read) if n_read == mb * MIB else None
                         else:
                             got = conns[row].get("0", "1", key)
@@ -418,8 +382,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         del got
                         if row == "builtin_store":  # its cleanup() is a no-op (untimed)
                             conns[row].store.remove(conns[row]._make_key(key, "0", "1"), True)
-                        if row == "raw_store":
-                            raw.store.remove(key, True)
                         if rep >= args.warmup:
                             times[row].append(put["seconds"] + get_s)
                             parts[row].append((put["seconds"], get_s))
@@ -550,16 +512,15 @@ def small_ms(
         key = f"bench-small-{row}-{i}"
         put = peer.call("put_small", row=row, key=key)
         t0 = time.perf_counter()
-        if row == "raw_store":
+        if row == "raw_store":  # the remove timed, as our take's is
             ok = raw.get(key, dst.data_ptr(), SMALL) == SMALL
+            raw.store.remove(key, True)
         else:
             ok = conn.get("0", "1", key) is not None
         get_s = time.perf_counter() - t0
         if not ok:
             raise RuntimeError(f"{row}: small {key} not found after its put")
-        if row == "raw_store":
-            raw.store.remove(key, True)
-        elif row == "builtin_store":
+        if row == "builtin_store":
             conn.store.remove(conn._make_key(key, "0", "1"), True)
         if i:  # the first is a warm-up
             puts.append(put["seconds"] * 1e3)
