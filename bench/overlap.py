@@ -4,7 +4,8 @@ Run ``uv run python bench/overlap.py [--quick] [--json PATH] [--decode sleep|con
 [--decode-ratio R | --decode-ms-per-frame MS] [--publish-workers N] [--repeats N]
 [--latents wan720p,long] [--paths p2p,same_host,store] [--chunks 1,2,4,8,16]``.
 One run starts a
-``LocalCluster`` (a real ``mooncake_master`` plus a store host process) and a peer process
+``LocalCluster`` (a real ``mooncake_master`` plus a store host process, its pool prefaulted
+as a long-running store host's is: ``store_host --prefault``) and a peer process
 (this file with ``--peer``) that holds the producer connectors and the source latents.
 This process is the consumer: it consumes each payload into a registered destination
 and "decodes" it chunk by chunk as chunks land.
@@ -658,7 +659,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = config_from(a)
     t0 = time.perf_counter()
     log(f"starting LocalCluster; latents {cfg.latents}, chunks {cfg.chunkings}")
-    with LocalCluster(pool_bytes=1 << 30) as cluster:
+    with LocalCluster(pool_bytes=1 << 30, prefault=True) as cluster:
         rows, decoder, whole_ms = run_all(cfg, cluster)
         left = cluster.keys()
     if left:

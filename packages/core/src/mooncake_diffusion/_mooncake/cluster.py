@@ -42,8 +42,13 @@ class LocalCluster:
         log_dir: str | None = None,
         reap_interval_s: float = 1.0,
         store_port: int | None = None,
+        prefault: bool = False,
     ) -> None:
         self.pool_bytes = pool_bytes
+        #: fault the store host's pool in before it says ready (``store_host --prefault``)
+        self.prefault = prefault
+        #: bytes the store host faulted in at its last start (0 without ``prefault``)
+        self.prefaulted_bytes = 0
         #: the store host's segment port, pinned (Mooncake's MC_STORE_CLIENT_MIN/MAX_PORT):
         #: a restarted store host comes back under the same segment name
         self.store_port = store_port
@@ -86,6 +91,7 @@ class LocalCluster:
                 f"--pool-bytes={self.pool_bytes}",
                 f"--reap-interval={self.reap_interval_s}",
                 "--exit-on-stdin-eof",
+                *(["--prefault"] if self.prefault else []),
             ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -99,11 +105,13 @@ class LocalCluster:
         assert out is not None
         ready, _, _ = select.select([out], [], [], timeout)
         line = out.readline() if ready else b""
-        if not line or not json.loads(line).get("ready"):
+        ready = json.loads(line) if line else {}
+        if not ready.get("ready"):
             raise MasterUnavailableError(
                 f"store host did not come up within {timeout:.0f}s "
                 f"(exit code {self._store_host.poll()})"
             )
+        self.prefaulted_bytes = ready.get("prefaulted_bytes", 0)
 
     def _store_env(self) -> dict[str, str] | None:
         if self.store_port is None:
