@@ -8,6 +8,7 @@ this folder and ``bench/chaos.py`` run the same functions.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import signal
@@ -26,6 +27,12 @@ from mooncake_diffusion.testing import close_wait_sockets, tcp_states
 TERMINAL = ("completed", "failed", "cancelled")
 #: what a finished request's payloads need to go (release follows completion closely)
 SETTLE_S = 8.0
+#: what fds and threads may need to go back to baseline: a store client retired by a
+#: recycle closes once its last call returns, and a call retrying a store host that
+#: went away runs until its own deadline (``MooncakeSettings.store_retry_s``, 10 s),
+#: then Mooncake's destroy takes about 1 s. A bound, not a wait: a clean run goes on
+#: as soon as its counts are back
+LEFTOVER_S = 20.0
 
 
 @dataclass
@@ -183,7 +190,7 @@ def leftovers(
     sockets: dict[str, dict[str, int]],
     pids: dict[str, int] | None = None,
 ) -> None:
-    """Fill ``o.leaked_*`` once the deployment settles (up to ``SETTLE_S``): store keys,
+    """Fill ``o.leaked_*`` once the deployment settles (up to ``LEFTOVER_S``): store keys,
     and fds and threads above ``base`` by host (a host missing from ``base`` has no
     baseline and is not compared).
 
@@ -202,7 +209,7 @@ def leftovers(
     the master's go to ``leaked_fds_mooncake_master`` and
     ``leaked_threads_mooncake_master`` (after master_kill the master is a new process
     compared with its predecessor's baseline)."""
-    deadline = time.monotonic() + SETTLE_S
+    deadline = time.monotonic() + LEFTOVER_S
     while True:
         keys = [k for k in d.store_keys() if not k.startswith("mcd-cache/emb/")]
         now = resources(d)
@@ -236,10 +243,23 @@ def leftovers(
     }
     o.sockets_by_host = {h: [sockets.get(h, {}), states.get(h, {})] for h in o.left_by_host}
     if o.left_by_host:
+        names = {h: _thread_names(d.procs[h].pid) for h in o.left_by_host if h in d.procs}
         print(
-            f"chaos: {o.name}: left over by host {o.left_by_host}, sockets {o.sockets_by_host}",
+            f"chaos: {o.name}: left over by host {o.left_by_host}, sockets {o.sockets_by_host}, "
+            f"threads by name now {names}",
             file=sys.stderr,
         )
+
+
+def _thread_names(pid: int) -> dict[str, int]:
+    """How many threads of ``pid`` carry each name (``/proc/PID/task/*/comm``), so a
+    report of extra threads says whose they are."""
+    names: Counter[str] = Counter()
+    with contextlib.suppress(OSError):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{tid}/comm") as f:
+                names[f.read().strip()] += 1
+    return dict(names)
 
 
 def _digest(st: dict) -> str:
