@@ -20,8 +20,8 @@ Summary: scenarios, lost_requests, duplicate_completions, leaked_keys, leaked_fd
 (our processes: workers, orchestrator, store host; extra ESTABLISHED connections to
 live peers are pool members, counted in pool_connections), leaked_threads (ours),
 leaked_fds_mooncake_master and leaked_threads_mooncake_master (the master binary's,
-reported apart: docs/chaos.md), replaced_threads (processes the fault replaced,
-against their predecessors' baselines: reported apart), fuzz_cases,
+reported apart: docs/chaos.md), replaced_threads and replaced_fds (processes the
+fault replaced, against their predecessors' baselines: reported apart), fuzz_cases,
 fuzz_crashes, max_detect_s (<= 2x heartbeat_timeout_s), mailbox_double_takes, soak_*.
 """
 
@@ -182,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
             r.get("leaked_threads_mooncake_master", 0) for r in ok
         ),
         "replaced_threads": sum(r.get("replaced_threads", 0) for r in ok),
+        "replaced_fds": sum(r.get("replaced_fds", 0) for r in ok),
+        "pool_threads": sum(r.get("pool_threads", 0) for r in ok),
         "heartbeat_timeout_s": HEARTBEAT_S,
         "max_detect_s": round(max(detect), 3) if detect else None,
         "fuzz_cases": sum(r["cases"] for r in fz),

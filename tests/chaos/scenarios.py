@@ -66,6 +66,13 @@ class Outcome:
     #: extra threads of our processes the fault replaced (a new process against its
     #: predecessor's baseline; not counted in ``leaked_threads``, see ``leftovers``)
     replaced_threads: int = 0
+    #: extra fds (not pool connections) of our processes the fault replaced, likewise
+    #: apart; their sockets in CLOSE-WAIT are still asserted (``left_by_host``)
+    replaced_fds: int = 0
+    #: extra threads of our processes that lived through the fault, up to their extra
+    #: pool connections (one each at most): Transfer Engine threads that go with those
+    #: connections, inferred; reported, not counted in ``leaked_threads``
+    pool_threads: int = 0
     #: left over, by host: [fds (not pool), threads, pool connections, sockets in CLOSE-WAIT]
     left_by_host: dict[str, list[int]] = field(default_factory=dict)
     #: TCP sockets by state of those hosts, before the scenario and after it
@@ -195,11 +202,13 @@ def leftovers(
     baseline and is not compared).
 
     A host whose process is not the one of ``pids`` (the baseline's) was replaced by
-    the fault: its threads go to ``replaced_threads``, reported and not asserted. A
-    leak is what a process that lived through the fault kept; a new process's thread
-    count against its predecessor's says nothing about that, and for the store host
-    it varies by one with Mooncake's lazily started threads (a clean-clone run on
-    2026-12-02 failed store_kill on exactly that). Its fds stay counted.
+    the fault: its threads go to ``replaced_threads`` and its fds (other than pool
+    connections) to ``replaced_fds``, reported and not asserted. A leak is what a
+    process that lived through the fault kept; a new process's counts against its
+    predecessor's say nothing about that, and for the store host they vary with what
+    Mooncake starts lazily (clean-clone runs on 2026-12-02 failed store_kill on one
+    extra thread, and later on three extra fds, none in CLOSE-WAIT). Its sockets in
+    CLOSE-WAIT, what a dead peer leaves, stay asserted.
 
     Extra fds that are ESTABLISHED TCP connections (more than the host had before,
     ``sockets``) are Transfer Engine pool members to live peers, whose number varies
@@ -221,25 +230,31 @@ def leftovers(
             fds = max(0, now[h][0] - base[h][0])
             est = states[h].get("ESTABLISHED", 0) - sockets.get(h, {}).get("ESTABLISHED", 0)
             pool = min(fds, max(0, est))
-            extra[h] = [fds - pool, max(0, now[h][1] - base[h][1]), pool]
+            thr = max(0, now[h][1] - base[h][1])
+            # threads up to the extra pool connections go with them (pool_threads)
+            extra[h] = [fds - pool, thr - min(thr, pool), pool, min(thr, pool)]
         replaced = {h for h in extra if pids is not None and d.procs[h].pid != pids.get(h)}
-        ours = sum(f for h, (f, _, _) in extra.items() if h not in NOT_OURS)
-        thr = sum(t for h, (_, t, _) in extra.items() if h not in NOT_OURS and h not in replaced)
+        ours = sum(e[0] for h, e in extra.items() if h not in NOT_OURS and h not in replaced)
+        thr = sum(e[1] for h, e in extra.items() if h not in NOT_OURS and h not in replaced)
         if (not keys and not ours and not thr) or time.monotonic() > deadline:
             break
         time.sleep(0.25)
     if keys:
         print(f"chaos: store keys left over: {keys[:5]}", file=sys.stderr)
     o.leaked_keys, o.leaked_fds, o.leaked_threads = len(keys), ours, thr
-    o.pool_connections = sum(p for h, (_, _, p) in extra.items() if h not in NOT_OURS)
+    o.pool_connections = sum(e[2] for h, e in extra.items() if h not in NOT_OURS)
+    o.pool_threads = sum(e[3] for h, e in extra.items() if h not in NOT_OURS and h not in replaced)
     # every extra fd of a process not ours, pool connections included
     o.leaked_fds_mooncake_master = sum(extra[h][0] + extra[h][2] for h in NOT_OURS if h in extra)
-    o.leaked_threads_mooncake_master = sum(extra[h][1] for h in NOT_OURS if h in extra)
-    o.replaced_threads = sum(extra[h][1] for h in replaced if h not in NOT_OURS)
+    o.leaked_threads_mooncake_master = sum(
+        extra[h][1] + extra[h][3] for h in NOT_OURS if h in extra
+    )
+    o.replaced_threads = sum(extra[h][1] + extra[h][3] for h in replaced if h not in NOT_OURS)
+    o.replaced_fds = sum(extra[h][0] for h in replaced if h not in NOT_OURS)
     o.left_by_host = {
-        h: [f, t, p, len(close_wait_sockets(d.procs[h].pid))]
-        for h, (f, t, p) in extra.items()
-        if f or t or p
+        h: [f, t + pt, p, len(close_wait_sockets(d.procs[h].pid))]
+        for h, (f, t, p, pt) in extra.items()
+        if f or t or p or pt
     }
     o.sockets_by_host = {h: [sockets.get(h, {}), states.get(h, {})] for h in o.left_by_host}
     if o.left_by_host:

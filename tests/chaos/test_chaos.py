@@ -43,8 +43,9 @@ FDS_REPORTED_ONLY = {"p2p_partition"}
 #: against it). The
 #: mooncake_master binary's fds and threads are reported (``leaked_*_mooncake_master``),
 #: not asserted: it is not ours, and after master_kill it is a new process compared
-#: with its predecessor (docs/chaos.md). So are the threads of any of our processes
-#: the fault replaced (``replaced_threads``); their fds are asserted.
+#: with its predecessor (docs/chaos.md). So are the threads and fds of any of our
+#: processes the fault replaced (``replaced_threads``, ``replaced_fds``); no host may
+#: keep a socket in CLOSE-WAIT.
 def _check(o: Outcome, name: str) -> None:
     assert o.lost == 0, o
     assert o.duplicates == 0, o
@@ -61,6 +62,7 @@ def _check(o: Outcome, name: str) -> None:
         assert all(cw == 0 for *_, cw in o.left_by_host.values()), o.sockets_by_host
     else:
         assert o.leaked_fds == 0 and o.leaked_threads == 0, (o.left_by_host, o.sockets_by_host)
+        assert all(cw == 0 for *_, cw in o.left_by_host.values()), o.sockets_by_host
 
 
 @pytest.mark.parametrize("fn", SCENARIOS, ids=[f.__name__[9:] for f in SCENARIOS])
