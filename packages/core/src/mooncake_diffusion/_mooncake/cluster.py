@@ -105,13 +105,13 @@ class LocalCluster:
         assert out is not None
         ready, _, _ = select.select([out], [], [], timeout)
         line = out.readline() if ready else b""
-        ready = json.loads(line) if line else {}
-        if not ready.get("ready"):
+        hello = json.loads(line) if line else {}
+        if not hello.get("ready"):
             raise MasterUnavailableError(
                 f"store host did not come up within {timeout:.0f}s "
                 f"(exit code {self._store_host.poll()})"
             )
-        self.prefaulted_bytes = ready.get("prefaulted_bytes", 0)
+        self.prefaulted_bytes = hello.get("prefaulted_bytes", 0)
 
     def _store_env(self) -> dict[str, str] | None:
         if self.store_port is None:
