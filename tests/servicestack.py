@@ -22,6 +22,8 @@ from mooncake_diffusion.orchestrator.client import OrchestratorClient
 START_TIMEOUT_S = 240.0
 EXIT_TIMEOUT_S = 120.0
 
+WORKER_READY = r"worker ready: "
+
 CLI = [sys.executable, "-m", "mooncake_diffusion.cli"]
 TOY = "mooncake_diffusion.orchestrator.toy"
 
@@ -46,6 +48,7 @@ class Proc:
             env={**os.environ, "PYTHONFAULTHANDLER": "1", **(env or {})},
         )
         self.lines: list[str] = []
+        self._termed = False
         self._cv = threading.Condition()
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -95,12 +98,18 @@ class Proc:
             self.kill()
             raise
 
-    def terminate(self, timeout: float = EXIT_TIMEOUT_S) -> int:
-        """SIGTERM, then wait up to ``timeout`` for the exit code. A child still there
-        is sent SIGABRT (its Python stacks, by faulthandler, go to its output, which is
-        printed to stderr for the test report) and then SIGKILL; returns its code."""
-        if self.popen.poll() is None:
+    def signal_term(self) -> None:
+        """SIGTERM once (a second would be harmless but is not sent)."""
+        if self.popen.poll() is None and not self._termed:
             self.popen.send_signal(signal.SIGTERM)
+            self._termed = True
+
+    def terminate(self, timeout: float = EXIT_TIMEOUT_S) -> int:
+        """SIGTERM (unless ``signal_term`` sent it), then wait up to ``timeout`` for the
+        exit code. A child still there is sent SIGABRT (its Python stacks, by
+        faulthandler, go to its output, which is printed to stderr for the test report)
+        and then SIGKILL; returns its code."""
+        self.signal_term()
         try:
             rc = self.popen.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -135,6 +144,9 @@ class ServiceStack:
         self.clean_exit: tuple[str, ...] = ()
         #: called with the cluster after the processes stopped, before the leak check
         self.after_close: list = []
+        #: store key prefixes meant to outlive requests (a cache an ``after_close``
+        #: callback clears): the teardown's wait for released payloads ignores them
+        self.lasting: tuple[str, ...] = ()
 
     @property
     def worker_address(self) -> str:
@@ -168,7 +180,10 @@ class ServiceStack:
         *,
         fn: str | None = None,
         env: dict[str, str] | None = None,
+        wait: bool = True,
     ) -> Proc:
+        """Start a worker process; with ``wait`` (the default) return once it is ready,
+        else at once (``ready()`` then waits for every worker started so)."""
         argv = [
             *CLI,
             "worker",
@@ -186,12 +201,22 @@ class ServiceStack:
             "node=n0",
         ]
         p = Proc(argv, {**self.env, **(env or {})})
-        p.started(r"worker ready: ")
-        self.workers[worker_id] = p
+        self.workers[worker_id] = p  # close() stops it even if it never gets ready
+        if wait:
+            p.started(WORKER_READY)
         return p
 
+    def ready(self) -> None:
+        """Wait until every worker is ready (they start side by side: a start is
+        mostly imports, and each runs on a core of its own)."""
+        for p in self.workers.values():
+            p.started(WORKER_READY)
+
     def close(self) -> dict[str, int]:
-        """SIGTERM every worker (they drain), then the orchestrator; their exit codes."""
+        """SIGTERM every worker at once (they drain side by side), then the
+        orchestrator once they are gone; their exit codes."""
+        for p in self.workers.values():
+            p.signal_term()
         rcs = {wid: p.terminate() for wid, p in self.workers.items()}
         if self.orchestrator is not None:
             rcs["orchestrator"] = self.orchestrator.terminate()

@@ -17,6 +17,7 @@ from gated import Gate
 from servicestack import ServiceStack
 
 from mooncake_diffusion.caches.embedding import EmbeddingCache
+from mooncake_diffusion.caches.keys import EMB_ROOT
 from mooncake_diffusion.pipeline.params import GenerationParams
 from mooncake_diffusion.pipeline.reference import ReferencePipeline
 from mooncake_diffusion.pipeline.stages import frames_digest
@@ -29,7 +30,7 @@ STAGES = "mooncake_diffusion.pipeline.stages"
 def clear_embeddings(cluster) -> None:
     """The negative-prompt embeddings are meant to stay cached: only they may remain."""
     left = cluster.keys()
-    assert all(k.startswith("mcd-cache/emb/") for k in left), left
+    assert all(k.startswith(EMB_ROOT) for k in left), left
     enc = ReferencePipeline().encoder_id
     cache = EmbeddingCache(cluster.settings, encoder_id=enc, encoder_version="1")
     try:
@@ -52,12 +53,14 @@ def start(
     """Orchestrator, one encode, ``denoise`` denoise and one decode worker; with ``gate``
     (``Gate.env(...)``) the denoise workers run ``gated:denoise`` under it."""
     stack.after_close.append(clear_embeddings)
+    stack.lasting = (EMB_ROOT,)
     stack.start_orchestrator(*extra)
-    stack.start_worker("encode", "enc-0", fn=f"{STAGES}:encode")
+    stack.start_worker("encode", "enc-0", fn=f"{STAGES}:encode", wait=False)
     for i in range(denoise):
         fn = "gated:denoise" if gate else f"{STAGES}:denoise"
-        stack.start_worker("denoise", f"den-{i}", fn=fn, env=gate)
-    stack.start_worker("decode", "dec-0", fn=f"{STAGES}:decode")
+        stack.start_worker("denoise", f"den-{i}", fn=fn, env=gate, wait=False)
+    stack.start_worker("decode", "dec-0", fn=f"{STAGES}:decode", wait=False)
+    stack.ready()
 
 
 #: for tests that kill no worker: a heartbeat missed on a starved machine (5 s, the
