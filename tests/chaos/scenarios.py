@@ -70,8 +70,8 @@ class Outcome:
     #: apart; their sockets in CLOSE-WAIT are still asserted (``left_by_host``)
     replaced_fds: int = 0
     #: extra threads of our processes that lived through the fault, up to their extra
-    #: pool connections (one each at most): Transfer Engine threads that go with those
-    #: connections, inferred; reported, not counted in ``leaked_threads``
+    #: pool connections: the Transfer Engine's thread per pool connection (shown in
+    #: ``tests/integration/test_store_recycle.py``); reported, not in ``leaked_threads``
     pool_threads: int = 0
     #: left over, by host: [fds (not pool), threads, pool connections, sockets in CLOSE-WAIT]
     left_by_host: dict[str, list[int]] = field(default_factory=dict)

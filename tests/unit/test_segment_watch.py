@@ -1,7 +1,7 @@
 """The segment watch's rules (``_mooncake/segment_watch.py``): recycle the watched
 clients when a listed store segment disappears or is mounted again under its own
-name, only once the master lists one again, retry a recycle that failed, and leave
-no thread once the last client goes.
+name, only once the master lists one again, retry a recycle that failed, list the
+master before ``watch`` returns, and leave no thread once the last client goes.
 The master's listing is scripted here; the real one is in
 ``tests/integration/test_store_recycle.py``."""
 
@@ -108,6 +108,23 @@ def test_the_mount_count_is_read_from_the_metrics_text():
     m = segment_watch._MOUNTS.search(text)
     assert m is not None and int(float(m.group(1))) == 12
     assert segment_watch._MOUNTS.search(b"master_remount_segment_requests_total 3\n") is None
+
+
+def test_watch_returns_with_the_masters_listing_as_its_baseline(monkeypatch):
+    """A master restarted right after the first client was made, before the watch's
+    first interval ran out, is still seen: ``watch`` returns once it listed once."""
+    listings = iter([(Counter({"a": 1}), 1), (Counter({"b": 1}), 1)])
+    monkeypatch.setattr(_Watch, "_listing", lambda self: next(listings))
+    c = Client([True])
+    segment_watch.watch(c, "127.0.0.1:1", 60.0)  # its next tick is a minute away
+    try:
+        w = segment_watch._watches["127.0.0.1:1"]
+        assert w.known == Counter({"a": 1})  # listed before watch() returned
+        w.tick()  # restarted: only the new host's segment, the mount count back at 1
+        assert len(c.reasons) == 1 and "['a']" in c.reasons[0], c.reasons
+    finally:
+        segment_watch.unwatch(c)
+    assert "127.0.0.1:1" not in segment_watch._watches
 
 
 def test_the_watch_thread_lives_while_a_client_is_watched():

@@ -159,6 +159,15 @@ class LocalCluster:
             self._store_host.kill()
             self._store_host.wait()
 
+    def restart_master(self, timeout: float = 30.0) -> None:
+        """SIGKILL the master and start a fresh one on its address, then a fresh store
+        host, since the segment died with the master's metadata (fault tests: what
+        a supervisor does after a master crash). Every key is gone; ``settings``
+        stay valid."""
+        assert self.settings is not None, "start() first"
+        self._master.restart_killed(timeout)
+        self.restart_store_host(timeout)
+
     def restart_store_host(self, timeout: float = 30.0) -> None:
         """Start a fresh store host (an empty pool) in place of the current one, which
         is SIGKILLed first if still alive (fault tests). ``settings`` stay valid."""

@@ -100,29 +100,48 @@ class MasterProcess:
         if not os.access(binary, os.X_OK):
             raise ConfigError(f"mooncake_master not found or not executable at {binary}")
         for _attempt in range(3):  # a port can be taken between probe and bind
-            rpc, admin = free_port(self.host), free_port(self.host)
-            log = open(self.log_path or os.devnull, "ab")  # noqa: SIM115 - owned by Popen
-            self.proc = subprocess.Popen(
-                [
-                    binary,
-                    f"-rpc_port={rpc}",
-                    f"-rpc_address={self.host}",
-                    f"-metrics_port={admin}",
-                    f"-metrics_host={self.host}",
-                    f"-default_kv_lease_ttl={self.lease_ttl_ms}",
-                    f"-client_ttl={self.client_ttl_s}",
-                ],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-            log.close()
-            settings = MooncakeSettings(master=f"{self.host}:{rpc}", admin=f"{self.host}:{admin}")
+            settings = self._spawn(binary, free_port(self.host), free_port(self.host))
             if self._wait_ready(settings, timeout):
                 self.settings = settings
                 return settings
             self.stop()
         raise MasterUnavailableError("mooncake_master did not become ready after 3 attempts")
+
+    def restart_killed(self, timeout: float = 20.0) -> None:
+        """SIGKILL the master and start a fresh one on the same ports (fault tests: a
+        crashed master that its supervisor restarts). Its metadata is gone: every
+        object, and every store host's segment, which must be mounted again.
+        ``settings`` stay valid. Raises ``MasterUnavailableError`` if it does not
+        come back within ``timeout``."""
+        assert self.settings is not None, "start() first"
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+        rpc = int(self.settings.master.rpartition(":")[2])
+        admin = int(self.settings.admin_address.rpartition(":")[2])
+        binary = os.path.join(mooncake_dir(), "mooncake_master")
+        if not self._wait_ready(self._spawn(binary, rpc, admin), timeout):
+            self.stop()
+            raise MasterUnavailableError(f"mooncake_master did not come back on {rpc}")
+
+    def _spawn(self, binary: str, rpc: int, admin: int) -> MooncakeSettings:
+        log = open(self.log_path or os.devnull, "ab")  # noqa: SIM115 - owned by Popen
+        self.proc = subprocess.Popen(
+            [
+                binary,
+                f"-rpc_port={rpc}",
+                f"-rpc_address={self.host}",
+                f"-metrics_port={admin}",
+                f"-metrics_host={self.host}",
+                f"-default_kv_lease_ttl={self.lease_ttl_ms}",
+                f"-client_ttl={self.client_ttl_s}",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        log.close()
+        return MooncakeSettings(master=f"{self.host}:{rpc}", admin=f"{self.host}:{admin}")
 
     def _wait_ready(self, settings: MooncakeSettings, timeout: float) -> bool:
         deadline = time.monotonic() + timeout

@@ -12,7 +12,10 @@ Calls, in order:
 - ``watch(client, admin, interval_s)``: from ``StoreClient.__init__`` (pure clients,
   ``settings.store_watch_s`` > 0). One daemon thread per process and admin address
   (``mcd-store-watch``) asks the master every ``interval_s`` (two HTTP GETs:
-  ``/metrics`` and ``/get_all_segments``); it starts with the first watched client.
+  ``/metrics`` and ``/get_all_segments``); it starts with the first watched client,
+  whose ``watch`` returns once the first listing is in: the baseline. (A watch that
+  listed only after its first interval missed a master restarted within it, and
+  the client kept its dead sockets.)
 - Each tick reads the master's count of segment mounts (``/metrics``,
   ``master_mount_segment_requests_total``), then its segment list, names counted
   with repeats. Every watched client is recycled, in this thread, once the master
@@ -66,6 +69,8 @@ class _Watch:
         self.mounts: int | None = None  # the master's mount count last tick
         self.unseen = 0  # names listed before their mount was counted (read order)
         self.stop = threading.Event()
+        #: set once the first listing was tried: the baseline a fault is seen against
+        self.primed = threading.Event()
         self.thread = threading.Thread(target=self._run, name="mcd-store-watch", daemon=True)
 
     def _get(self, path: str) -> bytes | None:
@@ -147,6 +152,10 @@ class _Watch:
                     self.pending.pop(key, None)
 
     def _run(self) -> None:
+        try:
+            self.tick()
+        finally:
+            self.primed.set()
         while not self.stop.wait(self.interval_s):
             self.tick()
 
@@ -157,13 +166,18 @@ _watches: dict[str, _Watch] = {}
 
 def watch(client: Recyclable, admin: str, interval_s: float) -> None:
     """Recycle ``client`` whenever a store segment disappears from the master at
-    ``admin``; polled every ``interval_s`` (the first client of an address sets it)."""
+    ``admin``; polled every ``interval_s`` (the first client of an address sets it).
+    Returns once the watch has listed the master's segments once (or found it not
+    answering), so a fault right after, before the first interval ran out, is seen
+    against what the client was created with."""
     with _lock:
         w = _watches.get(admin)
         if w is None:
             w = _watches[admin] = _Watch(admin, interval_s)
             w.thread.start()
         w.clients[id(client)] = client
+    # the first tick's two GETs are bounded by max(0.5, interval_s) each
+    w.primed.wait(2 * max(0.5, w.interval_s) + 1.0)
 
 
 def unwatch(client: Recyclable) -> None:
