@@ -139,12 +139,16 @@ def test_a_restarted_master_leaves_no_thread_or_connection_behind(cluster):
     the baseline; a third leaves nothing."""
     threads = thread_names()
     buf = torch.zeros(1 << 20, dtype=torch.uint8)
-    for i in range(3):
-        if i == 2:
-            primed = _threads_and_connections()
-        throwaway = StoreClient(cluster.settings)
-        _roundtrip(throwaway, buf, f"restart/{i}", 1)
-        throwaway.close()
+
+    def throwaway(i: int) -> None:
+        client = StoreClient(cluster.settings)
+        _roundtrip(client, buf, f"restart/{i}", 1)
+        client.close()
+
+    throwaway(0)
+    throwaway(1)
+    primed = _threads_and_connections()
+    throwaway(2)
     _wait(lambda: _threads_and_connections() == primed, f"back to {primed}: a client leaves none")
     watched = StoreClient(dataclasses.replace(cluster.settings, store_watch_s=0.2))
     try:

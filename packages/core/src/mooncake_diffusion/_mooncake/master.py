@@ -100,7 +100,7 @@ class MasterProcess:
         if not os.access(binary, os.X_OK):
             raise ConfigError(f"mooncake_master not found or not executable at {binary}")
         for _attempt in range(3):  # a port can be taken between probe and bind
-            settings = self._spawn(binary, free_port(self.host), free_port(self.host))
+            settings = self._spawn(free_port(self.host), free_port(self.host))
             if self._wait_ready(settings, timeout):
                 self.settings = settings
                 return settings
@@ -119,16 +119,15 @@ class MasterProcess:
             self.proc.wait()
         rpc = int(self.settings.master.rpartition(":")[2])
         admin = int(self.settings.admin_address.rpartition(":")[2])
-        binary = os.path.join(mooncake_dir(), "mooncake_master")
-        if not self._wait_ready(self._spawn(binary, rpc, admin), timeout):
+        if not self._wait_ready(self._spawn(rpc, admin), timeout):
             self.stop()
             raise MasterUnavailableError(f"mooncake_master did not come back on {rpc}")
 
-    def _spawn(self, binary: str, rpc: int, admin: int) -> MooncakeSettings:
+    def _spawn(self, rpc: int, admin: int) -> MooncakeSettings:
         log = open(self.log_path or os.devnull, "ab")  # noqa: SIM115 - owned by Popen
         self.proc = subprocess.Popen(
             [
-                binary,
+                os.path.join(mooncake_dir(), "mooncake_master"),
                 f"-rpc_port={rpc}",
                 f"-rpc_address={self.host}",
                 f"-metrics_port={admin}",

@@ -62,6 +62,8 @@ class _Watch:
     def __init__(self, admin: str, interval_s: float) -> None:
         self.admin = admin
         self.interval_s = interval_s
+        #: each admin GET's bound (a tick makes two)
+        self.get_timeout_s = max(0.5, interval_s)
         self.clients: dict[int, Recyclable] = {}
         self.pending: dict[int, Recyclable] = {}
         self.reason = ""
@@ -76,7 +78,7 @@ class _Watch:
     def _get(self, path: str) -> bytes | None:
         """The master admin's answer at ``path``; None when it does not answer."""
         try:
-            return admin_get(self.admin, path, max(0.5, self.interval_s))
+            return admin_get(self.admin, path, self.get_timeout_s)
         except (OSError, ValueError):
             return None
 
@@ -176,8 +178,7 @@ def watch(client: Recyclable, admin: str, interval_s: float) -> None:
             w = _watches[admin] = _Watch(admin, interval_s)
             w.thread.start()
         w.clients[id(client)] = client
-    # the first tick's two GETs are bounded by max(0.5, interval_s) each
-    w.primed.wait(2 * max(0.5, w.interval_s) + 1.0)
+    w.primed.wait(2 * w.get_timeout_s + 1.0)  # the first tick: two bounded GETs
 
 
 def unwatch(client: Recyclable) -> None:
