@@ -87,6 +87,24 @@ def test_same_bytes_in_another_process(pipe):
     assert out.stdout.strip() == digest(pipe.run_colocated(VIDEO))
 
 
+def test_deterministic_switches_kernels_without_loading_the_compiler():
+    # torch.use_deterministic_algorithms imports inductor and dynamo (2-8 s a worker
+    # process); the pipeline sets only the kernel switch, and restores what it found
+    code = (
+        "import sys, torch\n"
+        "from mooncake_diffusion.pipeline.runtime import deterministic\n"
+        "torch.set_deterministic_debug_mode('warn')\n"
+        "with deterministic(threads=1):\n"
+        "    inside = (torch.are_deterministic_algorithms_enabled(),\n"
+        "              torch.is_deterministic_algorithms_warn_only_enabled())\n"
+        "after = (torch.are_deterministic_algorithms_enabled(),\n"
+        "         torch.is_deterministic_algorithms_warn_only_enabled())\n"
+        "print(inside, after, 'torch._inductor' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split("\n")[0] == "(True, False) (True, True) False"
+
+
 def test_seed_prompt_and_guidance_change_the_output(pipe):
     base = digest(pipe.run_colocated(IMAGE))
     variants = [

@@ -28,15 +28,19 @@ def deterministic(threads: int) -> Iterator[None]:
     """Run the block with ``threads`` intra-op threads, deterministic algorithms only and
     gradients off; the previous settings come back on exit. Not thread-safe (torch's
     settings are process-wide): one stage call at a time per process."""
+    # the debug-mode form of torch.use_deterministic_algorithms(True): that call also
+    # sets torch._inductor.config.deterministic, and importing it pulls in inductor
+    # and dynamo (2 s of a worker's first item with bytecode cached, 8 s without, on
+    # 2 cores); nothing here is compiled by inductor
     prev_threads = torch.get_num_threads()
-    prev_det = torch.are_deterministic_algorithms_enabled()
+    prev_mode = torch.get_deterministic_debug_mode()
     torch.set_num_threads(threads)
-    torch.use_deterministic_algorithms(True)
+    torch.set_deterministic_debug_mode("error")
     try:
         with torch.no_grad():
             yield
     finally:
-        torch.use_deterministic_algorithms(prev_det)
+        torch.set_deterministic_debug_mode(prev_mode)
         torch.set_num_threads(prev_threads)
 
 
