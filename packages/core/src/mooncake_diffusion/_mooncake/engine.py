@@ -2,10 +2,11 @@
 
 Peers find each other by segment name ``ip:rpc_port``, which travels in handles.
 Transfers block the calling thread and release the GIL inside Mooncake;
-``write`` with a deadline submits asynchronously and polls (paced by ``Pacer``
-from the rate of recent writes), so a peer that stops reading cannot hold the
+``write`` submits asynchronously and polls (paced by ``Pacer`` from the rate
+of recent writes), so with a deadline a peer that stops reading cannot hold the
 caller past it. Polling rather than ``transfer_sync_write``'s busy wait also
-leaves the CPU to Mooncake's own threads (``docs/performance.md``).
+leaves the CPU to Mooncake's own threads (``docs/performance.md``); only small
+writes without a deadline stay synchronous.
 """
 
 from __future__ import annotations
@@ -84,6 +85,9 @@ class Pacer:
 class Engine:
     """One Transfer Engine per process role; ``close()`` when done (about 1 s)."""
 
+    #: writes without a deadline of at least this many bytes are polled, not synchronous
+    SYNC_BELOW = 256 << 10
+
     def __init__(self, settings: MooncakeSettings) -> None:
         mod = import_mooncake("engine")
         self._te = mod.TransferEngine()
@@ -120,20 +124,25 @@ class Engine:
     ) -> None:
         """Write local registered ``src[i]`` into ``peer``'s registered ``dst[i]``.
 
-        Without ``deadline`` one range goes through ``transfer_sync_write`` (no
-        batch bookkeeping, measurably cheaper here), several through
-        ``batch_transfer_sync_write``; both block as long as Mooncake does.
-        With ``deadline`` (a ``time.monotonic()`` instant) every range is
-        submitted with ``transfer_submit_write`` and polled until all landed,
-        one failed (``TransferError``) or the deadline passed
-        (``DeadlineExceededError``). Mooncake cannot cancel a submitted
-        transfer: after a deadline error it may still read ``src`` and write
-        ``dst`` later, so the caller keeps ``src`` registered and unchanged and
-        treats ``dst`` as lost until the engine is closed.
+        Every range is submitted with ``transfer_submit_write`` and polled (paced
+        by ``pacer``) until all landed or one failed (``TransferError``; Mooncake's
+        own transfer timeout is a failure too). With ``deadline`` (a
+        ``time.monotonic()`` instant) the polling also stops there
+        (``DeadlineExceededError``). Mooncake cannot cancel a submitted transfer:
+        after a deadline error it may still read ``src`` and write ``dst`` later,
+        so the caller keeps ``src`` registered and unchanged and treats ``dst``
+        as lost until the engine is closed.
+
+        Without a deadline, writes of less than ``SYNC_BELOW`` bytes in all go
+        through ``transfer_sync_write`` (one range) or ``batch_transfer_sync_write``
+        instead: no batch bookkeeping, cheaper for small writes. Mooncake's
+        synchronous calls busy-wait in the calling thread for the whole transfer,
+        which on a small host takes a core from Mooncake's own TCP threads
+        (``docs/performance.md``), so larger writes are polled either way.
         """
         if not src:
             return
-        if deadline is not None:
+        if deadline is not None or sum(lengths) >= self.SYNC_BELOW:
             self._write_polled(peer, src, dst, lengths, deadline)
             return
         if len(src) == 1:
@@ -149,7 +158,7 @@ class Engine:
         src: Sequence[int],
         dst: Sequence[int],
         lengths: Sequence[int],
-        deadline: float,
+        deadline: float | None,
     ) -> None:
         start = time.monotonic()
         pending = []
@@ -160,26 +169,32 @@ class Engine:
             pending.append(batch)
         total = sum(lengths)
         pauses = self.pacer.pauses(total)
+        failed = 0
         while pending:
             still = []
             for batch in pending:
                 rc = self._te.transfer_check_status(batch)
                 if rc < 0:  # -1 failed, -2 Mooncake's own transfer timeout
-                    raise self._failed(peer, lengths, rc)
-                if rc == 0:
+                    if deadline is not None:
+                        raise self._failed(peer, lengths, rc)
+                    failed = failed or rc  # no deadline: the others end first, as in sync
+                elif rc == 0:
                     still.append(batch)
             pending = still
             now = time.monotonic()
             if not pending:
+                if failed:
+                    raise self._failed(peer, lengths, failed)
                 self.pacer.learn(total, now - start)
                 return
-            if now >= deadline:
+            if deadline is not None and now >= deadline:
                 raise DeadlineExceededError(
                     f"write of {total} bytes to {peer}: {len(pending)} of "
                     f"{len(lengths)} range(s) still in flight at the deadline "
                     "(the peer stopped reading, or the link is too slow)"
                 )
-            time.sleep(min(next(pauses), deadline - now))
+            pause = next(pauses)
+            time.sleep(pause if deadline is None else min(pause, deadline - now))
 
     @staticmethod
     def _failed(peer: str, lengths: Sequence[int], rc: int) -> TransferError:
