@@ -54,7 +54,8 @@ Also per connector: ``get`` of a key nobody put (p50 over a few calls; the built
 store connector polls 20 x 50 ms before it gives up; raw_store: one ``get_into`` of a
 missing key), and ``small_put_ms`` / ``small_get_ms``, the p50 put and get of a small
 object (``{"x": 1 KiB tensor, "step": i}``; raw_store: 1 KiB ``put_from`` / ``get_into``
-plus ``remove``; core_store: not measured). The summary's ``miss_vs_raw``,
+plus ``remove``; core_store: not measured), each connector's after 16 untimed ones
+(``SMALL_WARMUP``). The summary's ``miss_vs_raw``,
 ``small_get_vs_raw`` and ``small_put_vs_raw`` are ours_store's costs over raw_store's
 (bare Mooncake calls), and ``store_rtt_ms`` one bare master round trip in the same run
 (p50 of ``is_exist`` of a missing key): a bare ``get_into`` of a present object costs more than
@@ -96,6 +97,11 @@ ROOT = Path(__file__).resolve().parent.parent
 ENGINE = "vllm_omni"
 MIB = 1 << 20
 SMALL = 1024  # bytes of the small object's tensor
+#: untimed small puts and gets per connector before the timed ones: the first dozen
+#: transfers through a fresh Mooncake client and store host take 3-4 ms instead of
+#: 0.3-0.6 (measured here; its TCP transport warms up), which a serving process is
+#: long past, and the row measured first would pay it alone
+SMALL_WARMUP = 16
 NAME = "MooncakeDiffusionConnector"
 ROWS = ("ours_store", "ours_p2p", "core_store", "raw_store", "builtin_store", "builtin_shm")
 FACTORY_NAME = {
@@ -119,10 +125,18 @@ def ensure_engine_venv() -> Path:
 
 def prepare_process() -> None:
     """vllm pulls CUDA builds of torchvision/torchaudio/torchcodec that cannot load next to
-    the CPU torch; mark them absent (as tests/engines/vllm_omni/vo_cpu_env.py does)."""
+    the CPU torch; mark them absent (as tests/engines/vllm_omni/vo_cpu_env.py does).
+
+    Without CUDA, also turn off the background builds of ``humming`` (a kernel library
+    vllm imports), as that file does: each import of vllm starts two Python processes
+    that compile GPU kernel helpers and cannot succeed here, about 2 s of a core each.
+    Left on, the two processes of this bench start four while the first rows are
+    measured (the small objects, ours_store first), and every row pays for CPU that
+    no connector uses."""
     import torch
 
     if torch.version.cuda is None:
+        os.environ.setdefault("HUMMING_DISABLE_PARALLEL_BUILD", "1")
         for name in ("torchvision", "torchaudio", "torchcodec"):
             sys.modules.setdefault(name, None)  # type: ignore[arg-type]
 
@@ -508,9 +522,10 @@ def rtt(raw: RawStore, repeats: int) -> float:
 def small_ms(
     peer: Any, conn: Any, raw: RawStore, dst: Any, row: str, repeats: int
 ) -> dict[str, float]:
-    """p50 put (in the peer) and get (here) of a small object through ``row``."""
+    """p50 put (in the peer) and get (here) of a small object through ``row``, after
+    ``SMALL_WARMUP`` untimed ones."""
     puts, gets = [], []
-    for i in range(repeats + 1):
+    for i in range(repeats + SMALL_WARMUP):
         key = f"bench-small-{row}-{i}"
         put = peer.call("put_small", row=row, key=key)
         t0 = time.perf_counter()
@@ -524,7 +539,7 @@ def small_ms(
             raise RuntimeError(f"{row}: small {key} not found after its put")
         if row == "builtin_store":
             conn.store.remove(conn._make_key(key, "0", "1"), True)
-        if i:  # the first is a warm-up
+        if i >= SMALL_WARMUP:
             puts.append(put["seconds"] * 1e3)
             gets.append(get_s * 1e3)
     return {

@@ -8,10 +8,17 @@ code uses them. Marking them absent in ``sys.modules`` makes transformers see th
 as not installed (``importlib.util.find_spec`` returns ``None``), which is how
 vLLM and vLLM-Omni import on a machine without them. On a GPU machine with the
 CUDA torch nothing here is needed; it only runs when torch has no CUDA.
+
+It also sets ``HUMMING_DISABLE_PARALLEL_BUILD=1`` (before vllm is imported, so
+for this process and the ones it starts): vllm imports ``humming``, a GPU kernel
+library whose import starts two background Python processes that build CUDA
+helpers; without CUDA they fail after about 2 s of a core each, in every process
+that imports vllm, beside the tests. Nothing of the connector uses them.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 CUDA_ONLY_WHEELS = ("torchvision", "torchaudio", "torchcodec")
@@ -21,6 +28,7 @@ def hide_cuda_only_wheels() -> None:
     import torch
 
     if torch.version.cuda is None:
+        os.environ.setdefault("HUMMING_DISABLE_PARALLEL_BUILD", "1")
         for name in CUDA_ONLY_WHEELS:
             sys.modules.setdefault(name, None)  # type: ignore[arg-type]
 
