@@ -7,7 +7,8 @@ payload, then for each chunk in order waits until it is ready, writes it and
 sends ``ChunkDone(i)``, and ends with a ``FetchReply``. The consumer blocks in
 ``recv`` between frames, so per-chunk completion costs no polling.
 
-Bytes move with Transfer Engine ``batch_transfer_sync_write``, or, when both
+Bytes move with Transfer Engine writes (``Engine.write``: submitted and polled,
+synchronous only when small), or, when both
 processes share a kernel and PID namespace, with one local copy (``samehost``):
 a memcpy into the consumer's shared receive pool, mapped once, or
 ``process_vm_writev`` into other destinations; the network is the fallback
