@@ -62,6 +62,10 @@ class MooncakeSettings:
     recycled when a store host leaves the master's segment list, which is checked
     that often (``_mooncake/segment_watch.py``; one thread per process). 0 (the
     default for a library; stage workers run with 1 s) never recycles.
+    ``store_direct_reads``: pure Store clients read objects of 256 KiB or more with a
+    polled Transfer Engine of their own instead of Mooncake's get, whose wait spins
+    a core (``_mooncake/store.py``); ``MOONCAKE_DIFFUSION_STORE_DIRECT_READS=0``
+    turns it off.
     """
 
     master: str = "127.0.0.1:50051"
@@ -76,6 +80,7 @@ class MooncakeSettings:
     store_part_bytes: int = 16 << 20
     store_retry_s: float = 10.0
     store_watch_s: float = 0.0
+    store_direct_reads: bool = True
     #: how device tensors travel: ``auto`` (GPU-direct where Mooncake is a CUDA
     #: build and the NIC reaches GPU memory, else pinned host staging),
     #: ``staged`` or ``gpu-direct``; ``MOONCAKE_DIFFUSION_GPU_PATH``.
@@ -108,7 +113,8 @@ class MooncakeSettings:
     def from_env(cls, **overrides: object) -> MooncakeSettings:
         """Settings from ``MOONCAKE_MASTER``, ``MOONCAKE_ADMIN``, ``MOONCAKE_LOCAL_HOSTNAME``,
         ``MOONCAKE_PROTOCOL``, ``MOONCAKE_DEVICE``, ``MOONCAKE_DIFFUSION_STORE_PART_BYTES``,
-        ``MOONCAKE_DIFFUSION_STORE_RETRY_S`` and ``MOONCAKE_DIFFUSION_STORE_WATCH_S``;
+        ``MOONCAKE_DIFFUSION_STORE_RETRY_S``, ``MOONCAKE_DIFFUSION_STORE_WATCH_S``,
+        ``MOONCAKE_DIFFUSION_SAME_HOST`` and ``MOONCAKE_DIFFUSION_STORE_DIRECT_READS``;
         explicit ``overrides`` win. A malformed number raises ``ConfigError``."""
         env = {
             "master": os.environ.get("MOONCAKE_MASTER"),
@@ -129,9 +135,13 @@ class MooncakeSettings:
                     merged[field] = conv(raw)
                 except ValueError:
                     raise ConfigError(f"{var} must be a number, got {raw!r}") from None
-        same_host = os.environ.get("MOONCAKE_DIFFUSION_SAME_HOST")
-        if same_host is not None:
-            merged["same_host"] = same_host.strip().lower() not in ("0", "false", "no", "off")
+        for field, var in (
+            ("same_host", "MOONCAKE_DIFFUSION_SAME_HOST"),
+            ("store_direct_reads", "MOONCAKE_DIFFUSION_STORE_DIRECT_READS"),
+        ):
+            raw = os.environ.get(var)
+            if raw is not None:
+                merged[field] = raw.strip().lower() not in ("0", "false", "no", "off")
         gpu_path = os.environ.get("MOONCAKE_DIFFUSION_GPU_PATH")
         if gpu_path is not None:
             merged["gpu_path"] = gpu_path.strip().lower()
@@ -152,4 +162,6 @@ class MooncakeSettings:
         }
         if self.store_watch_s:
             env["MOONCAKE_DIFFUSION_STORE_WATCH_S"] = str(self.store_watch_s)
+        if not self.store_direct_reads:
+            env["MOONCAKE_DIFFUSION_STORE_DIRECT_READS"] = "0"
         return env

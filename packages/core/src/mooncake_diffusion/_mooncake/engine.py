@@ -24,7 +24,10 @@ from mooncake_diffusion.errors import (
 from mooncake_diffusion.registration import Registrations
 from mooncake_diffusion.settings import MooncakeSettings
 
-__all__ = ["Engine", "Pacer"]
+__all__ = ["Engine", "Pacer", "Read"]
+
+#: one read: (peer segment, local dst addresses, peer src addresses, lengths)
+Read = tuple[str, Sequence[int], Sequence[int], Sequence[int]]
 
 # polling of an asynchronous write: first pause, longest pause (seconds)
 _POLL_MIN_S = 50e-6
@@ -35,7 +38,7 @@ _BAD_BATCH = 1 << 63
 
 
 class Pacer:
-    """When to check a polled write: from how fast recent large writes went.
+    """When to check a polled transfer: from how fast recent large ones went.
 
     Without a rate (no large write yet, or a small one) the pauses start at
     ``_POLL_MIN_S`` and double up to ``_POLL_MAX_S``. For a write of at least
@@ -100,16 +103,18 @@ class Engine:
                 f"(protocol {settings.protocol!r}, device {settings.device!r}): {rc}"
             )
         self.segment = f"{settings.local_hostname}:{self._te.get_rpc_port()}"
-        self.regs = Registrations(self._register, self._unregister)
+        self.regs = Registrations(self.register_extent, self.unregister_extent)
         self.pacer = Pacer()
 
-    def _register(self, ptr: int, nbytes: int, device: str) -> None:
+    def register_extent(self, ptr: int, nbytes: int, device: str) -> None:
+        """Register memory directly (``regs`` is the refcounted way; this is for an
+        owner that keeps its own account, such as a store client's reader)."""
         location = "*" if device == "cpu" else device
         rc = self._te.register_memory(ptr, nbytes, location)
         if rc != 0:
             raise MooncakeError(f"Transfer Engine register_memory of {nbytes} bytes: {rc}", rc)
 
-    def _unregister(self, ptr: int) -> None:
+    def unregister_extent(self, ptr: int) -> None:
         rc = self._te.unregister_memory(ptr)
         if rc != 0:
             raise MooncakeError(f"Transfer Engine unregister_memory: {rc}", rc)
@@ -161,40 +166,82 @@ class Engine:
         deadline: float | None,
     ) -> None:
         start = time.monotonic()
-        pending = []
+        batches = []
         for s, d, n in zip(src, dst, lengths, strict=True):
             batch = self._te.transfer_submit_write(peer, s, d, n)
             if not 0 < batch < _BAD_BATCH:  # never poll these: Mooncake crashes on them
                 raise self._failed(peer, lengths, -1)
-            pending.append(batch)
+            batches.append(batch)
         total = sum(lengths)
+        ends = self._settle(batches, total, start, deadline)
+        if min(ends) < 0:
+            raise self._failed(peer, lengths, min(ends))
+        if 0 in ends:  # only with a deadline
+            raise DeadlineExceededError(
+                f"write of {total} bytes to {peer}: {ends.count(0)} of "
+                f"{len(lengths)} range(s) still in flight at the deadline "
+                "(the peer stopped reading, or the link is too slow)"
+            )
+
+    def read_many(self, reads: Sequence[Read]) -> list[int]:
+        """Run every read at once and return each one's outcome: 0 when it landed,
+        else Mooncake's negative code (-1 failed or could not be submitted, -2
+        Mooncake's own transfer timeout).
+
+        A read is ``(peer, dst, src, lengths)``: ``peer``'s registered ``src[i]``
+        into local registered ``dst[i]``. Each range is a batch of its own
+        (``transfer_check_status`` looks at a batch's first range only). All are
+        polled (paced by ``pacer``) until each ended: this never returns while one
+        is in flight (Mooncake cannot cancel), so every ``dst`` is the caller's
+        again."""
+        start = time.monotonic()
+        batches: list[int] = []
+        owner: list[int] = []  # the read of each batch
+        ends = [0] * len(reads)
+        for r, (peer, dst, src, lengths) in enumerate(reads):
+            for d, s, n in zip(dst, src, lengths, strict=True):
+                batch = self._te.batch_transfer_async_read(peer, [d], [s], [n])
+                if not 0 < batch < _BAD_BATCH:  # never poll these: Mooncake crashes
+                    ends[r] = -1
+                    continue
+                batches.append(batch)
+                owner.append(r)
+        total = sum(sum(reads[r][3]) for r in set(owner))
+        for r, end in zip(owner, self._settle(batches, total, start, None), strict=True):
+            ends[r] = min(ends[r], end, 0)
+        return ends
+
+    def _settle(
+        self, batches: list[int], total: int, start: float, deadline: float | None
+    ) -> list[int]:
+        """Poll ``batches`` (submitted at ``start``, ``total`` bytes) until each ended,
+        pausing as ``pacer`` says, and return each one's status: 1 done, negative
+        failed. With ``deadline`` it returns at the first failure or at the deadline,
+        with 0 for those still in flight. ``pacer`` learns from a clean finish."""
+        ends = [0] * len(batches)
+        pending = list(range(len(batches)))
         pauses = self.pacer.pauses(total)
-        failed = 0
         while pending:
             still = []
-            for batch in pending:
-                rc = self._te.transfer_check_status(batch)
-                if rc < 0:  # -1 failed, -2 Mooncake's own transfer timeout
-                    if deadline is not None:
-                        raise self._failed(peer, lengths, rc)
-                    failed = failed or rc  # no deadline: the others end first, as in sync
-                elif rc == 0:
-                    still.append(batch)
+            for i in pending:
+                rc = self._te.transfer_check_status(batches[i])
+                if rc == 0:
+                    still.append(i)
+                else:  # 1 done; -1 failed, -2 Mooncake's own transfer timeout
+                    ends[i] = rc
+                    if rc < 0 and deadline is not None:
+                        return ends
             pending = still
             now = time.monotonic()
             if not pending:
-                if failed:
-                    raise self._failed(peer, lengths, failed)
-                self.pacer.learn(total, now - start)
-                return
+                if min(ends, default=1) > 0:
+                    self.pacer.learn(total, now - start)
+                return ends
             if deadline is not None and now >= deadline:
-                raise DeadlineExceededError(
-                    f"write of {total} bytes to {peer}: {len(pending)} of "
-                    f"{len(lengths)} range(s) still in flight at the deadline "
-                    "(the peer stopped reading, or the link is too slow)"
-                )
+                return ends
             pause = next(pauses)
             time.sleep(pause if deadline is None else min(pause, deadline - now))
+        return ends
 
     @staticmethod
     def _failed(peer: str, lengths: Sequence[int], rc: int) -> TransferError:

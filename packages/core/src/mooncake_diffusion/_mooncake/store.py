@@ -29,6 +29,20 @@ the old client's Transfer Engine sockets to the dead host, which Mooncake itself
 never does. Calls made during a recycle wait for the swap (at most the fresh
 client's set-up), never fail because of it. ``recycle()`` may also be called
 directly.
+
+Direct reads: a pure client (``settings.store_direct_reads``, the default) reads
+objects of ``DIRECT_MIN_BYTES`` or more itself. It asks the master where their
+replicas are (``batch_get_replica_desc``, which grants the same lease a get does)
+and reads them with a Transfer Engine of its own, polled and paced
+(``Engine.read_many``). Mooncake's own get waits for its transfer by spinning in
+the calling thread (the PyPI build has no event-driven wait), a core per waiting
+caller, which on a small host slows Mooncake's own TCP threads and a pipelined
+producer's puts (``docs/performance.md``). A direct read that ended later than
+``LEASE_FLOOR_S`` after its lease was granted is redone, as Mooncake redoes a get
+that outlived its lease; one that failed, or whose object is not where a direct
+read can take it (no complete memory replica of the stated size), is redone by
+Mooncake's get, whose result then stands, errors included. The reader is recycled
+with the native client.
 """
 
 from __future__ import annotations
@@ -40,10 +54,11 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from mooncake_diffusion._mooncake import import_mooncake, segment_watch
 from mooncake_diffusion._mooncake.codes import (
+    LEASE_EXPIRED,
     OBJECT_NOT_FOUND,
     REPLICA_NOT_READY,
     RPC_FAIL,
@@ -52,6 +67,7 @@ from mooncake_diffusion._mooncake.codes import (
     check,
     error_for,
 )
+from mooncake_diffusion._mooncake.engine import Engine, Read
 from mooncake_diffusion._mooncake.master import probe_master
 from mooncake_diffusion.errors import MasterUnavailableError
 from mooncake_diffusion.registration import Registrations
@@ -64,6 +80,12 @@ _RETRY_MAX_S = 0.2
 #: how long the master probe after a failed RPC may take (a live master answers in ms)
 MASTER_PROBE_S = 1.0
 _RPC_FAULTS = frozenset({RPC_FAIL, RPC_TIMEOUT})
+#: reads of at least this many bytes (one batch) are direct reads (see above); smaller
+#: ones cost no more through Mooncake's get, which needs no second lookup
+DIRECT_MIN_BYTES = 256 << 10
+#: the shortest lease a direct read relies on (the embedded cluster's; Mooncake's
+#: default is longer): one that ended later after its lookup is redone
+LEASE_FLOOR_S = 1.0
 log = logging.getLogger("mooncake_diffusion.store")
 
 
@@ -82,6 +104,13 @@ def _batches(sizes: Sequence[Sequence[int]], limit: int) -> list[list[int]]:
     return groups
 
 
+class _Native(NamedTuple):
+    """A native store client and its direct reader (``None``: reads go through it)."""
+
+    store: Any
+    reader: Engine | None
+
+
 class StoreClient:
     """Connects at construction (probing the master first; fails within
     ``settings.connect_timeout_s`` if it is not there); ``close()`` when done."""
@@ -97,7 +126,9 @@ class StoreClient:
         self._settings = settings
         self._segment_bytes = segment_bytes
         probe_master(settings)
-        self._store = self._connect()
+        self._direct = segment_bytes == 0 and settings.store_direct_reads
+        self._devices: dict[int, str] = {}  # registered extents' devices (for recycles)
+        self._native = self._connect()
         self.regs = Registrations(self._register, self._unregister)
         self._part_bytes = settings.store_part_bytes
         self._retry_s = settings.store_retry_s
@@ -112,6 +143,9 @@ class StoreClient:
         self.master_down = 0
         #: native clients replaced by ``recycle()`` (tests, metrics)
         self.recycles = 0
+        #: objects read directly, and those a direct read handed to Mooncake's get
+        self.direct_reads = 0
+        self.direct_fallbacks = 0
         # the native client in use and the calls running on each one (by generation)
         self._cv = threading.Condition()
         self._generation = 0
@@ -122,8 +156,9 @@ class StoreClient:
         if segment_bytes == 0 and settings.store_watch_s > 0:
             segment_watch.watch(self, settings.admin_address, settings.store_watch_s)
 
-    def _connect(self) -> Any:
-        """A native client set up against the master (``MasterUnavailableError`` if not)."""
+    def _connect(self) -> _Native:
+        """A native client set up against the master (``MasterUnavailableError`` if not),
+        with its direct reader when direct reads are on."""
         s = self._settings
         store = self._mod.MooncakeDistributedStore()
         rc = store.setup(
@@ -139,16 +174,21 @@ class StoreClient:
             raise MasterUnavailableError(
                 f"Mooncake Store setup against master {s.master} failed ({rc})"
             )
-        return store
+        try:
+            reader = Engine(s) if self._direct else None
+        except Exception:
+            store.close()
+            raise
+        return _Native(store, reader)
 
     @contextlib.contextmanager
-    def _use(self) -> Iterator[Any]:
+    def _use(self) -> Iterator[_Native]:
         """The native client for one call; a recycle closes it only after this returns."""
         with self._cv:
-            gen, store = self._generation, self._store
+            gen, native = self._generation, self._native
             self._users[gen] += 1
         try:
-            yield store
+            yield native
         finally:
             with self._cv:
                 self._users[gen] -= 1
@@ -161,8 +201,8 @@ class StoreClient:
     def _call(self, method: str, *args: Any) -> Any:
         """The native client's ``method`` called with ``args`` (on the client in use:
         see ``_use``)."""
-        with self._use() as store:
-            return getattr(store, method)(*args)
+        with self._use() as native:
+            return getattr(native.store, method)(*args)
 
     def recycle(self, reason: str = "asked") -> bool:
         """Replace the native client with a fresh one of the same config: the same
@@ -183,15 +223,17 @@ class StoreClient:
                 log.info("store client not recycled yet (%s): %s", reason, e)
                 return False
             with self.regs.held() as extents:
+                done: list[tuple[int, int]] = []
                 try:
                     for ptr, nbytes in extents:
-                        check(fresh.register_buffer(ptr, nbytes), "store register_buffer")
+                        self._register_on(fresh, ptr, nbytes, self._devices.get(ptr, "cpu"))
+                        done.append((ptr, nbytes))
                 except Exception:
-                    self._close_native(fresh)
+                    self._close_native((fresh, done))
                     raise
                 with self._cv:
-                    old, gen = self._store, self._generation
-                    self._store = fresh
+                    old, gen = self._native, self._generation
+                    self._native = fresh
                     self._generation += 1
                     self._users[self._generation] = 0
                     busy = self._users[gen] > 0
@@ -206,13 +248,34 @@ class StoreClient:
             return True
 
     @staticmethod
-    def _close_native(retired: tuple[Any, list[tuple[int, int]]]) -> None:
-        store, extents = retired
+    def _close_native(retired: tuple[_Native, list[tuple[int, int]]]) -> None:
+        """Unregister ``extents`` from a native client and its reader and close both,
+        side by side (each takes about a second inside Mooncake)."""
+        (store, reader), extents = retired
         for ptr, _ in extents:
             with contextlib.suppress(Exception):
                 store.unregister_buffer(ptr)
+            if reader is not None:
+                with contextlib.suppress(Exception):
+                    reader.unregister_extent(ptr)
+        closer = None
+        if reader is not None:
+            closer = threading.Thread(target=reader.close, name="mcd-reader-close")
+            closer.start()
         with contextlib.suppress(Exception):
             store.close()
+        if closer is not None:
+            closer.join()
+
+    @staticmethod
+    def _register_on(native: _Native, ptr: int, nbytes: int, device: str) -> None:
+        check(native.store.register_buffer(ptr, nbytes), "store register_buffer")
+        if native.reader is not None:
+            try:
+                native.reader.register_extent(ptr, nbytes, device)
+            except Exception:
+                native.store.unregister_buffer(ptr)
+                raise
 
     def _deadline(self, deadline: float | None) -> float:
         return self._clock() + self._retry_s if deadline is None else deadline
@@ -269,10 +332,16 @@ class StoreClient:
             ) from None
 
     def _register(self, ptr: int, nbytes: int, device: str) -> None:
-        check(self._call("register_buffer", ptr, nbytes), "store register_buffer")
+        with self._use() as native:
+            self._register_on(native, ptr, nbytes, device)
+        self._devices[ptr] = device
 
     def _unregister(self, ptr: int) -> None:
-        check(self._call("unregister_buffer", ptr), "store unregister_buffer")
+        self._devices.pop(ptr, None)
+        with self._use() as native:
+            check(native.store.unregister_buffer(ptr), "store unregister_buffer")
+            if native.reader is not None:
+                native.reader.unregister_extent(ptr)
 
     def _config(self, pin: str) -> object:
         cfg = self._mod.ReplicateConfig()
@@ -333,8 +402,9 @@ class StoreClient:
         """Read each key, scattered in order into registered buffers ``ptrs[i]``
         (sizes ``sizes[i]``); ``False`` where the key is absent or still being put.
 
-        Reads go in batches of at most ``store_part_bytes``; transient faults are
-        retried until ``deadline``. Any other failure raises (``PeerGoneError``
+        Reads go in batches of at most ``store_part_bytes``, direct ones from
+        ``DIRECT_MIN_BYTES`` a batch (see the module's docstring); transient faults
+        are retried until ``deadline``. Any other failure raises (``PeerGoneError``
         when the store host died).
         """
         if not keys:
@@ -343,12 +413,13 @@ class StoreClient:
         for group in _batches(sizes, self._part_bytes):
 
             def get(idx: list[int], group: list[int] = group) -> Sequence[int]:
-                return self._call(
-                    "batch_get_into_multi_buffers",
-                    [keys[group[i]] for i in idx],
-                    [list(ptrs[group[i]]) for i in idx],
-                    [list(sizes[group[i]]) for i in idx],
-                )
+                k = [keys[group[i]] for i in idx]
+                p = [list(ptrs[group[i]]) for i in idx]
+                n = [list(sizes[group[i]]) for i in idx]
+                with self._use() as native:
+                    if native.reader is not None and sum(map(sum, n)) >= DIRECT_MIN_BYTES:
+                        return self._read_direct(native, k, p, n)
+                    return native.store.batch_get_into_multi_buffers(k, p, n)
 
             codes += self._retrying(len(group), get, deadline, split=True)
         found = []
@@ -359,6 +430,55 @@ class StoreClient:
                 check(code, f"store get of {key!r}")
                 found.append(True)
         return found
+
+    def _read_direct(
+        self, native: _Native, keys: list[str], ptrs: list[list[int]], sizes: list[list[int]]
+    ) -> list[int]:
+        """One try of ``get_many``'s read of ``keys`` by direct reads; a code per key as
+        Mooncake's get gives them (see the module's docstring)."""
+        assert native.reader is not None
+        start = time.monotonic()
+        where = native.store.batch_get_replica_desc(keys)
+        # an empty answer may be a failed lookup: Mooncake's get tells which
+        codes = [OBJECT_NOT_FOUND if where else 0] * len(keys)
+        fallback = [] if where else list(range(len(keys)))
+        reads: list[Read] = []
+        read_idx: list[int] = []
+        for i, key in enumerate(keys):
+            desc = _memory_replica(where.get(key, ()))
+            if desc is None:
+                continue  # absent or not complete: OBJECT_NOT_FOUND, as set above
+            if desc.size != sum(sizes[i]):
+                fallback.append(i)  # Mooncake's get says what is wrong
+                continue
+            dst, src = [], []
+            offset = 0
+            for ptr, n in zip(ptrs[i], sizes[i], strict=True):
+                if n:
+                    dst.append(ptr)
+                    src.append(desc.buffer_address + offset)
+                offset += n
+            reads.append((desc.transport_endpoint, dst, src, [n for n in sizes[i] if n]))
+            read_idx.append(i)
+        ends = native.reader.read_many(reads) if reads else []
+        late = time.monotonic() - start > LEASE_FLOOR_S
+        for i, end in zip(read_idx, ends, strict=True):
+            if end < 0:
+                fallback.append(i)
+            else:
+                codes[i] = LEASE_EXPIRED if late else sum(sizes[i])
+                self.direct_reads += 1
+        if fallback:
+            fallback.sort()
+            self.direct_fallbacks += len(fallback)
+            redone = native.store.batch_get_into_multi_buffers(
+                [keys[i] for i in fallback],
+                [ptrs[i] for i in fallback],
+                [sizes[i] for i in fallback],
+            )
+            for i, code in zip(fallback, redone, strict=True):
+                codes[i] = code
+        return codes
 
     def read(
         self, key: str, ptr: int, capacity: int, *, deadline: float | None = None
@@ -434,4 +554,12 @@ class StoreClient:
             self._retired.clear()
         for r in retired:
             self._close_native(r)
-        self._store.close()
+        self._close_native((self._native, []))
+
+
+def _memory_replica(replicas: Sequence[Any]) -> Any | None:
+    """The buffer descriptor of the first complete memory replica, if any."""
+    for r in replicas:
+        if r.is_memory_replica() and r.status.name == "COMPLETE":
+            return r.get_memory_descriptor().buffer_descriptor
+    return None

@@ -1,0 +1,129 @@
+"""Direct store reads against a real ``mooncake_master`` and store host (separate
+processes, loopback TCP): a pure ``StoreClient`` reads objects of
+``DIRECT_MIN_BYTES`` or more with its own polled Transfer Engine, from the replica
+the master names, instead of Mooncake's get (whose wait spins a core). The bytes and
+results are those of Mooncake's get; what a direct read cannot take is handed to
+Mooncake's get, whose answer stands; a read that ended past the lease it relies on
+is redone."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from mooncake_diffusion._mooncake import store as store_mod
+from mooncake_diffusion._mooncake.store import DIRECT_MIN_BYTES, StoreClient
+from mooncake_diffusion.errors import MooncakeDiffusionError
+from mooncake_diffusion.tensors import describe
+from mooncake_diffusion.testing import assert_no_leaks, thread_names
+
+pytestmark = pytest.mark.integration
+
+MIB = 1 << 20
+
+
+@pytest.fixture
+def clients(mooncake_cluster):
+    """A producer, a direct reader and a reader with direct reads off, each with a
+    pinned 2 MiB buffer: (producer, direct, plain, {client: buffer})."""
+    threads = thread_names()
+    s = mooncake_cluster.settings
+    made = [
+        StoreClient(s),
+        StoreClient(s),
+        StoreClient(dataclasses.replace(s, store_direct_reads=False)),
+    ]
+    bufs = {}
+    for c in made:
+        buf = torch.zeros(2 * MIB, dtype=torch.uint8)
+        c.regs.pin(describe("b", buf)[1])
+        bufs[c] = buf
+    yield (*made, bufs)
+    for c in made:
+        c.regs.unpin(describe("b", bufs[c])[1])
+        c.close()
+        assert c.regs.count == 0
+    assert_no_leaks(mooncake_cluster, threads)
+
+
+def _put(producer: StoreClient, buf: torch.Tensor, key: str, n: int) -> torch.Tensor:
+    buf[:n] = torch.randint(0, 256, (n,), dtype=torch.uint8)
+    producer.put_many([key], [[buf.data_ptr()]], [[n]], pin="none")
+    return buf[:n].clone()
+
+
+def test_a_direct_read_scatters_the_same_bytes_mooncakes_get_does(clients) -> None:
+    producer, direct, plain, bufs = clients
+    n = MIB + 12345
+    assert n >= DIRECT_MIN_BYTES
+    want = _put(producer, bufs[producer], "direct/a", n)
+    cut = 300_001  # two destination ranges, the second at an odd offset
+    for c in (direct, plain):
+        buf = bufs[c]
+        ptrs = [buf.data_ptr() + 7, buf.data_ptr() + MIB]
+        assert c.get_many(["direct/a"], [ptrs], [[cut, n - cut]]) == [True]
+        assert torch.equal(buf[7 : 7 + cut], want[:cut])
+        assert torch.equal(buf[MIB : MIB + n - cut], want[cut:])
+    assert (direct.direct_reads, direct.direct_fallbacks) == (1, 0)
+    assert plain.direct_reads == 0
+    # a small read goes through Mooncake's get: no lookup of its own to pay for
+    small = _put(producer, bufs[producer], "direct/small", 4096)
+    bufs[direct].zero_()
+    assert direct.get_many(["direct/small"], [[bufs[direct].data_ptr()]], [[4096]]) == [True]
+    assert torch.equal(bufs[direct][:4096], small)
+    assert direct.direct_reads == 1
+    producer.remove_many(["direct/small"])
+    producer.remove_many(["direct/a"])
+
+
+def test_absent_keys_read_as_absent_with_or_without_a_present_one(clients) -> None:
+    producer, direct, _plain, bufs = clients
+    n = MIB
+    _put(producer, bufs[producer], "direct/here", n)
+    ptr = bufs[direct].data_ptr()
+    # one present key: the lookup answered, so the absent one is absent, no fallback
+    found = direct.get_many(["direct/here", "direct/none"], [[ptr], [ptr + n]], [[n], [n]])
+    assert found == [True, False]
+    assert (direct.direct_reads, direct.direct_fallbacks) == (1, 0)
+    # every key absent: an empty lookup may be a failed one, so Mooncake's get decides
+    assert direct.get_many(["direct/none"], [[ptr]], [[n]]) == [False]
+    assert direct.direct_fallbacks == 1
+    producer.remove_many(["direct/here"])
+
+
+def test_a_size_mismatch_is_mooncakes_get_error(clients) -> None:
+    producer, direct, plain, bufs = clients
+    _put(producer, bufs[producer], "direct/sized", MIB)
+    errors = []
+    for c in (direct, plain):
+        with pytest.raises(MooncakeDiffusionError) as e:
+            c.get_many(["direct/sized"], [[bufs[c].data_ptr()]], [[MIB + 4096]])
+        errors.append((type(e.value), str(e.value)))
+    assert errors[0] == errors[1]
+    assert direct.direct_fallbacks == 1 and direct.direct_reads == 0
+    producer.remove_many(["direct/sized"])
+
+
+def test_a_read_that_outlived_its_lease_is_redone(clients, monkeypatch) -> None:
+    producer, direct, _plain, bufs = clients
+    n = MIB
+    want = _put(producer, bufs[producer], "direct/late", n)
+    reader = direct._native.reader
+    assert reader is not None
+    real = reader.read_many
+    tries = []
+
+    def slow_first(reads):
+        # the first try ends "late": the floor is below any read's time until it ran
+        tries.append(len(reads))
+        monkeypatch.setattr(store_mod, "LEASE_FLOOR_S", -1.0 if len(tries) == 1 else 1.0)
+        return real(reads)
+
+    monkeypatch.setattr(reader, "read_many", slow_first)
+    buf = bufs[direct]
+    assert direct.get_many(["direct/late"], [[buf.data_ptr()]], [[n]]) == [True]
+    assert torch.equal(buf[:n], want)
+    assert tries == [1, 1] and direct.retries == 1
+    producer.remove_many(["direct/late"])
