@@ -19,8 +19,10 @@ sum (each row also gives the median put and get apart). Connectors, all in one r
 round-robin per repeat (order flipped every other repeat):
 
     ours_store     MooncakeDiffusionConnector, transfer_mode: store (the default): tensors
-                   put_from the producer's memory into the store host, get_into fresh
-                   tensors; the handle in a Store mailbox record
+                   put_from the producer's memory into the store host, read into fresh
+                   tensors (from 256 KiB a direct read: the replica's address from the
+                   master, then a polled Transfer Engine read, not Mooncake's get); the
+                   handle in a Store mailbox record
     ours_p2p       MooncakeDiffusionConnector, transfer_mode: p2p: the producer keeps the
                    tensor, the consumer's get pulls it (same host: one memory copy)
     core_store     core's own store mode on the same latent, no vLLM-Omni and no key:
@@ -45,10 +47,12 @@ round-robin per repeat (order flipped every other repeat):
                    registered once in the peer, ``put_from`` of it as one object timed as
                    the put, ``get_into`` a destination registered once here plus the
                    ``remove`` timed as the get (our get removes what it took, so the
-                   ceiling pays the same). The ceiling of any store path through
-                   this store host: ``ceiling_vs_builtin_*`` are raw_store against the
-                   built-in connectors, as the ``vs_builtin_*`` figures are ours_store;
-                   ``store_vs_raw_store_64mb`` is ours_store / raw_store
+                   ceiling pays the same). The ceiling of any path through Mooncake's
+                   own put and get (whose wait spins a core; our direct reads do not
+                   use it, so ours_store can pass it): ``ceiling_vs_builtin_*`` are
+                   raw_store against the built-in connectors, as the ``vs_builtin_*``
+                   figures are ours_store; ``store_vs_raw_store_64mb`` is ours_store /
+                   raw_store
 
 Also per connector: ``get`` of a key nobody put (p50 over a few calls; the built-in
 store connector polls 20 x 50 ms before it gives up; raw_store: one ``get_into`` of a
