@@ -13,7 +13,6 @@ import dataclasses
 import pytest
 import torch
 
-from mooncake_diffusion._mooncake import store as store_mod
 from mooncake_diffusion._mooncake.store import DIRECT_MIN_BYTES, StoreClient
 from mooncake_diffusion.errors import MooncakeDiffusionError
 from mooncake_diffusion.tensors import describe
@@ -107,6 +106,9 @@ def test_a_size_mismatch_is_mooncakes_get_error(clients) -> None:
 
 
 def test_a_read_that_outlived_its_lease_is_redone(clients, monkeypatch) -> None:
+    """The first try ends past the lease it relies on (``lease_s`` set below any read's
+    time), the retry within it: the key is read twice, once redone. A real short lease
+    is provoked in ``tests/faults/test_store_transients.py``."""
     producer, direct, _plain, bufs = clients
     n = MIB
     want = _put(producer, bufs[producer], "direct/late", n)
@@ -115,13 +117,12 @@ def test_a_read_that_outlived_its_lease_is_redone(clients, monkeypatch) -> None:
     real = reader.read_many
     tries = []
 
-    def slow_first(reads):
-        # the first try ends "late": the floor is below any read's time until it ran
+    def late_first(reads):
         tries.append(len(reads))
-        monkeypatch.setattr(store_mod, "LEASE_FLOOR_S", -1.0 if len(tries) == 1 else 1.0)
+        direct.lease_s = 1e-9 if len(tries) == 1 else 60.0
         return real(reads)
 
-    monkeypatch.setattr(reader, "read_many", slow_first)
+    monkeypatch.setattr(reader, "read_many", late_first)
     buf = bufs[direct]
     assert direct.get_many(["direct/late"], [[buf.data_ptr()]], [[n]]) == [True]
     assert torch.equal(buf[:n], want)

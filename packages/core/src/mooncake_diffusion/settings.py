@@ -65,7 +65,11 @@ class MooncakeSettings:
     ``store_direct_reads``: pure Store clients read objects of 256 KiB or more with a
     polled Transfer Engine of their own instead of Mooncake's get, whose wait spins
     a core (``_mooncake/store.py``); ``MOONCAKE_DIFFUSION_STORE_DIRECT_READS=0``
-    turns it off.
+    turns it off. ``store_lease_s`` is the master's read lease
+    (``-default_kv_lease_ttl``) or less: a direct read that ended later than that
+    after its lookup is redone, as Mooncake's get redoes one that outlived its
+    lease (the master does not tell clients its lease). The default, 1 s, is the
+    embedded cluster's; a master started by this package sets it in its settings.
     """
 
     master: str = "127.0.0.1:50051"
@@ -81,6 +85,7 @@ class MooncakeSettings:
     store_retry_s: float = 10.0
     store_watch_s: float = 0.0
     store_direct_reads: bool = True
+    store_lease_s: float = 1.0
     #: how device tensors travel: ``auto`` (GPU-direct where Mooncake is a CUDA
     #: build and the NIC reaches GPU memory, else pinned host staging),
     #: ``staged`` or ``gpu-direct``; ``MOONCAKE_DIFFUSION_GPU_PATH``.
@@ -98,6 +103,8 @@ class MooncakeSettings:
             raise ConfigError("store_retry_s must not be negative")
         if self.store_watch_s < 0:
             raise ConfigError("store_watch_s must be 0 (off) or positive")
+        if self.store_lease_s <= 0:
+            raise ConfigError("store_lease_s must be positive (the master's read lease)")
         if self.gpu_path not in ("auto", "staged", "gpu-direct"):
             raise ConfigError(
                 f"gpu_path must be 'auto', 'staged' or 'gpu-direct', got {self.gpu_path!r}"
@@ -114,7 +121,8 @@ class MooncakeSettings:
         """Settings from ``MOONCAKE_MASTER``, ``MOONCAKE_ADMIN``, ``MOONCAKE_LOCAL_HOSTNAME``,
         ``MOONCAKE_PROTOCOL``, ``MOONCAKE_DEVICE``, ``MOONCAKE_DIFFUSION_STORE_PART_BYTES``,
         ``MOONCAKE_DIFFUSION_STORE_RETRY_S``, ``MOONCAKE_DIFFUSION_STORE_WATCH_S``,
-        ``MOONCAKE_DIFFUSION_SAME_HOST`` and ``MOONCAKE_DIFFUSION_STORE_DIRECT_READS``;
+        ``MOONCAKE_DIFFUSION_STORE_LEASE_S``, ``MOONCAKE_DIFFUSION_SAME_HOST`` and
+        ``MOONCAKE_DIFFUSION_STORE_DIRECT_READS``;
         explicit ``overrides`` win. A malformed number raises ``ConfigError``."""
         env = {
             "master": os.environ.get("MOONCAKE_MASTER"),
@@ -128,6 +136,7 @@ class MooncakeSettings:
             ("store_part_bytes", "MOONCAKE_DIFFUSION_STORE_PART_BYTES", int),
             ("store_retry_s", "MOONCAKE_DIFFUSION_STORE_RETRY_S", float),
             ("store_watch_s", "MOONCAKE_DIFFUSION_STORE_WATCH_S", float),
+            ("store_lease_s", "MOONCAKE_DIFFUSION_STORE_LEASE_S", float),
         ):
             raw = os.environ.get(var)
             if raw is not None:
@@ -159,6 +168,7 @@ class MooncakeSettings:
             "MOONCAKE_PROTOCOL": self.protocol,
             "MOONCAKE_DIFFUSION_STORE_PART_BYTES": str(self.store_part_bytes),
             "MOONCAKE_DIFFUSION_STORE_RETRY_S": str(self.store_retry_s),
+            "MOONCAKE_DIFFUSION_STORE_LEASE_S": str(self.store_lease_s),
         }
         if self.store_watch_s:
             env["MOONCAKE_DIFFUSION_STORE_WATCH_S"] = str(self.store_watch_s)

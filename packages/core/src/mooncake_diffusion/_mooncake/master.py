@@ -140,7 +140,11 @@ class MasterProcess:
             start_new_session=True,
         )
         log.close()
-        return MooncakeSettings(master=f"{self.host}:{rpc}", admin=f"{self.host}:{admin}")
+        return MooncakeSettings(
+            master=f"{self.host}:{rpc}",
+            admin=f"{self.host}:{admin}",
+            store_lease_s=self.lease_ttl_ms / 1000,
+        )
 
     def _wait_ready(self, settings: MooncakeSettings, timeout: float) -> bool:
         deadline = time.monotonic() + timeout

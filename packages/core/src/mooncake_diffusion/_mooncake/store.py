@@ -38,11 +38,11 @@ and reads them with a Transfer Engine of its own, polled and paced
 the calling thread (the PyPI build has no event-driven wait), a core per waiting
 caller, which on a small host slows Mooncake's own TCP threads and a pipelined
 producer's puts (``docs/performance.md``). A direct read that ended later than
-``LEASE_FLOOR_S`` after its lease was granted is redone, as Mooncake redoes a get
-that outlived its lease; one that failed, or whose object is not where a direct
-read can take it (no complete memory replica of the stated size), is redone by
-Mooncake's get, whose result then stands, errors included. The reader is recycled
-with the native client.
+``settings.store_lease_s`` (the master's lease, which it does not tell clients)
+after its lookup is redone, as Mooncake redoes a get that outlived its lease. One
+that failed, or whose object is not where a direct read can take it (no complete
+memory replica of the stated size), is redone by Mooncake's get, whose result then
+stands, errors included. The reader is recycled with the native client.
 """
 
 from __future__ import annotations
@@ -83,9 +83,6 @@ _RPC_FAULTS = frozenset({RPC_FAIL, RPC_TIMEOUT})
 #: reads of at least this many bytes (one batch) are direct reads (see above); smaller
 #: ones cost no more through Mooncake's get, which needs no second lookup
 DIRECT_MIN_BYTES = 256 << 10
-#: the shortest lease a direct read relies on (the embedded cluster's; Mooncake's
-#: default is longer): one that ended later after its lookup is redone
-LEASE_FLOOR_S = 1.0
 log = logging.getLogger("mooncake_diffusion.store")
 
 
@@ -127,6 +124,8 @@ class StoreClient:
         self._segment_bytes = segment_bytes
         probe_master(settings)
         self._direct = segment_bytes == 0 and settings.store_direct_reads
+        #: a direct read that ended later than this after its lookup is redone
+        self.lease_s = settings.store_lease_s
         self._devices: dict[int, str] = {}  # registered extents' devices (for recycles)
         self._native = self._connect()
         self.regs = Registrations(self._register, self._unregister)
@@ -461,7 +460,7 @@ class StoreClient:
             reads.append((desc.transport_endpoint, dst, src, [n for n in sizes[i] if n]))
             read_idx.append(i)
         ends = native.reader.read_many(reads) if reads else []
-        late = time.monotonic() - start > LEASE_FLOOR_S
+        late = time.monotonic() - start > self.lease_s
         for i, end in zip(read_idx, ends, strict=True):
             if end < 0:
                 fallback.append(i)
