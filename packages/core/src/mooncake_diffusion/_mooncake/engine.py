@@ -6,7 +6,8 @@ Transfers block the calling thread and release the GIL inside Mooncake;
 of recent writes), so with a deadline a peer that stops reading cannot hold the
 caller past it. Polling rather than ``transfer_sync_write``'s busy wait also
 leaves the CPU to Mooncake's own threads (``docs/performance.md``); only small
-writes without a deadline stay synchronous.
+writes without a deadline stay synchronous. ``read_many`` reads from peers the
+same way (a store client's direct reads from a store host's segment).
 """
 
 from __future__ import annotations
