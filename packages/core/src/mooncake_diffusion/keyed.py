@@ -56,6 +56,7 @@ producer); in p2p mode it removes them (their bytes die with the producer).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import math
@@ -400,7 +401,9 @@ class KeyedHandoff:
         self._conn: DiffusionConnector | None = None
         self._recycled: RecycledBuffers | None = None
         self._reaper: Reaper | None = None
-        self._client = StoreClient(settings)  # probes the master first: fails fast
+        # probes the master first: fails fast. Mailbox records and reaping only: no
+        # direct reads (``read()`` never uses them), so no second Transfer Engine
+        self._client = StoreClient(dataclasses.replace(settings, store_direct_reads=False))
         try:
             self._mailbox = Mailbox(settings, max_record=max_record, client=self._client)
             self._conn = DiffusionConnector(

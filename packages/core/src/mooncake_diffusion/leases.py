@@ -21,6 +21,7 @@ under a TTL.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 import threading
@@ -86,7 +87,10 @@ class Reaper:
         self._settings = settings
         self._interval = interval_s
         self._own_client = client is None
-        self._client = client or StoreClient(settings)
+        # it only lists and removes: no direct reads, so no second Transfer Engine
+        self._client = client or StoreClient(
+            dataclasses.replace(settings, store_direct_reads=False)
+        )
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.removed = 0

@@ -40,6 +40,7 @@ Thread-safe: posts and takes each serialise on their own scratch; a take costs
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import struct
 import threading
@@ -85,7 +86,12 @@ class Mailbox:
         self.namespace = namespace
         self.max_record = max_record
         self._own_client = client is None
-        self._client = client if client is not None else StoreClient(settings)
+        # records are read with ``read()``, never directly: no second Transfer Engine
+        self._client = (
+            client
+            if client is not None
+            else StoreClient(dataclasses.replace(settings, store_direct_reads=False))
+        )
         self._out = np.empty(max_record + _HEADER.size, dtype=np.uint8)
         self._in = np.empty(max_record + _HEADER.size, dtype=np.uint8)
         self._out_lock = threading.Lock()
