@@ -7,6 +7,8 @@ chaos run). A private cluster (its store host is killed)."""
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import dataclasses
 import os
 import random
@@ -48,10 +50,10 @@ def _roundtrip(client: StoreClient, buf: torch.Tensor, key: str, fill: int) -> N
         client.regs.release(lease)
 
 
-def _wait(cond, what: str) -> None:
+def _wait(cond, what: str, detail=lambda: "") -> None:
     deadline = time.monotonic() + HANG_S
     while not cond():
-        assert time.monotonic() < deadline, f"hang guard: {what}"
+        assert time.monotonic() < deadline, f"hang guard: {what} {detail()}"
         time.sleep(0.05)
 
 
@@ -124,6 +126,29 @@ def _threads_and_connections() -> tuple[int, int]:
     return len(os.listdir("/proc/self/task")), tcp_states().get("ESTABLISHED", 0)
 
 
+def _now() -> str:
+    """What a failed count comparison reports: the counts, threads by name, sockets."""
+    names: collections.Counter[str] = collections.Counter()
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError), open(f"/proc/self/task/{tid}/comm") as f:
+            names[f.read().strip()] += 1
+    return f"now {_threads_and_connections()}: threads {dict(names)}, tcp {tcp_states()}"
+
+
+def _settled() -> tuple[int, int]:
+    """The counts once they held still for a second: a thread that a closed client
+    or an earlier test left exiting is gone by then (a hang guard bounds the wait)."""
+    deadline = time.monotonic() + HANG_S
+    last = _threads_and_connections()
+    while True:
+        time.sleep(1.0)
+        now = _threads_and_connections()
+        if now == last:
+            return now
+        assert time.monotonic() < deadline, f"hang guard: counts never settled {_now()}"
+        last = now
+
+
 def test_a_restarted_master_leaves_no_thread_or_connection_behind(cluster):
     """The chaos tier's master_kill on one host: the master is SIGKILLed and restarted
     on its address, and the store host replaced (its segment died with the master's
@@ -135,21 +160,26 @@ def test_a_restarted_master_leaves_no_thread_or_connection_behind(cluster):
     Mooncake starts process-wide threads lazily: 9 that outlive the first native
     client a process makes, and 1 more once a second one was made after a close
     (measured: the same 10 however many clients are made, closed or recycled
-    later). Two throwaway clients are made, used and closed first, so those are in
-    the baseline; a third leaves nothing."""
+    later). So throwaway clients are made, used and closed until two in a row leave
+    the same settled counts, and the next one leaves nothing. (A CI run on
+    2026-12-02, two throwaways then, saw the third's counts stay off the second's
+    for 120 s; the cause was not found, and a failure now names what differs.)"""
     threads = thread_names()
     buf = torch.zeros(1 << 20, dtype=torch.uint8)
 
-    def throwaway(i: int) -> None:
+    def throwaway(i: int) -> tuple[int, int]:
         client = StoreClient(cluster.settings)
         _roundtrip(client, buf, f"restart/{i}", 1)
         client.close()
+        return _settled()
 
-    throwaway(0)
-    throwaway(1)
-    primed = _threads_and_connections()
-    throwaway(2)
-    _wait(lambda: _threads_and_connections() == primed, f"back to {primed}: a client leaves none")
+    seen = [throwaway(0)]
+    while len(seen) < 2 or seen[-1] != seen[-2]:
+        assert len(seen) < 6, f"every throwaway client left other counts: {seen}"
+        seen.append(throwaway(len(seen)))
+    primed = seen[-1]
+    throwaway(len(seen))
+    _wait(lambda: _threads_and_connections() == primed, f"back to {primed}:", _now)
     watched = StoreClient(dataclasses.replace(cluster.settings, store_watch_s=0.2))
     try:
         _roundtrip(watched, buf, "restart/a", 1)
@@ -159,7 +189,7 @@ def test_a_restarted_master_leaves_no_thread_or_connection_behind(cluster):
         _wait(lambda: close_wait_sockets() == [], "the recycled client holds no dead socket")
         idle = _threads_and_connections()
         _roundtrip(watched, buf, "restart/b", 2)  # the same work against the new host
-        _wait(lambda: _threads_and_connections() == warm, f"back to {warm} (threads, conns)")
+        _wait(lambda: _threads_and_connections() == warm, f"back to {warm}:", _now)
         assert close_wait_sockets() == []
         assert idle[0] - idle[1] == warm[0] - warm[1], (idle, warm)  # a thread a connection
     finally:
