@@ -58,9 +58,13 @@ Also per connector: ``get`` of a key nobody put (p50 over a few calls; the built
 store connector polls 20 x 50 ms before it gives up; raw_store: one ``get_into`` of a
 missing key), and ``small_put_ms`` / ``small_get_ms``, the p50 put and get of a small
 object (``{"x": 1 KiB tensor, "step": i}``; raw_store: 1 KiB ``put_from`` / ``get_into``
-plus ``remove``; core_store: not measured), each connector's after 16 untimed ones
-(``SMALL_WARMUP``); these come first, so the missing-key gets and the round trip are
-timed on warm clients too. The summary's ``miss_vs_raw``,
+plus ``remove``; core_store: not measured), after 16 untimed rounds of every
+connector (``SMALL_WARMUP``); these come first, so the missing-key gets and the round
+trip are timed on warm clients too. Both are timed round-robin, every connector once a
+round and the order flipped every round, as the large transfers are. Ours is two
+master round trips each way by design: a put checks the key first (Mooncake reports a
+put of an existing key as done without writing it, and a second send replaces the
+first), a get reads the record and removes it (raw_store's get times its remove too). The summary's ``miss_vs_raw``,
 ``small_get_vs_raw`` and ``small_put_vs_raw`` are ours_store's costs over raw_store's
 (bare Mooncake calls), and ``store_rtt_ms`` one bare master round trip in the same run
 (p50 of ``is_exist`` of a missing key): a bare ``get_into`` of a present object costs more than
@@ -370,15 +374,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 core.register(dst)
                 raw.register(dst)
             shas = peer.call("setup", extras=ex, sizes=sizes)["shas"]
-            # first: every connector's warm-up (inside small_ms), so no timed figure
+            # first: every connector's warm-up (inside smalls_ms), so no timed figure
             # below, misses included, lands on a cold client or store host
-            smalls = {
-                row: small_ms(peer, conns.get(row), raw, small_dst, row, args.miss_repeats * 3)
-                for row in ROWS
-                if row != "core_store"
-            }
-            misses = {row: miss_ms(conns[row], args.miss_repeats) for row in ex}
-            misses["raw_store"] = raw_miss_ms(raw, small_dst, args.miss_repeats)
+            small_rows = [row for row in ROWS if row != "core_store"]
+            smalls = smalls_ms(peer, conns, raw, small_dst, small_rows, args.miss_repeats * 3)
+            misses = misses_ms(conns, raw, small_dst, args.miss_repeats)
             rtt_ms = rtt(raw, args.miss_repeats * 5)
             n = 0
             for mb in sizes:
@@ -497,27 +497,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "rows": rows_out, "summary": summary}  # fmt: skip
 
 
-def miss_ms(conn: Any, repeats: int) -> float:
-    """p50 of ``get`` of a key nobody put, after one untimed call (the first store call
-    of a client pays its connection set-up)."""
-    samples = []
-    assert conn.get("0", "1", "bench-never-put-warmup") is None
-    for i in range(repeats):
-        t0 = time.perf_counter()
-        assert conn.get("0", "1", f"bench-never-put-{i}") is None
-        samples.append((time.perf_counter() - t0) * 1e3)
-    return round(statistics.median(samples), 3)
+def misses_ms(conns: dict[str, Any], raw: RawStore, dst: Any, repeats: int) -> dict[str, float]:
+    """p50 ``get`` of a key nobody put, per connector (raw_store: one bare ``get_into``),
+    after one untimed each (a client's first store call pays its connection set-up).
+    Round-robin: every connector once a round, the order flipped every round."""
 
+    def miss(row: str, key: str) -> bool:
+        if row == "raw_store":
+            return raw.get(key, dst.data_ptr(), SMALL) < 0
+        return conns[row].get("0", "1", key) is None
 
-def raw_miss_ms(raw: RawStore, dst: Any, repeats: int) -> float:
-    """p50 of one bare ``get_into`` of a key nobody put (after one untimed call)."""
-    samples = []
-    assert raw.get("bench-never-put-raw-warmup", dst.data_ptr(), SMALL) < 0
-    for i in range(repeats):
-        t0 = time.perf_counter()
-        assert raw.get(f"bench-never-put-raw-{i}", dst.data_ptr(), SMALL) < 0
-        samples.append((time.perf_counter() - t0) * 1e3)
-    return round(statistics.median(samples), 3)
+    rows = [*conns, "raw_store"]
+    samples: dict[str, list[float]] = {row: [] for row in rows}
+    for i in range(-1, repeats):
+        for row in rows if i % 2 == 0 else rows[::-1]:
+            t0 = time.perf_counter()
+            assert miss(row, f"bench-never-put-{row}-{i}"), row
+            if i >= 0:
+                samples[row].append((time.perf_counter() - t0) * 1e3)
+    return {row: round(statistics.median(v), 3) for row, v in samples.items()}
 
 
 def rtt(raw: RawStore, repeats: int) -> float:
@@ -530,32 +528,47 @@ def rtt(raw: RawStore, repeats: int) -> float:
     return round(statistics.median(samples), 3)
 
 
-def small_ms(
-    peer: Any, conn: Any, raw: RawStore, dst: Any, row: str, repeats: int
-) -> dict[str, float]:
-    """p50 put (in the peer) and get (here) of a small object through ``row``, after
-    ``SMALL_WARMUP`` untimed ones."""
-    puts, gets = [], []
-    for i in range(repeats + SMALL_WARMUP):
-        key = f"bench-small-{row}-{i}"
-        put = peer.call("put_small", row=row, key=key)
-        t0 = time.perf_counter()
-        if row == "raw_store":  # the remove timed, as our take's is
-            ok = raw.get(key, dst.data_ptr(), SMALL) == SMALL
-            raw.store.remove(key, True)
-        else:
-            ok = conn.get("0", "1", key) is not None
-        get_s = time.perf_counter() - t0
-        if not ok:
-            raise RuntimeError(f"{row}: small {key} not found after its put")
-        if row == "builtin_store":
-            conn.store.remove(conn._make_key(key, "0", "1"), True)
-        if i >= SMALL_WARMUP:
-            puts.append(put["seconds"] * 1e3)
-            gets.append(get_s * 1e3)
+def small_round(
+    peer: Any, conn: Any, raw: RawStore, dst: Any, row: str, key: str
+) -> tuple[float, float]:
+    """One put (in the peer) and get (here) of a small object through ``row``: ms each."""
+    put = peer.call("put_small", row=row, key=key)
+    t0 = time.perf_counter()
+    if row == "raw_store":  # the remove timed, as our take's is
+        ok = raw.get(key, dst.data_ptr(), SMALL) == SMALL
+        raw.store.remove(key, True)
+    else:
+        ok = conn.get("0", "1", key) is not None
+    get_s = time.perf_counter() - t0
+    if not ok:
+        raise RuntimeError(f"{row}: small {key} not found after its put")
+    if row == "builtin_store":
+        conn.store.remove(conn._make_key(key, "0", "1"), True)
+    return put["seconds"] * 1e3, get_s * 1e3
+
+
+def smalls_ms(
+    peer: Any, conns: dict[str, Any], raw: RawStore, dst: Any, rows: list[str], repeats: int
+) -> dict[str, dict[str, float]]:
+    """p50 put and get of a small object per row: ``SMALL_WARMUP`` untimed rounds of
+    every row first, then ``repeats`` timed rounds, every row once a round and the
+    order flipped every round (as the large transfers), so no row is timed alone in
+    a stretch of machine noise or right after the set-up."""
+    for i in range(SMALL_WARMUP):
+        for row in rows:
+            small_round(peer, conns.get(row), raw, dst, row, f"bench-small-{row}-w{i}")
+    samples: dict[str, tuple[list[float], list[float]]] = {row: ([], []) for row in rows}
+    for i in range(repeats):
+        for row in rows if i % 2 == 0 else rows[::-1]:
+            put, get = small_round(peer, conns.get(row), raw, dst, row, f"bench-small-{row}-{i}")
+            samples[row][0].append(put)
+            samples[row][1].append(get)
     return {
-        "put_ms": round(statistics.median(puts), 3),
-        "get_ms": round(statistics.median(gets), 3),
+        row: {
+            "put_ms": round(statistics.median(puts), 3),
+            "get_ms": round(statistics.median(gets), 3),
+        }
+        for row, (puts, gets) in samples.items()
     }
 
 

@@ -199,6 +199,7 @@ class Engine:
         batches: list[int] = []
         owner: list[int] = []  # the read of each batch
         ends = [0] * len(reads)
+        total = 0  # bytes in flight, what the pacer paces
         for r, (peer, dst, src, lengths) in enumerate(reads):
             for d, s, n in zip(dst, src, lengths, strict=True):
                 batch = self._te.batch_transfer_async_read(peer, [d], [s], [n])
@@ -207,7 +208,7 @@ class Engine:
                     continue
                 batches.append(batch)
                 owner.append(r)
-        total = sum(sum(reads[r][3]) for r in set(owner))
+                total += n
         for r, end in zip(owner, self._settle(batches, total, start, None), strict=True):
             ends[r] = min(ends[r], end, 0)
         return ends
