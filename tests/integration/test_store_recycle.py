@@ -165,7 +165,7 @@ def test_a_restarted_master_leaves_no_thread_or_connection_behind(cluster):
     is read once it held still for a second: a closed native client now and then
     leaves one thread ending for a moment (1 of 40 closes in a probe on
     2026-12-03), and a CI run on 2026-12-02, which read the baseline right after a
-    close, waited 120 s for a count one thread higher than the settled one. A
+    close, waited 120 s to get back to 14 threads, where this file settles at 13. A
     failure names the threads and sockets that differ."""
     threads = thread_names()
     buf = torch.zeros(1 << 20, dtype=torch.uint8)
