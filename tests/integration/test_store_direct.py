@@ -4,15 +4,19 @@ processes, loopback TCP): a pure ``StoreClient`` reads objects of
 the master names, instead of Mooncake's get (whose wait spins a core). The bytes and
 results are those of Mooncake's get; what a direct read cannot take is handed to
 Mooncake's get, whose answer stands; a read that ended past the lease it relies on
-is redone."""
+is redone. Each test runs both ways a direct read goes: out of the store host on
+this host (``process_vm_readv``, ``same_host`` on) and over the network (the
+reader's Transfer Engine, ``same_host`` off)."""
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 
 import pytest
 import torch
 
+from mooncake_diffusion._mooncake import store as store_module
 from mooncake_diffusion._mooncake.store import DIRECT_MIN_BYTES, StoreClient
 from mooncake_diffusion.errors import MooncakeDiffusionError
 from mooncake_diffusion.tensors import describe
@@ -23,15 +27,16 @@ pytestmark = pytest.mark.integration
 MIB = 1 << 20
 
 
-@pytest.fixture
-def clients(mooncake_cluster):
-    """A producer, a direct reader and a reader with direct reads off, each with a
-    pinned 2 MiB buffer: (producer, direct, plain, {client: buffer})."""
+@pytest.fixture(params=["local", "net"])
+def clients(mooncake_cluster, request):
+    """A producer, a direct reader (reading out of the store host on this host, or over
+    the network) and a reader with direct reads off, each with a pinned 2 MiB buffer:
+    (producer, direct, plain, {client: buffer})."""
     threads = thread_names()
     s = mooncake_cluster.settings
     made = [
         StoreClient(s),
-        StoreClient(s),
+        StoreClient(dataclasses.replace(s, same_host=request.param == "local")),
         StoreClient(dataclasses.replace(s, store_direct_reads=False)),
     ]
     bufs = {}
@@ -66,6 +71,7 @@ def test_a_direct_read_scatters_the_same_bytes_mooncakes_get_does(clients) -> No
         assert torch.equal(buf[7 : 7 + cut], want[:cut])
         assert torch.equal(buf[MIB : MIB + n - cut], want[cut:])
     assert (direct.direct_reads, direct.direct_fallbacks) == (1, 0)
+    assert direct.local_reads == (1 if direct._same_host else 0)
     assert plain.direct_reads == 0
     # a small read goes through Mooncake's get: no lookup of its own to pay for
     small = _put(producer, bufs[producer], "direct/small", 4096)
@@ -114,17 +120,60 @@ def test_a_read_that_outlived_its_lease_is_redone(clients, monkeypatch) -> None:
     want = _put(producer, bufs[producer], "direct/late", n)
     reader = direct._native.reader
     assert reader is not None
-    real = reader.read_many
+    # the call that does the read: one read each (local), or a list of them (net)
+    owner, name = (direct, "_read_local") if direct._same_host else (reader, "read_many")
+    real = getattr(owner, name)
     tries = []
 
     def late_first(reads):
-        tries.append(len(reads))
+        tries.append(1 if direct._same_host else len(reads))
         direct.lease_s = 1e-9 if len(tries) == 1 else 60.0
         return real(reads)
 
-    monkeypatch.setattr(reader, "read_many", late_first)
+    monkeypatch.setattr(owner, name, late_first)
     buf = bufs[direct]
     assert direct.get_many(["direct/late"], [[buf.data_ptr()]], [[n]]) == [True]
     assert torch.equal(buf[:n], want)
     assert tries == [1, 1] and direct.retries == 1
+    assert direct.local_reads == (2 if direct._same_host else 0)
     producer.remove_many(["direct/late"])
+
+
+def test_a_local_read_the_kernel_refuses_goes_over_the_network(
+    mooncake_cluster, monkeypatch
+) -> None:
+    """``process_vm_readv`` refused (as under a ptrace policy that forbids it): the
+    read goes through the Transfer Engine with the same bytes, and that store host is
+    not tried on this host again. Before that, the store host the client found on
+    this host is the cluster's own process."""
+    threads = thread_names()
+    s = mooncake_cluster.settings
+    producer, direct = StoreClient(s), StoreClient(s)
+    bufs = {c: torch.zeros(2 * MIB, dtype=torch.uint8) for c in (producer, direct)}
+    try:
+        for c, buf in bufs.items():
+            c.regs.pin(describe("b", buf)[1])
+        want = _put(producer, bufs[producer], "direct/refused", MIB)
+        ptr = bufs[direct].data_ptr()
+        assert direct.get_many(["direct/refused"], [[ptr]], [[MIB]]) == [True]
+        assert direct.local_reads == 1
+        assert list(direct._store_hosts.values()) == [mooncake_cluster._store_host.pid]
+        calls = []
+
+        def refused(pid, parts):
+            calls.append(pid)
+            raise PermissionError(errno.EPERM, "process_vm_readv: refused")
+
+        monkeypatch.setattr(store_module, "vm_read", refused)
+        for _ in range(2):
+            bufs[direct].zero_()
+            assert direct.get_many(["direct/refused"], [[ptr]], [[MIB]]) == [True]
+            assert torch.equal(bufs[direct][:MIB], want)
+        assert len(calls) == 1  # the endpoint is marked: the second read did not try
+        assert (direct.direct_reads, direct.local_reads, direct.direct_fallbacks) == (3, 1, 0)
+        producer.remove_many(["direct/refused"])
+    finally:
+        for c, buf in bufs.items():
+            c.regs.unpin(describe("b", buf)[1])
+            c.close()
+    assert_no_leaks(mooncake_cluster, threads)

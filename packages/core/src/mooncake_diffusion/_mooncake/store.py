@@ -43,12 +43,18 @@ after its lookup is redone, as Mooncake redoes a get that outlived its lease. On
 that failed, or whose object is not where a direct read can take it (no complete
 memory replica of the stated size), is redone by Mooncake's get, whose result then
 stands, errors included. The reader is recycled with the native client.
+With ``settings.same_host`` (the default), a replica held by a store host on this
+host (its endpoint's host is ``settings.local_hostname`` and a process of this PID
+namespace listens on its port) is read with ``process_vm_readv`` out of that
+process instead, one kernel copy where loopback TCP takes three (``samehost``);
+under the same lease rule, and back to the Transfer Engine when the kernel refuses.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import logging
 import re
 import threading
@@ -71,6 +77,7 @@ from mooncake_diffusion._mooncake.engine import Engine, Read
 from mooncake_diffusion._mooncake.master import probe_master
 from mooncake_diffusion.errors import MasterUnavailableError
 from mooncake_diffusion.registration import Registrations
+from mooncake_diffusion.samehost import listener_pid, vm_read
 from mooncake_diffusion.settings import MooncakeSettings
 
 __all__ = ["StoreClient"]
@@ -145,6 +152,10 @@ class StoreClient:
         #: objects read directly, and those a direct read handed to Mooncake's get
         self.direct_reads = 0
         self.direct_fallbacks = 0
+        #: direct reads done out of a store host on this host (``process_vm_readv``)
+        self.local_reads = 0
+        self._same_host = self._direct and settings.same_host
+        self._store_hosts: dict[str, int | None] = {}  # endpoint -> its local pid
         # the native client in use and the calls running on each one (by generation)
         self._cv = threading.Condition()
         self._generation = 0
@@ -459,7 +470,11 @@ class StoreClient:
                 offset += n
             reads.append((desc.transport_endpoint, dst, src, [n for n in sizes[i] if n]))
             read_idx.append(i)
-        ends = native.reader.read_many(reads) if reads else []
+        ends = [0] * len(reads)
+        net = [j for j, read in enumerate(reads) if not self._read_local(read)]
+        if net:
+            for j, end in zip(net, native.reader.read_many([reads[j] for j in net]), strict=True):
+                ends[j] = end
         late = time.monotonic() - start > self.lease_s
         for i, end in zip(read_idx, ends, strict=True):
             if end < 0:
@@ -478,6 +493,31 @@ class StoreClient:
             for i, code in zip(fallback, redone, strict=True):
                 codes[i] = code
         return codes
+
+    def _read_local(self, read: Read) -> bool:
+        """Do ``read`` out of a store host on this host; ``False`` when it is not one
+        (or the kernel refused: then that endpoint goes over the network)."""
+        endpoint, dst, src, lengths = read
+        if not self._same_host:
+            return False
+        if endpoint not in self._store_hosts:
+            host, _, port = endpoint.rpartition(":")
+            local = host == self._settings.local_hostname and port.isdigit()
+            self._store_hosts[endpoint] = listener_pid(int(port)) if local else None
+        pid = self._store_hosts[endpoint]
+        if pid is None:
+            return False
+        try:
+            vm_read(pid, list(zip(dst, src, lengths, strict=True)))
+        except OSError as e:
+            # a store host that died may come back on the port: look again next time
+            self._store_hosts[endpoint] = None
+            if e.errno == errno.ESRCH:
+                del self._store_hosts[endpoint]
+            log.info("store read out of %s (pid %d) on this host failed: %s", endpoint, pid, e)
+            return False
+        self.local_reads += 1
+        return True
 
     def read(
         self, key: str, ptr: int, capacity: int, *, deadline: float | None = None
