@@ -21,8 +21,9 @@ round-robin per repeat (order flipped every other repeat):
     ours_store     MooncakeDiffusionConnector, transfer_mode: store (the default): tensors
                    put_from the producer's memory into the store host, read into fresh
                    tensors (from 256 KiB a direct read: the replica's address from the
-                   master, then a polled Transfer Engine read, not Mooncake's get); the
-                   handle in a Store mailbox record
+                   master, then, the store host being on this host, one
+                   ``process_vm_readv`` copy out of it; not Mooncake's get, which goes
+                   through loopback TCP); the handle in a Store mailbox record
     ours_p2p       MooncakeDiffusionConnector, transfer_mode: p2p: the producer keeps the
                    tensor, the consumer's get pulls it (same host: one memory copy)
     core_store     core's own store mode on the same latent, no vLLM-Omni and no key:
@@ -64,7 +65,8 @@ trip are timed on warm clients too. Both are timed round-robin, every connector 
 round and the order flipped every round, as the large transfers are. Ours is two
 master round trips each way by design: a put checks the key first (Mooncake reports a
 put of an existing key as done without writing it, and a second send replaces the
-first), a get reads the record and removes it (raw_store's get times its remove too). The summary's ``miss_vs_raw``,
+first), a get reads the record and removes it (raw_store's get times its remove too).
+The summary's ``miss_vs_raw``,
 ``small_get_vs_raw`` and ``small_put_vs_raw`` are ours_store's costs over raw_store's
 (bare Mooncake calls), and ``store_rtt_ms`` one bare master round trip in the same run
 (p50 of ``is_exist`` of a missing key): a bare ``get_into`` of a present object costs more than
@@ -616,7 +618,10 @@ def table(result: dict[str, Any]) -> str:
         "(sets soft_pin_action=ENABLE), localbuf raised to 9/8 of the largest payload, "
         "metadata_server P2PHANDSHAKE; keys removed after each timed get (its cleanup is a "
         "no-op). builtin_shm ran as shipped. Every store row used one store host whose "
-        "pool was prefaulted (as a long-running one's pages are).",
+        "pool was prefaulted (as a long-running one's pages are), on this host: ours_store "
+        "and core_store read large objects out of it with process_vm_readv (a store host "
+        "on another host is read over the network); raw_store and builtin_store read "
+        "through Mooncake's get over loopback TCP, which has no such shortcut.",
         "Summary: " + ", ".join(f"`{k}` {v}" for k, v in s.items()),
     ]
     return "\n".join(lines)
