@@ -500,20 +500,20 @@ class StoreClient:
         endpoint, dst, src, lengths = read
         if not self._same_host:
             return False
-        if endpoint not in self._store_hosts:
+        pid = self._store_hosts.get(endpoint, -1)  # (threads may race here: no harm)
+        if pid == -1:
             host, _, port = endpoint.rpartition(":")
             local = host == self._settings.local_hostname and port.isdigit()
-            self._store_hosts[endpoint] = listener_pid(int(port)) if local else None
-        pid = self._store_hosts[endpoint]
+            pid = self._store_hosts[endpoint] = listener_pid(int(port)) if local else None
         if pid is None:
             return False
         try:
             vm_read(pid, list(zip(dst, src, lengths, strict=True)))
         except OSError as e:
-            # a store host that died may come back on the port: look again next time
-            self._store_hosts[endpoint] = None
-            if e.errno == errno.ESRCH:
-                del self._store_hosts[endpoint]
+            if e.errno == errno.ESRCH:  # it died; one may come back on the port: look again
+                self._store_hosts.pop(endpoint, None)
+            else:
+                self._store_hosts[endpoint] = None
             log.info("store read out of %s (pid %d) on this host failed: %s", endpoint, pid, e)
             return False
         self.local_reads += 1
