@@ -1,10 +1,19 @@
 import ctypes
+import errno
 import os
+import socket
 
 import pytest
 import torch
 
-from mooncake_diffusion.samehost import PeerPools, SharedPool, host_identity, vm_write
+from mooncake_diffusion.samehost import (
+    PeerPools,
+    SharedPool,
+    host_identity,
+    listener_pid,
+    vm_read,
+    vm_write,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -39,3 +48,24 @@ def test_vm_write_copies_every_part_and_reports_refusal():
 
 def test_host_identity_is_stable_and_names_the_boot():
     assert host_identity() == host_identity() and "/" in host_identity()
+
+
+def test_vm_read_copies_every_part_out_and_reports_a_missing_process():
+    src = torch.arange(64, dtype=torch.int64)
+    dst = torch.zeros(64, dtype=torch.int64)
+    # (local, remote, length): the remote side is read, the local one written
+    vm_read(os.getpid(), [(dst.data_ptr() + 256, src.data_ptr() + 256, 256)])
+    assert torch.equal(dst[32:], src[32:]) and not dst[:32].any()
+    with pytest.raises(OSError) as e:
+        vm_read(2**22 + 12345, [(dst.data_ptr(), src.data_ptr(), 8)])  # no such process
+    assert e.value.errno == errno.ESRCH
+
+
+def test_listener_pid_finds_the_process_listening_on_a_port_and_only_while_it_does():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        assert listener_pid(port) is None  # bound, not listening
+        s.listen()
+        assert listener_pid(port) == os.getpid()
+    assert listener_pid(port) is None
