@@ -142,10 +142,11 @@ def test_a_read_that_outlived_its_lease_is_redone(clients, monkeypatch) -> None:
 def test_a_local_read_the_kernel_refuses_goes_over_the_network(
     mooncake_cluster, monkeypatch
 ) -> None:
-    """``process_vm_readv`` refused (as under a ptrace policy that forbids it): the
-    read goes through the Transfer Engine with the same bytes, and that store host is
-    not tried on this host again. Before that, the store host the client found on
-    this host is the cluster's own process."""
+    """``process_vm_readv`` failing: the read goes through the Transfer Engine with the
+    same bytes. A bad address (EFAULT) affects that read only; a refusal (EPERM, as
+    under a ptrace policy that forbids it) keeps that store host on the network from
+    then on. Before that, the store host the client found on this host is the
+    cluster's own process."""
     threads = thread_names()
     s = mooncake_cluster.settings
     producer, direct = StoreClient(s), StoreClient(s)
@@ -158,19 +159,24 @@ def test_a_local_read_the_kernel_refuses_goes_over_the_network(
         assert direct.get_many(["direct/refused"], [[ptr]], [[MIB]]) == [True]
         assert direct.local_reads == 1
         assert list(direct._store_hosts.values()) == [mooncake_cluster._store_host.pid]
+        answers = [errno.EFAULT, errno.EPERM]  # one bad address, then a refusal
         calls = []
 
-        def refused(pid, parts):
+        def failing(pid, parts):
             calls.append(pid)
-            raise PermissionError(errno.EPERM, "process_vm_readv: refused")
+            code = answers.pop(0)
+            raise OSError(code, f"process_vm_readv: {errno.errorcode[code]}")
 
-        monkeypatch.setattr(store_module, "vm_read", refused)
-        for _ in range(2):
+        monkeypatch.setattr(store_module, "vm_read", failing)
+        for _ in range(3):
             bufs[direct].zero_()
             assert direct.get_many(["direct/refused"], [[ptr]], [[MIB]]) == [True]
             assert torch.equal(bufs[direct][:MIB], want)
-        assert len(calls) == 1  # the endpoint is marked: the second read did not try
-        assert (direct.direct_reads, direct.local_reads, direct.direct_fallbacks) == (3, 1, 0)
+        # EFAULT sent only its read over the network; EPERM marked the endpoint, so
+        # the third read did not try
+        assert len(calls) == 2 and answers == []
+        assert list(direct._store_hosts.values()) == [None]
+        assert (direct.direct_reads, direct.local_reads, direct.direct_fallbacks) == (4, 1, 0)
         producer.remove_many(["direct/refused"])
     finally:
         for c, buf in bufs.items():

@@ -91,6 +91,8 @@ _RPC_FAULTS = frozenset({RPC_FAIL, RPC_TIMEOUT})
 #: ones cost no more through Mooncake's get, which needs no second lookup
 DIRECT_MIN_BYTES = 256 << 10
 log = logging.getLogger("mooncake_diffusion.store")
+#: what ``process_vm_readv`` answers when it is not allowed at all
+_REFUSED = (errno.EPERM, errno.EACCES, errno.ENOSYS)
 
 
 def _batches(sizes: Sequence[Sequence[int]], limit: int) -> list[list[int]]:
@@ -496,7 +498,8 @@ class StoreClient:
 
     def _read_local(self, read: Read) -> bool:
         """Do ``read`` out of a store host on this host; ``False`` when it is not one
-        (or the kernel refused: then that endpoint goes over the network)."""
+        or the copy failed (then the caller reads over the network; an endpoint whose
+        copies the kernel refuses stays there)."""
         endpoint, dst, src, lengths = read
         if not self._same_host:
             return False
@@ -512,8 +515,9 @@ class StoreClient:
         except OSError as e:
             if e.errno == errno.ESRCH:  # it died; one may come back on the port: look again
                 self._store_hosts.pop(endpoint, None)
-            else:
+            elif e.errno in _REFUSED:  # the kernel will not let this process: stop asking
                 self._store_hosts[endpoint] = None
+            # else (EFAULT: a destination in device memory, say) only this read goes by net
             log.info("store read out of %s (pid %d) on this host failed: %s", endpoint, pid, e)
             return False
         self.local_reads += 1
