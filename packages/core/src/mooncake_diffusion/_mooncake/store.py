@@ -473,7 +473,9 @@ class StoreClient:
             reads.append((desc.transport_endpoint, dst, src, [n for n in sizes[i] if n]))
             read_idx.append(i)
         ends = [0] * len(reads)
-        net = [j for j, read in enumerate(reads) if not self._read_local(read)]
+        net = [
+            j for j, read in enumerate(reads) if not (self._same_host and self._read_local(read))
+        ]
         if net:
             for j, end in zip(net, native.reader.read_many([reads[j] for j in net]), strict=True):
                 ends[j] = end
@@ -501,8 +503,6 @@ class StoreClient:
         or the copy failed (then the caller reads over the network; an endpoint whose
         copies the kernel refuses stays there)."""
         endpoint, dst, src, lengths = read
-        if not self._same_host:
-            return False
         pid = self._store_hosts.get(endpoint, -1)  # (threads may race here: no harm)
         if pid == -1:
             host, _, port = endpoint.rpartition(":")
