@@ -233,3 +233,49 @@ def test_calls_running_across_recycles_do_not_fail(cluster):
     assert client.recycles == 3
     assert client.recycle("after close") is False
     assert_no_leaks(cluster, threads)
+
+
+def test_a_worker_beats_before_each_close_of_a_recycle(cluster):
+    """A recycle closes the old native client and its reader, each keeping the GIL for
+    about a second inside Mooncake; a stage worker of the same process is asked to beat
+    right before each (``_mooncake.gil``), so no such close can starve its heartbeat.
+    The orchestrator's heartbeat interval here is 20 s: without that beat, none could
+    arrive during the recycle and the worker's heartbeat age would only grow."""
+    from mooncake_diffusion.connector import DiffusionConnector
+    from mooncake_diffusion.orchestrator import OrchestratorConfig, toy
+    from mooncake_diffusion.orchestrator.service import OrchestratorService, ServiceConfig
+    from mooncake_diffusion.orchestrator.worker import StageWorker
+    from mooncake_diffusion.settings import MooncakeSettings
+
+    threads = thread_names()
+    svc = OrchestratorService(
+        ServiceConfig(
+            orchestrator=OrchestratorConfig(heartbeat_timeout=60.0),
+            worker_bind="tcp://127.0.0.1:0",
+        )
+    ).start()
+    conn = DiffusionConnector("denoise", "memory", MooncakeSettings())
+    worker = StageWorker("denoise", toy.denoise, svc.worker_address, connector=conn).start()
+    client = StoreClient(cluster.settings)  # recycled by hand below
+
+    def age() -> float:
+        (w,) = svc.cluster()["workers"]
+        return float(w["heartbeat_age_s"])
+
+    try:
+        _wait(lambda: age() >= 1.0, "a second since the worker's last beat", lambda: age())
+        before = age()
+        t0 = time.monotonic()
+        assert client.recycle("test") is True
+        took = time.monotonic() - t0
+        after = age()
+        # a beat during the recycle: its age is within the recycle's time; none, and it
+        # would be ``before + took``
+        assert after <= took < before + took, (before, took, after)
+    finally:
+        client.close()
+        worker.drain()
+        worker.join(10)
+        svc.close()
+        conn.close()
+    assert_no_leaks(cluster, threads)

@@ -16,6 +16,7 @@ import zmq
 from mooncake_diffusion.connector import DiffusionConnector
 from mooncake_diffusion.orchestrator.model import WorkItem
 from mooncake_diffusion.orchestrator.wire import (
+    Beat,
     Done,
     Failed,
     Hello,
@@ -220,3 +221,54 @@ def test_a_result_refused_after_an_orchestrator_restart_is_not_shown_done(tmp_pa
         rogue.close()
         ctx.term()
     assert fabric_keys() == []
+
+
+def test_a_release_that_blocks_does_not_stop_the_heartbeat():
+    """A release is a store call in store mode (``connector.cleanup``), which a dead or
+    restarting master holds for seconds. The worker runs it off its loop: while the
+    cleanup blocks, the beats go on (every 0.2 s here), and it completes afterwards."""
+    entered, unblock = threading.Event(), threading.Event()
+    cleaned: list[str] = []
+    conn = DiffusionConnector("denoise", "memory", MooncakeSettings())
+    real = conn.cleanup
+
+    def blocking_cleanup(request_id: str) -> int:
+        entered.set()
+        unblock.wait(30)
+        cleaned.append(request_id)
+        return real(request_id)
+
+    conn.cleanup = blocking_cleanup  # type: ignore[method-assign]
+    ctx = zmq.Context()
+    svc = ctx.socket(zmq.ROUTER)
+    svc.setsockopt(zmq.LINGER, 0)
+    port = svc.bind_to_random_port("tcp://127.0.0.1")
+    w = StageWorker(
+        "denoise", lambda item, c: b"", f"tcp://127.0.0.1:{port}", worker_id="w", connector=conn
+    )
+    t = threading.Thread(target=w._run_safely)
+    t.start()
+    try:
+        ident, _hello = _recv(svc, (Hello,))
+        svc.send_multipart([ident, encode(Welcome("w", 0.2))])
+        svc.send_multipart([ident, encode(Release("r1"))])
+        assert entered.wait(20), "the release never ran"
+        for _ in range(3):  # three beats while the cleanup is held (else: "said nothing")
+            _recv(svc, (Beat,))
+        assert not cleaned
+        unblock.set()
+        deadline = time.monotonic() + 20
+        while not cleaned and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert cleaned == ["r1"]
+    finally:
+        unblock.set()
+        w.drain()
+        t.join(30)
+        svc.close()
+        ctx.term()
+    assert not t.is_alive()
+    assert [th.name for th in threading.enumerate() if "release" in th.name] == []
+    conn.close()
+    assert fabric_keys() == []
+

@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Sequence
 
-from mooncake_diffusion._mooncake import import_mooncake
+from mooncake_diffusion._mooncake import gil, import_mooncake
 from mooncake_diffusion.errors import (
     ConfigError,
     DeadlineExceededError,
@@ -253,8 +253,11 @@ class Engine:
         )
 
     def close(self) -> None:
-        """Unregister everything and destroy the engine. Idempotent."""
+        """Unregister everything and destroy the engine (about a second inside Mooncake,
+        the GIL held: see ``gil``). Idempotent."""
         if self._te is None:
             return
         self.regs.close()
-        self._te = None
+        te, self._te = self._te, None
+        with gil.holding("transfer engine close"):
+            del te  # the last reference: Mooncake's destructor runs here

@@ -62,7 +62,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
-from mooncake_diffusion._mooncake import import_mooncake, segment_watch
+from mooncake_diffusion._mooncake import gil, import_mooncake, segment_watch
 from mooncake_diffusion._mooncake.codes import (
     LEASE_EXPIRED,
     OBJECT_NOT_FOUND,
@@ -189,7 +189,8 @@ class StoreClient:
         try:
             reader = Engine(s) if self._direct else None
         except Exception:
-            store.close()
+            with gil.holding("store client close"):
+                store.close()
             raise
         return _Native(store, reader)
 
@@ -262,7 +263,9 @@ class StoreClient:
     @staticmethod
     def _close_native(retired: tuple[_Native, list[tuple[int, int]]]) -> None:
         """Unregister ``extents`` from a native client and its reader and close both,
-        side by side (each takes about a second inside Mooncake)."""
+        one after the other: each keeps the GIL for about a second inside Mooncake
+        (side by side they would only queue for it), and ``gil.holding`` lets a
+        worker send its heartbeat before each."""
         (store, reader), extents = retired
         for ptr, _ in extents:
             with contextlib.suppress(Exception):
@@ -270,14 +273,10 @@ class StoreClient:
             if reader is not None:
                 with contextlib.suppress(Exception):
                     reader.unregister_extent(ptr)
-        closer = None
         if reader is not None:
-            closer = threading.Thread(target=reader.close, name="mcd-reader-close")
-            closer.start()
-        with contextlib.suppress(Exception):
+            reader.close()
+        with gil.holding("store client close"), contextlib.suppress(Exception):
             store.close()
-        if closer is not None:
-            closer.join()
 
     @staticmethod
     def _register_on(native: _Native, ptr: int, nbytes: int, device: str) -> None:

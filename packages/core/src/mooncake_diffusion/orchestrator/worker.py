@@ -15,7 +15,11 @@ connector and acknowledged with its handle once ``Publication.wait`` returns
 acknowledged as the output as they are (a final stage's small result). An
 exception fails the item (``retryable`` unless it is a ``PayloadError`` or
 ``ValueError``: bad input fails the request at once). Every
-``heartbeat_interval`` the worker sends a ``Beat`` listing what it holds.
+``heartbeat_interval`` the worker sends a ``Beat`` listing what it holds, and
+one more right before each Mooncake call of the process that keeps the GIL for
+about a second (``_mooncake.gil``: a store client recycled after its store host
+went away closes its old one), so that such a call cannot starve the beats past
+the heartbeat timeout.
 
 Obligations of ``fn``: idempotent per ``(request_id, stage)`` (an item may run
 again after a worker death: at least once); check ``ctx.cancelled`` at natural
@@ -48,6 +52,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from mooncake_diffusion._mooncake import gil
 from mooncake_diffusion.connector import DiffusionConnector
 from mooncake_diffusion.errors import PayloadError
 from mooncake_diffusion.orchestrator.errors import OrchestratorError
@@ -80,6 +85,8 @@ __all__ = ["StageContext", "StageFn", "StageWorker"]
 
 log = logging.getLogger("mooncake_diffusion.worker")
 _REMEMBER_DONE = 256
+#: how long a thread about to keep the GIL waits for the beat it asked for
+_BEAT_WAIT_S = 0.5
 
 
 class StageContext:
@@ -182,6 +189,8 @@ class StageWorker:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._welcomed = threading.Event()
+        self._serving: int | None = None  # the serve loop's thread id, while it runs
+        self._cleaner: ThreadPoolExecutor | None = None  # runs releases (``_cleanup``)
         self.items_done = 0
         self.items_failed = 0
 
@@ -234,17 +243,34 @@ class StageWorker:
         sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
         sock.connect(self.orchestrator)
         pool = ThreadPoolExecutor(self.credits, thread_name_prefix=f"mcd-{self.stage}")
+        # store calls of releases, off the loop: a dead master holds one for seconds
+        self._cleaner = ThreadPoolExecutor(1, thread_name_prefix=f"mcd-{self.stage}-release")
+        self._serving = threading.get_ident()
+        gil.listen(self._beat_now)
         try:
             self._serve(sock, pool)
         finally:
+            gil.unlisten(self._beat_now)
+            self._serving = None
             for c in self._running.values():
                 c._cancelled.set()
             pool.shutdown(wait=True, cancel_futures=True)
+            self._cleaner.shutdown(wait=True)  # every release asked for is done
             sock.close()
             ctx.term()
             if self._own_connector:
                 self.connector.close()
             self._mail.close()
+
+    def _beat_now(self) -> None:
+        """``gil`` listener: have the serve loop send a beat now and wait (briefly) until
+        it did; the call that follows may keep every thread still for a second. Not
+        from the serve loop itself (it beats on its next turn, after the call)."""
+        if self._serving is None or threading.get_ident() == self._serving:
+            return
+        sent = threading.Event()
+        self._post(("beat", sent))
+        sent.wait(_BEAT_WAIT_S)
 
     def _serve(self, sock: zmq.Socket, pool: ThreadPoolExecutor) -> None:
         def send(msg: Any) -> None:  # a message, or a frame already encoded
@@ -278,21 +304,37 @@ class StageWorker:
                         interval = reply.heartbeat_interval
                     elif reply is not None:
                         send(reply)
+            beat_asked: list[threading.Event] = []
             for msg in self._mail.drain():
-                self._on_mail(msg, send)
+                if msg[0] == "beat":
+                    beat_asked.append(msg[1])
+                else:
+                    self._on_mail(msg, send)
             if self._draining.is_set() and not drain_announced and self._welcomed.is_set():
                 send(Beat(self.worker_id, self._refs(), credits=0))
                 drain_announced = True
             if drain_announced and not self._running:
                 send(Bye(self.worker_id, "drained"))
                 return
-            if time.monotonic() >= next_beat:
+            now = time.monotonic()
+            if beat_asked or now >= next_beat:
                 if self._welcomed.is_set():
                     credits = 0 if drain_announced else None
                     send(Beat(self.worker_id, self._refs(), credits=credits))
+                    late = now - next_beat
+                    if late > interval:  # the orchestrator may have given up on us
+                        log.warning(
+                            "worker %s: heartbeat %.1f s late (every %.1f s): this "
+                            "process did not run its loop meanwhile",
+                            self.worker_id,
+                            late,
+                            interval,
+                        )
                 else:
                     send(hello)  # the orchestrator may not have been up yet
-                next_beat = time.monotonic() + interval
+                next_beat = now + interval
+                for sent in beat_asked:
+                    sent.set()
 
     def _hello(self, *, fresh: bool) -> Hello:
         return Hello(
@@ -331,7 +373,7 @@ class StageWorker:
             return None
         if isinstance(msg, Release):
             if not any(r.request_id == msg.request_id for r in self._running):
-                self.connector.cleanup(msg.request_id)
+                self._cleanup(msg.request_id)
                 for r in [r for r in self._pubs if r.request_id == msg.request_id]:
                     del self._pubs[r]
             return None
@@ -348,6 +390,19 @@ class StageWorker:
             raise OrchestratorError(f"the orchestrator refused {self.worker_id}: {msg.reason}")
         log.info("worker %s: %s refused (%s): %s", self.worker_id, msg.about, msg.code, msg.reason)
         return None
+
+    def _cleanup(self, request_id: str) -> None:
+        """Drop ``request_id``'s outputs (``connector.cleanup``) on the release thread:
+        in store mode that is a call to the master, which the loop (and its heartbeat)
+        must not wait for. One thread, so releases run in the order they came."""
+        assert self._cleaner is not None, "releases come only while run() serves"
+        self._cleaner.submit(self._cleanup_now, request_id)
+
+    def _cleanup_now(self, request_id: str) -> None:
+        try:
+            self.connector.cleanup(request_id)
+        except Exception as e:  # the orchestrator re-sends nothing: say what is left
+            log.warning("worker %s: release of %s failed: %s", self.worker_id, request_id, e)
 
     def _on_work(self, item: WorkItem, pool: ThreadPoolExecutor) -> Any:
         ref = _ref(item)
@@ -428,7 +483,7 @@ class StageWorker:
         if ctx is None or ctx._superseded:
             return
         if ctx.cancelled:  # revoked: nobody wants the output
-            self.connector.cleanup(ref.request_id)
+            self._cleanup(ref.request_id)
             return
         if kind == "yielded":
             send(Yielded(self.worker_id, ref))
