@@ -272,3 +272,69 @@ def test_a_release_that_blocks_does_not_stop_the_heartbeat():
     conn.close()
     assert fabric_keys() == []
 
+
+def test_releases_a_restart_may_have_lost_are_sent_again(tmp_path):
+    """The service commits a request's end, then sends its producers ``Release``; killed
+    in between (the chaos tier's orch-restart left a request's embedding and latent in
+    the store), the release is lost. A service restarted on the journal sends the
+    releases of the requests that ended last again, each to its producer once that
+    worker speaks, and none to a worker that produced nothing. Here the first releases
+    reach the workers and are ignored, as if lost."""
+    from servicestack import free_port
+
+    from mooncake_diffusion.orchestrator import OrchestratorConfig
+    from mooncake_diffusion.orchestrator.service import OrchestratorService, ServiceConfig
+    from mooncake_diffusion.orchestrator.wire import ItemRef, decode_from_service
+
+    cfg = ServiceConfig(
+        orchestrator=OrchestratorConfig(heartbeat_timeout=30.0),
+        worker_bind=f"tcp://127.0.0.1:{free_port()}",
+        journal=str(tmp_path / "orchestrator.db"),
+    )
+    ctx = zmq.Context()
+    socks = {}
+    for wid in ("enc", "den", "dec"):
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.ROUTING_ID, wid.encode())
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(cfg.worker_bind)
+        socks[wid] = s
+
+    def take(wid: str, kind: type, within: float = 30.0) -> object | None:
+        deadline = time.monotonic() + within
+        while time.monotonic() < deadline:
+            if socks[wid].poll(100):
+                msg = decode_from_service(socks[wid].recv())
+                if isinstance(msg, kind):
+                    return msg
+        return None
+
+    stages = {"enc": "encode", "den": "denoise", "dec": "decode"}
+    svc = OrchestratorService(cfg).start()
+    try:
+        for wid, stage in stages.items():
+            socks[wid].send(encode(Hello(wid, stage)))
+            assert take(wid, Welcome) is not None
+        rid = svc.submit({"prompt": "released", "steps": 1})
+        for wid, stage in stages.items():
+            work = take(wid, Work)
+            assert work is not None and work.item.stage == stage, work
+            out = b"" if stage == "decode" else f"{stage}-handle".encode()
+            socks[wid].send(encode(Done(wid, ItemRef(rid, stage, 1), out)))
+        assert svc.wait(rid, timeout=30).state == "completed"
+        for wid in ("enc", "den"):  # sent once, and dropped here: "lost"
+            assert take(wid, Release) == Release(rid)
+        svc.close()
+        svc = OrchestratorService(cfg).start()
+        for wid in stages:
+            socks[wid].send(encode(Beat(wid, ())))
+        assert take("enc", Release) == Release(rid)
+        assert take("den", Release) == Release(rid)
+        assert take("dec", Release, within=2.0) is None  # it produced nothing to drop
+        assert svc.cluster()["counters"]["releases_resent"] == 2
+    finally:
+        svc.close()
+        for s in socks.values():
+            s.close()
+        ctx.term()
+    assert fabric_keys() == []

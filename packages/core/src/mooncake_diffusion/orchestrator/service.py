@@ -24,7 +24,14 @@ the service restarted between commit and send). Workers list what they hold in
 every ``Beat``; an item dispatched more than ``resend_after_s`` ago that the
 worker does not list is sent again. Workers ignore copies of what they run and
 answer a copy of what they finished with their ``Done`` again, so resending is
-safe. A ``Done`` lost the other way is recovered the same way.
+safe. A ``Done`` lost the other way is recovered the same way. A ``Release``
+(drop a finished request's outputs) can be lost too: the service died between
+committing the request's end and the frame leaving. A restarted service sends the
+releases of the last ``_REDELIVER`` requests that ended before it went down again,
+each to its producer once that worker speaks to the new service (only then can it
+be routed to); a producer that is gone hands its share to whichever worker speaks
+next (in store mode any worker's cleanup removes a request's objects).
+Releasing twice is safe: nothing is left to drop.
 
 Errors raised to API callers: ``RequestRejected`` (``code`` as the core's
 ``Rejected``: ``duplicate_request``, ``unknown_class``, ``bad_value``,
@@ -40,7 +47,7 @@ import queue
 import threading
 import time
 import uuid
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -139,6 +146,10 @@ class ServiceUnavailable(OrchestratorError):
 
 #: Finished request ids ``cluster()`` lists (newest last), for dashboards.
 _RECENT = 50
+#: releases of the requests that ended last before a restart, sent again (module doc)
+_REDELIVER = 64
+#: a release owed to a producer that is gone: the next worker to speak takes it
+_ANY = "*"
 
 
 @dataclass(frozen=True)
@@ -198,6 +209,10 @@ class OrchestratorService:
         self._outstanding: dict[ItemRef, _Outstanding] = {}
         self._outstanding_of: dict[str, set[ItemRef]] = {}  # the same, by worker
         self._producers: dict[str, set[str]] = {}
+        #: releases that may have been lost in a restart: request -> workers still owed
+        #: one (``_ANY``: the next to speak); ``_released`` is the replay's record of them
+        self._redeliver: dict[str, set[str]] = {}
+        self._released: OrderedDict[str, set[str]] = OrderedDict()
         self._authed: set[bytes] = set()
         self._counters: Counter[str] = Counter()
         self.metrics = ServiceMetrics()
@@ -252,8 +267,12 @@ class OrchestratorService:
             # Workers could not reach us while we were down: give each recovered one a
             # fresh heartbeat deadline from now, or the downtime alone would declare
             # them dead and re-queue (and count as failed) everything they run.
-            for wid in self._core.live_workers():
+            live = set(self._core.live_workers())
+            for wid in live:
                 self._core.handle(Heartbeat(wid))
+            for rid, producers in self._released.items():
+                self._redeliver[rid] = (producers & live) or {_ANY}
+            self._released.clear()
             for d in self._core.recovered_dispatches:
                 self._send_work(d)
         else:
@@ -486,7 +505,11 @@ class OrchestratorService:
         for a in actions:
             self.table.apply(a)
             if isinstance(a, ReleasePayloads):
-                self._producers.pop(a.request_id, None)
+                producers = self._producers.pop(a.request_id, None)
+                if producers:  # sent before the restart; maybe lost with it
+                    self._released[a.request_id] = producers
+                    while len(self._released) > _REDELIVER:
+                        self._released.popitem(last=False)
 
     def _execute(self, a: Action, ident: bytes | None) -> None:
         self.table.apply(a)
@@ -519,6 +542,10 @@ class OrchestratorService:
         elif isinstance(a, RequestCancelled):
             self._counters["cancelled"] += 1
         elif isinstance(a, WorkerRemoved):
+            for owed in self._redeliver.values():
+                if a.worker_id in owed:
+                    owed.discard(a.worker_id)
+                    owed.add(_ANY)
             for ref in list(self._outstanding_of.get(a.worker_id, ())):
                 self._forget(ref)  # re-queued (a new attempt) or failed: nothing to resend
             self._counters["workers_removed"] += 1
@@ -593,11 +620,15 @@ class OrchestratorService:
             return
         if isinstance(msg, Hello):
             self._on_hello(ident, msg)
+            if self._redeliver and (not self.config.token or ident in self._authed):
+                self._redeliver_to(msg.worker_id)
             return
         if self.config.token and ident not in self._authed:
             self._send(ident, Refused("unauthorized", "say Hello with the token first", "frame"))
             return
         wid = msg.worker_id
+        if self._redeliver:
+            self._redeliver_to(wid)
         if isinstance(msg, Beat):
             self._feed(Heartbeat(wid, msg.credits), ident)
             self._resend_missing(wid, set(msg.running))
@@ -661,6 +692,19 @@ class OrchestratorService:
             return
         timeout = msg.heartbeat_timeout or self.config.orchestrator.heartbeat_timeout
         self._send(ident, Welcome(msg.worker_id, timeout / 4))
+
+    def _redeliver_to(self, wid: str) -> None:
+        """Send ``wid`` the releases a restart may have lost that it is owed (or that a
+        gone producer was owed): it just spoke, so it can be routed to."""
+        for rid in list(self._redeliver):
+            owed = self._redeliver[rid]
+            if wid in owed or _ANY in owed:
+                self._counters["releases_resent"] += 1
+                self._send(wid.encode(), Release(rid))
+                owed.discard(wid)
+                owed.discard(_ANY)
+                if not owed:
+                    del self._redeliver[rid]
 
     def _resend_missing(self, wid: str, running: set[ItemRef]) -> None:
         now = time.monotonic()
