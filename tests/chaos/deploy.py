@@ -238,6 +238,13 @@ class Deployment:
     def release(self, rid: str, stage: str) -> None:
         self.gate.release(rid, stage)
 
+    def release_all(self) -> None:
+        """Release every gate of every request submitted so far (a failed scenario must
+        leave no work held for the scenarios after it)."""
+        for rid in self.requests:
+            for stage in ("encode", "denoise", "decode"):
+                self.gate.release(rid, stage)
+
     def segments(self) -> list[str]:
         """The store segments the master lists (``host:port`` of each store host)."""
         return [k for k in self._admin("/get_all_segments").decode().splitlines() if k]

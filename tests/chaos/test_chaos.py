@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 from deploy import HEARTBEAT_S
-from scenarios import SCENARIOS, Outcome
+from scenarios import SCENARIOS, Outcome, settle
 
 pytestmark = pytest.mark.chaos
 
@@ -67,5 +67,12 @@ def _check(o: Outcome, name: str) -> None:
 
 @pytest.mark.parametrize("fn", SCENARIOS, ids=[f.__name__[9:] for f in SCENARIOS])
 def test_scenario(deployment, fn):
-    o = fn(deployment)
+    try:
+        o = fn(deployment)
+    except BaseException:
+        # one failure reports one failure: what this scenario held or left running is
+        # let go and finished before the next scenario takes its baselines
+        deployment.release_all()
+        settle(deployment, list(deployment.requests), timeout=120.0)
+        raise
     _check(o, fn.__name__[9:])
