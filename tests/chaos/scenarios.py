@@ -136,9 +136,11 @@ def account(
     rewarm: bool = False,
     sockets: dict[str, dict[str, int]] | None = None,
     pids: dict[str, int] | None = None,
+    keys_before: frozenset[str] = frozenset(),
 ) -> Outcome:
     """Fill ``o`` from the requests' final statuses and the leftovers against ``base``
-    (``measure``). ``rewarm``: first run the warm-up again, so that every process
+    (``measure``; store keys other than ``keys_before``, which an earlier scenario left
+    and reported). ``rewarm``: first run the warm-up again, so that every process
     has its connections to a restarted store host, as ``base`` had to the old one."""
     sts = settle(d, rids)
     o.accepted = len(rids)
@@ -182,7 +184,7 @@ def account(
     if measure:
         if rewarm:
             _warm(d)
-        leftovers(o, d, base, sockets or {}, pids)
+        leftovers(o, d, base, sockets or {}, pids, keys_before)
     return o
 
 
@@ -196,6 +198,7 @@ def leftovers(
     base: dict[str, tuple[int, int]],
     sockets: dict[str, dict[str, int]],
     pids: dict[str, int] | None = None,
+    keys_before: frozenset[str] = frozenset(),
 ) -> None:
     """Fill ``o.leaked_*`` once the deployment settles (up to ``LEFTOVER_S``): store keys,
     and fds and threads above ``base`` by host (a host missing from ``base`` has no
@@ -220,7 +223,9 @@ def leftovers(
     compared with its predecessor's baseline)."""
     deadline = time.monotonic() + LEFTOVER_S
     while True:
-        keys = [k for k in d.store_keys() if not k.startswith("mcd-cache/emb/")]
+        keys = [
+            k for k in d.store_keys() if not k.startswith("mcd-cache/emb/") and k not in keys_before
+        ]
         now = resources(d)
         states = {h: tcp_states(d.procs[h].pid) for h in now}
         extra: dict[str, list[int]] = {}
@@ -315,6 +320,8 @@ class Run:
         self.base = resources(d)
         self.pids = {h: p.pid for h, p in d.procs.items() if p.popen.poll() is None}
         self.sockets = {h: tcp_states(p.pid) for h, p in d.procs.items() if p.popen.poll() is None}
+        #: keys an earlier scenario left (and reported): not this one's leak
+        self.keys_before = frozenset(d.store_keys())
 
     def submit(self, tag: str, hold: dict[str, int] | None = None, **params: Any) -> str:
         rid = f"{self.prefix}-{tag}"
@@ -339,6 +346,7 @@ class Run:
             rewarm=rewarm,
             sockets=self.sockets,
             pids=self.pids,
+            keys_before=self.keys_before,
         )
         o.wall_s = round(time.monotonic() - self.t0, 2)
         return o
