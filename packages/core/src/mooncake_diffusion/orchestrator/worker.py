@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import queue
 import signal
 import socket
 import threading
@@ -190,7 +191,7 @@ class StageWorker:
         self._thread: threading.Thread | None = None
         self._welcomed = threading.Event()
         self._serving: int | None = None  # the serve loop's thread id, while it runs
-        self._cleaner: ThreadPoolExecutor | None = None  # runs releases (``_cleanup``)
+        self._releases: queue.SimpleQueue[str | None] = queue.SimpleQueue()  # ``_cleanup``
         self.items_done = 0
         self.items_failed = 0
 
@@ -243,8 +244,11 @@ class StageWorker:
         sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
         sock.connect(self.orchestrator)
         pool = ThreadPoolExecutor(self.credits, thread_name_prefix=f"mcd-{self.stage}")
-        # store calls of releases, off the loop: a dead master holds one for seconds
-        self._cleaner = ThreadPoolExecutor(1, thread_name_prefix=f"mcd-{self.stage}-release")
+        # store calls of releases, off the loop: a dead master holds one for seconds.
+        # Started now, not at the first release: a worker's threads are all there once
+        # it serves (the chaos tier's baselines count them)
+        cleaner = threading.Thread(target=self._clean, name=f"mcd-{self.stage}-release")
+        cleaner.start()
         self._serving = threading.get_ident()
         gil.listen(self._beat_now)
         try:
@@ -255,7 +259,8 @@ class StageWorker:
             for c in self._running.values():
                 c._cancelled.set()
             pool.shutdown(wait=True, cancel_futures=True)
-            self._cleaner.shutdown(wait=True)  # every release asked for is done
+            self._releases.put(None)
+            cleaner.join()  # every release asked for is done
             sock.close()
             ctx.term()
             if self._own_connector:
@@ -395,14 +400,15 @@ class StageWorker:
         """Drop ``request_id``'s outputs (``connector.cleanup``) on the release thread:
         in store mode that is a call to the master, which the loop (and its heartbeat)
         must not wait for. One thread, so releases run in the order they came."""
-        assert self._cleaner is not None, "releases come only while run() serves"
-        self._cleaner.submit(self._cleanup_now, request_id)
+        self._releases.put(request_id)
 
-    def _cleanup_now(self, request_id: str) -> None:
-        try:
-            self.connector.cleanup(request_id)
-        except Exception as e:  # the orchestrator re-sends nothing: say what is left
-            log.warning("worker %s: release of %s failed: %s", self.worker_id, request_id, e)
+    def _clean(self) -> None:
+        """The release thread: runs ``_cleanup``'s requests until ``None``."""
+        while (request_id := self._releases.get()) is not None:
+            try:
+                self.connector.cleanup(request_id)
+            except Exception as e:  # nothing re-sends it: say what is left
+                log.warning("worker %s: release of %s failed: %s", self.worker_id, request_id, e)
 
     def _on_work(self, item: WorkItem, pool: ThreadPoolExecutor) -> Any:
         ref = _ref(item)
