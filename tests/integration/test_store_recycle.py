@@ -22,6 +22,11 @@ import torch
 from mooncake_diffusion._mooncake.cluster import LocalCluster
 from mooncake_diffusion._mooncake.master import admin_get
 from mooncake_diffusion._mooncake.store import StoreClient
+from mooncake_diffusion.connector import DiffusionConnector
+from mooncake_diffusion.orchestrator import OrchestratorConfig, toy
+from mooncake_diffusion.orchestrator.service import OrchestratorService, ServiceConfig
+from mooncake_diffusion.orchestrator.worker import StageWorker
+from mooncake_diffusion.settings import MooncakeSettings
 from mooncake_diffusion.tensors import Region
 from mooncake_diffusion.testing import (
     assert_no_leaks,
@@ -239,14 +244,9 @@ def test_a_worker_beats_before_each_close_of_a_recycle(cluster):
     """A recycle closes the old native client and its reader, each keeping the GIL for
     about a second inside Mooncake; a stage worker of the same process is asked to beat
     right before each (``_mooncake.gil``), so no such close can starve its heartbeat.
-    The orchestrator's heartbeat interval here is 20 s: without that beat, none could
-    arrive during the recycle and the worker's heartbeat age would only grow."""
-    from mooncake_diffusion.connector import DiffusionConnector
-    from mooncake_diffusion.orchestrator import OrchestratorConfig, toy
-    from mooncake_diffusion.orchestrator.service import OrchestratorService, ServiceConfig
-    from mooncake_diffusion.orchestrator.worker import StageWorker
-    from mooncake_diffusion.settings import MooncakeSettings
-
+    The worker's heartbeat interval here is 15 s (a quarter of the timeout): without
+    that beat, none could arrive during the recycle and its heartbeat age would only
+    grow."""
     threads = thread_names()
     svc = OrchestratorService(
         ServiceConfig(

@@ -23,6 +23,7 @@ from mooncake_diffusion.orchestrator.wire import (
     Release,
     Welcome,
     Work,
+    decode_from_service,
     decode_from_worker,
     encode,
 )
@@ -47,6 +48,18 @@ def _recv(sock: zmq.Socket, kinds: tuple[type, ...]) -> object:
         if isinstance(msg, kinds):
             return ident, msg
         assert sock.poll(20_000), "the worker said nothing"
+
+
+def _from_service(sock: zmq.Socket, kind: type, within: float = 30.0) -> object | None:
+    """The next message of ``kind`` the service sends ``sock`` (a worker's DEALER),
+    skipping others; None if none came within ``within`` seconds."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if sock.poll(100):
+            msg = decode_from_service(sock.recv())
+            if isinstance(msg, kind):
+                return msg
+    return None
 
 
 @pytest.mark.parametrize("older", ["finished", "running"])
@@ -110,7 +123,7 @@ def test_a_stale_result_is_released_not_orphaned():
     has it dropped: at the request's end, or at once when the request already ended."""
     from mooncake_diffusion.orchestrator import OrchestratorConfig, toy
     from mooncake_diffusion.orchestrator.service import OrchestratorService, ServiceConfig
-    from mooncake_diffusion.orchestrator.wire import ItemRef, Refused, decode_from_service
+    from mooncake_diffusion.orchestrator.wire import ItemRef, Refused
 
     cfg = ServiceConfig(
         orchestrator=OrchestratorConfig(heartbeat_timeout=0.5), worker_bind="tcp://127.0.0.1:0"
@@ -167,7 +180,7 @@ def test_a_result_refused_after_an_orchestrator_restart_is_not_shown_done(tmp_pa
 
     from mooncake_diffusion.orchestrator import OrchestratorConfig
     from mooncake_diffusion.orchestrator.service import OrchestratorService, ServiceConfig
-    from mooncake_diffusion.orchestrator.wire import ItemRef, Refused, decode_from_service
+    from mooncake_diffusion.orchestrator.wire import ItemRef, Refused
 
     cfg = ServiceConfig(
         orchestrator=OrchestratorConfig(heartbeat_timeout=1.0),
@@ -181,13 +194,9 @@ def test_a_result_refused_after_an_orchestrator_restart_is_not_shown_done(tmp_pa
     rogue.connect(cfg.worker_bind)
 
     def next_of(kind: type) -> object:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            if rogue.poll(200):
-                msg = decode_from_service(rogue.recv())
-                if isinstance(msg, kind):
-                    return msg
-        raise AssertionError(f"no {kind.__name__} from the service")
+        msg = _from_service(rogue, kind)
+        assert msg is not None, f"no {kind.__name__} from the service"
+        return msg
 
     svc = OrchestratorService(cfg).start()
     try:
@@ -284,7 +293,7 @@ def test_releases_a_restart_may_have_lost_are_sent_again(tmp_path):
 
     from mooncake_diffusion.orchestrator import OrchestratorConfig
     from mooncake_diffusion.orchestrator.service import OrchestratorService, ServiceConfig
-    from mooncake_diffusion.orchestrator.wire import ItemRef, decode_from_service
+    from mooncake_diffusion.orchestrator.wire import ItemRef
 
     cfg = ServiceConfig(
         orchestrator=OrchestratorConfig(heartbeat_timeout=30.0),
@@ -301,13 +310,7 @@ def test_releases_a_restart_may_have_lost_are_sent_again(tmp_path):
         socks[wid] = s
 
     def take(wid: str, kind: type, within: float = 30.0) -> object | None:
-        deadline = time.monotonic() + within
-        while time.monotonic() < deadline:
-            if socks[wid].poll(100):
-                msg = decode_from_service(socks[wid].recv())
-                if isinstance(msg, kind):
-                    return msg
-        return None
+        return _from_service(socks[wid], kind, within)
 
     stages = {"enc": "encode", "den": "denoise", "dec": "decode"}
     svc = OrchestratorService(cfg).start()

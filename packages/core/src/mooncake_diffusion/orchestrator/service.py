@@ -148,8 +148,6 @@ class ServiceUnavailable(OrchestratorError):
 _RECENT = 50
 #: releases of the requests that ended last before a restart, sent again (module doc)
 _REDELIVER = 64
-#: a release owed to a producer that is gone: the next worker to speak takes it
-_ANY = "*"
 
 
 @dataclass(frozen=True)
@@ -209,10 +207,9 @@ class OrchestratorService:
         self._outstanding: dict[ItemRef, _Outstanding] = {}
         self._outstanding_of: dict[str, set[ItemRef]] = {}  # the same, by worker
         self._producers: dict[str, set[str]] = {}
-        #: releases that may have been lost in a restart: request -> workers still owed
-        #: one (``_ANY``: the next to speak); ``_released`` is the replay's record of them
-        self._redeliver: dict[str, set[str]] = {}
-        self._released: OrderedDict[str, set[str]] = OrderedDict()
+        #: releases that may have been lost in a restart (filled by the journal's replay):
+        #: request -> its producers still owed one
+        self._redeliver: OrderedDict[str, set[str]] = OrderedDict()
         self._authed: set[bytes] = set()
         self._counters: Counter[str] = Counter()
         self.metrics = ServiceMetrics()
@@ -267,12 +264,8 @@ class OrchestratorService:
             # Workers could not reach us while we were down: give each recovered one a
             # fresh heartbeat deadline from now, or the downtime alone would declare
             # them dead and re-queue (and count as failed) everything they run.
-            live = set(self._core.live_workers())
-            for wid in live:
+            for wid in self._core.live_workers():
                 self._core.handle(Heartbeat(wid))
-            for rid, producers in self._released.items():
-                self._redeliver[rid] = (producers & live) or {_ANY}
-            self._released.clear()
             for d in self._core.recovered_dispatches:
                 self._send_work(d)
         else:
@@ -507,9 +500,9 @@ class OrchestratorService:
             if isinstance(a, ReleasePayloads):
                 producers = self._producers.pop(a.request_id, None)
                 if producers:  # sent before the restart; maybe lost with it
-                    self._released[a.request_id] = producers
-                    while len(self._released) > _REDELIVER:
-                        self._released.popitem(last=False)
+                    self._redeliver[a.request_id] = producers
+                    while len(self._redeliver) > _REDELIVER:
+                        self._redeliver.popitem(last=False)
 
     def _execute(self, a: Action, ident: bytes | None) -> None:
         self.table.apply(a)
@@ -542,10 +535,6 @@ class OrchestratorService:
         elif isinstance(a, RequestCancelled):
             self._counters["cancelled"] += 1
         elif isinstance(a, WorkerRemoved):
-            for owed in self._redeliver.values():
-                if a.worker_id in owed:
-                    owed.discard(a.worker_id)
-                    owed.add(_ANY)
             for ref in list(self._outstanding_of.get(a.worker_id, ())):
                 self._forget(ref)  # re-queued (a new attempt) or failed: nothing to resend
             self._counters["workers_removed"] += 1
@@ -694,17 +683,19 @@ class OrchestratorService:
         self._send(ident, Welcome(msg.worker_id, timeout / 4))
 
     def _redeliver_to(self, wid: str) -> None:
-        """Send ``wid`` the releases a restart may have lost that it is owed (or that a
-        gone producer was owed): it just spoke, so it can be routed to."""
-        for rid in list(self._redeliver):
-            owed = self._redeliver[rid]
-            if wid in owed or _ANY in owed:
-                self._counters["releases_resent"] += 1
-                self._send(wid.encode(), Release(rid))
-                owed.discard(wid)
-                owed.discard(_ANY)
-                if not owed:
-                    del self._redeliver[rid]
+        """Send ``wid`` the releases a restart may have lost that it is owed, and those
+        whose producers are all gone (as ``_release`` picks any live worker then): it
+        just spoke, so it can be routed to."""
+        assert self._core is not None
+        live = set(self._core.live_workers())
+        for rid, owed in list(self._redeliver.items()):
+            if wid not in owed and owed & live:
+                continue  # a live producer of its own will take it
+            self._counters["releases_resent"] += 1
+            self._send(wid.encode(), Release(rid))
+            owed.discard(wid)
+            if not owed & live:
+                del self._redeliver[rid]
 
     def _resend_missing(self, wid: str, running: set[ItemRef]) -> None:
         now = time.monotonic()
