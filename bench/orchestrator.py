@@ -7,12 +7,17 @@ this process under a virtual clock. Two parts:
     saturated  A steady workload that keeps every worker busy: a backlog of requests
                (70 % interactive, 30 % batch; half with cached embeddings, so they skip
                Encode) is topped up after every event, and the oldest dispatched item
-               finishes next (``ItemDone``); every worker heartbeats every 10 virtual
-               seconds. A *decision* is one ``Dispatch`` action. Timed with
-               ``time.perf_counter``: ``core`` is the time spent inside
-               ``Orchestrator.handle`` only; ``loop`` adds this driver (building events,
-               bookkeeping). Per routing policy and per pool size (workers per stage,
-               encode/denoise/decode, with 4/1/4 credits each).
+               finishes next (``ItemDone``), the virtual clock advancing so that an
+               item holds its credit about 2 s whatever the pool's size (a larger
+               pool completes more items per second); every worker heartbeats every
+               10 virtual seconds, so heartbeats per decision do not depend on the
+               size. A *decision* is one ``Dispatch`` action. Timed with
+               ``time.perf_counter`` after a warm-up (registration and the first
+               backlog's worth of decisions are not timed): ``core`` is the time spent
+               inside ``Orchestrator.handle`` only; ``loop`` adds this driver (building
+               events, bookkeeping). Per routing policy and per pool size (workers per
+               stage, encode/denoise/decode, with 4/1/4 credits each), from 24 workers
+               (``small``) to 4,096 (``xl``).
     service    The submit-to-dispatch round trip through the real service over loopback:
                ``mooncake-diffusion orchestrator`` runs as its own process (with and
                without its SQLite journal); this process runs the HTTP client and three
@@ -66,9 +71,17 @@ from mooncake_diffusion.orchestrator import (
 from mooncake_diffusion.simulate import SimConfig, Simulation
 
 POLICIES = ("round_robin", "least_loaded", "affinity")
-POOLS = {"small": (4, 16, 4), "large": (16, 128, 32)}  # workers: encode, denoise, decode
+# workers: encode, denoise, decode. "fleet": 1,344 workers; "xl": 4,096, the largest
+# fleet the scheduler is meant to carry on one core.
+POOLS = {
+    "small": (4, 16, 4),
+    "large": (16, 128, 32),
+    "fleet": (64, 1024, 256),
+    "xl": (256, 3072, 768),
+}
 CREDITS = {"encode": 4, "denoise": 1, "decode": 4}
 CHAOS_REQUESTS = 10_000
+ITEM_SECONDS = 2.0  # virtual time an item holds its credit in the saturated part
 
 
 def log(msg: str) -> None:
@@ -140,18 +153,25 @@ def saturated(policy: str, pool: str, decisions: int, seed: int) -> SaturatedRow
             workers.append(wid)
             labels = {"node": f"n{i % 8}", "rail": str(i % 4)}
             feed(RegisterWorker(wid, stage, CREDITS[stage], labels))
-    backlog = 2 * sum(n * CREDITS[s] for s, n in zip(STAGES, POOLS[pool], strict=True))
+    credits = sum(n * CREDITS[s] for s, n in zip(STAGES, POOLS[pool], strict=True))
+    backlog = 2 * credits
+    step = ITEM_SECONDS / credits  # virtual time per completion: every credit turns over alike
     submitted = 0
     next_beat = 10.0
+    warmup = backlog  # decisions before timing starts: registration and the first fill
     t_loop = perf()
-    while counts["decisions"] < decisions:
+    while counts["decisions"] < decisions + warmup:
+        if warmup and counts["decisions"] >= warmup:
+            counts["decisions"] = counts["completed"] = warmup = 0
+            samples.clear()
+            t_loop = perf()
         while submitted - counts["completed"] < backlog:
             cls = "interactive" if rng.random() < 0.7 else "batch"
             cached = b"emb-cached-handle" if rng.random() < 0.5 else None
             feed(Submit(f"r{submitted}", cls, params=b"p" * 64, cached_embeddings=cached))
             submitted += 1
         d = pending.popleft()
-        clock.advance(0.001)
+        clock.advance(step)
         it = d.item
         feed(ItemDone(d.worker_id, it.request_id, it.stage, it.attempt, b"h" * 200))
         if clock.now() >= next_beat:

@@ -214,7 +214,10 @@ class Orchestrator:
         self._clock = clock
         self._now = float("-inf")
         self._classes = {c.name: c for c in self.config.classes}
-        self._pools = Pools()
+        make_index = getattr(self.policy, "index", None)
+        #: the policy's routing index (``indexes.py``), or None: choose() over candidates
+        self._index = make_index() if callable(make_index) else None
+        self._pools = Pools(self._index)
         self._queues: dict[Stage, ClassQueue[_Request]] = {
             s: ClassQueue(self.config.classes) for s in STAGES
         }
@@ -467,11 +470,15 @@ class Orchestrator:
         """The request if ``ev`` comes from the worker holding its current attempt; else
         reject (stale attempts and results for items not held are dropped here)."""
         rid, stage, attempt, wid = ev.request_id, ev.stage, ev.attempt, ev.worker_id
+        req = self._requests.get(rid)
+        if req is not None and stage == req.stage:
+            w = req.worker
+            if attempt == req.attempt and w is not None and w.worker_id == wid:
+                return req  # the common case first: no message is built
         what = f"{stage} attempt {attempt} of {rid!r} from {wid!r}"
         if stage not in STAGES:
             msg = f"unknown stage {stage!r}; stages: {', '.join(STAGES)}"
             return _reject(out, "unknown_stage", msg, ev)
-        req = self._requests.get(rid)
         if req is None:
             outcome = self._finished.get(rid)
             if outcome is not None:
@@ -482,8 +489,6 @@ class Orchestrator:
                 return _reject(out, "stale_attempt", f"{what}: {stage} already done", ev)
             return _reject(out, "not_held", f"{what}: the request is at {req.stage}", ev)
         w = req.worker
-        if attempt == req.attempt and w is not None and w.worker_id == wid:
-            return req
         if isinstance(attempt, int) and 1 <= attempt < req.attempt:
             return _reject(out, "stale_attempt", f"{what}: attempt {req.attempt} is current", ev)
         if attempt == req.attempt and attempt >= 1 and w is None:
@@ -617,9 +622,11 @@ class Orchestrator:
             req.rid, stage, attempt, req.cls.name, req.deadline, req.params, req.input, req.hint
         )
         pools = self._pools
-        candidates = pools.candidates(stage)
         try:
-            w: Any = self.policy.choose(item, candidates)
+            if self._index is not None:
+                w: Any = self._index.pick(item)
+            else:
+                w = self.policy.choose(item, pools.candidates(stage))
         except Exception as e:
             req.token = q.push(req, req.cls.name, req.since)
             raise PolicyContractError(f"routing policy raised on {stage} item: {e!r}") from e
@@ -627,7 +634,7 @@ class Orchestrator:
         if pools.workers.get(wid) is not w or w.stage != stage or w.free < 1:  # type: ignore[arg-type]
             req.token = q.push(req, req.cls.name, req.since)
             raise PolicyContractError(
-                f"routing policy chose {w!r}, not one of the {len(candidates)} candidates"
+                f"routing policy chose {w!r}, not a live {stage} worker with a free credit"
             )
         req.attempt = attempt
         req.tried[stage] = attempt

@@ -2,7 +2,9 @@
 
 Each is a few lines over the ``RoutingPolicy`` contract in ``policy.py``: pure
 functions of the candidates plus, for round robin, a cursor per stage. Ties
-always break by registration order, so runs are reproducible.
+always break by registration order, so runs are reproducible. ``choose`` is the
+reference; ``index()`` gives the core the same choices without a scan of the
+pool (``indexes.py``).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from mooncake_diffusion.orchestrator.errors import OrchestratorConfigError
+from mooncake_diffusion.orchestrator.indexes import AffinityIndex, LeastLoadedIndex, RoundRobinIndex
 from mooncake_diffusion.orchestrator.model import WorkItem
 from mooncake_diffusion.orchestrator.policy import WorkerView
 
@@ -37,12 +40,20 @@ class RoundRobin:
         self._last[item.stage] = pick.seq
         return pick
 
+    def index(self) -> RoundRobinIndex:
+        """The same choices in O(log n) (``indexes.py``); shares this policy's cursor."""
+        return RoundRobinIndex(self._last)
+
 
 class LeastLoaded:
     """The worker with the smallest share of its credits in use."""
 
     def choose(self, item: WorkItem, candidates: Sequence[WorkerView]) -> WorkerView:
         return min(candidates, key=_load_key)
+
+    def index(self) -> LeastLoadedIndex:
+        """The same choices in O(log n) amortised (``indexes.py``)."""
+        return LeastLoadedIndex()
 
 
 class AffinityLeastLoaded:
@@ -80,3 +91,7 @@ class AffinityLeastLoaded:
             if key < best_key:
                 best, best_key = w, key
         return best
+
+    def index(self) -> AffinityIndex:
+        """The same choices from 2**len(keys) heaps (``indexes.py``)."""
+        return AffinityIndex(self.keys)
