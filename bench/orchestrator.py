@@ -81,6 +81,7 @@ POOLS = {
 }
 CREDITS = {"encode": 4, "denoise": 1, "decode": 4}
 CHAOS_REQUESTS = 10_000
+SERVICE_RATE = 1000.0  # submissions/s offered to the service, open loop
 ITEM_SECONDS = 2.0  # virtual time an item holds its credit in the saturated part
 
 
@@ -238,26 +239,106 @@ def chaos(policy: str, seed: int) -> ChaosRow:
     )
 
 
-# --------------------------------------------------------------------------- output
+# --------------------------------------------------------------------------- service
+FLEET = {"encode": 64, "denoise": 768, "decode": 192}  # 1,024 registered workers
+
+
 @dataclass
 class ServiceRow:
     journal: bool
+    workers: int
+    offered_per_s: float
+    achieved_per_s: float
     requests: int
     rtt_ms_p50: float
     rtt_ms_p90: float
     rtt_ms_p99: float
     rtt_ms_max: float
-    completed: int
+    send_lag_ms_p99: float
+    dispatched: int
 
 
-def service_rtt(requests: int, journal: bool, tmp: str) -> ServiceRow:
+def fleet_agent(address: str, out_path: str) -> int:
+    """A child process: ``FLEET`` workers on one thread, one DEALER socket each, that
+    finish every item at once and note when each encode item arrived
+    (``time.monotonic``, the same clock in every process). Prints ``ready`` once all
+    are welcomed; on a line on stdin it writes the arrival times as JSON and exits."""
+    import zmq
+
+    from mooncake_diffusion.orchestrator.wire import (
+        Beat,
+        Done,
+        Hello,
+        ItemRef,
+        Welcome,
+        Work,
+        decode_from_service,
+        encode,
+    )
+
+    ctx = zmq.Context()
+    ctx.set(zmq.MAX_SOCKETS, 2 * sum(FLEET.values()))  # the default is 1,023
+    socks: dict[zmq.Socket, str] = {}
+    poller = zmq.Poller()
+    for stage, n in FLEET.items():
+        for i in range(n):
+            wid = f"fleet-{stage}-{i}"
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.IDENTITY, wid.encode())
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(address)
+            labels = {"node": f"n{i % 16}", "rail": str(i % 4)}
+            s.send(encode(Hello(wid, stage, CREDITS[stage], labels)))
+            socks[s] = wid
+            poller.register(s, zmq.POLLIN)
+    poller.register(sys.stdin, zmq.POLLIN)
+    arrived: dict[str, float] = {}
+    welcomed = 0
+    interval = 1.0
+    next_beat = time.monotonic() + interval
+    while True:
+        ready = poller.poll(max(0.0, next_beat - time.monotonic()) * 1000)
+        for s, _ in ready:
+            if s is sys.stdin or s == sys.stdin.fileno():
+                sys.stdin.readline()
+                with open(out_path, "w") as f:
+                    json.dump(arrived, f)
+                for sock in socks:
+                    sock.close()
+                ctx.term()
+                return 0
+            while True:
+                try:
+                    frame = s.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                msg = decode_from_service(frame)
+                if isinstance(msg, Work):
+                    it = msg.item
+                    if it.stage == "encode":
+                        arrived.setdefault(it.request_id, time.monotonic())
+                    ref = ItemRef(it.request_id, it.stage, it.attempt)
+                    s.send(encode(Done(socks[s], ref, b"out")))
+                elif isinstance(msg, Welcome):
+                    welcomed += 1
+                    interval = msg.heartbeat_interval
+                    if welcomed == len(socks):
+                        print("ready", flush=True)
+        if time.monotonic() >= next_beat:
+            for s, wid in socks.items():
+                s.send(encode(Beat(wid)))
+            next_beat = time.monotonic() + interval
+
+
+def service_rtt(rate: float, seconds: float, journal: bool, tmp: str) -> ServiceRow:
+    """Open loop: ``rate`` submissions/s for ``seconds`` over HTTP from 8 client threads,
+    request ``i`` due at ``t0 + i / rate`` whatever the answers; the service has the
+    1,024 ``FLEET`` workers registered. RTT: from the moment a submission is sent to
+    its encode item arriving at a worker (HTTP in, journal commit, ZeroMQ out)."""
+    import subprocess
     import threading
 
-    from mooncake_diffusion.connector import DiffusionConnector
-    from mooncake_diffusion.orchestrator import toy
     from mooncake_diffusion.orchestrator.client import OrchestratorClient
-    from mooncake_diffusion.orchestrator.worker import StageWorker
-    from mooncake_diffusion.settings import MooncakeSettings
 
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
     from servicestack import CLI, Proc, free_port
@@ -267,51 +348,74 @@ def service_rtt(requests: int, journal: bool, tmp: str) -> ServiceRow:
     if journal:
         argv += ["--journal", os.path.join(tmp, f"bench-{time.time_ns()}.db")]
     orch = Proc(argv)
-    orch.wait_for("orchestrator ready")
-    called: dict[str, float] = {}
-    cv = threading.Condition()
-
-    def first(item: Any, ctx: Any) -> bytes:
-        t = time.perf_counter()
-        with cv:
-            called[item.request_id] = t
-            cv.notify_all()
-        return b""
-
-    workers = []
+    out_path = os.path.join(tmp, f"arrived-{time.time_ns()}.json")
+    agent = subprocess.Popen(
+        [sys.executable, __file__, "--fleet-agent", f"tcp://127.0.0.1:{wport}", out_path],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
-        for stage, fn in (("encode", first), ("denoise", toy.ack), ("decode", toy.ack)):
-            conn = DiffusionConnector(stage, "memory", MooncakeSettings())
-            w = StageWorker(stage, fn, f"tcp://127.0.0.1:{wport}", connector=conn, credits=4)
-            workers.append((w.start(), conn))
-        client = OrchestratorClient(f"http://127.0.0.1:{api}")
-        rtts = []
-        for i in range(requests + 20):  # the first 20 warm up connections and caches
-            rid = f"rtt-{i}"
-            t0 = time.perf_counter()
-            client.submit({"i": i}, request_id=rid)
-            with cv:
-                cv.wait_for(lambda rid=rid: rid in called, timeout=10)
-            if i >= 20:
-                rtts.append((called[rid] - t0) * 1e3)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            text = client.metrics_text()
-            line = next(x for x in text.splitlines() if 'outcome="completed"' in x)
-            if int(float(line.split()[-1])) >= requests + 20:
-                break
-            time.sleep(0.1)
-        completed = int(float(line.split()[-1]))
-        client.close()
+        orch.wait_for("orchestrator ready")
+        assert agent.stdout is not None and agent.stdout.readline().strip() == "ready"
+        total = int(rate * seconds)
+        warm = total // 10  # the first tenth warms connections and caches: not counted
+        sent: dict[str, tuple[float, float]] = {}  # rid -> (due, sent)
+        lock = threading.Lock()
+        nxt = iter(range(total))
+        t0 = time.monotonic() + 0.2
+
+        def client_thread() -> None:
+            with OrchestratorClient(f"http://127.0.0.1:{api}") as client:
+                while True:
+                    with lock:
+                        i = next(nxt, None)
+                    if i is None:
+                        return
+                    due = t0 + i / rate
+                    wait = due - time.monotonic()
+                    if wait > 0:
+                        time.sleep(wait)
+                    rid = f"open-{i}"
+                    t = time.monotonic()
+                    client.submit({"i": i}, request_id=rid)
+                    if i >= warm:
+                        sent[rid] = (due, t)
+
+        threads = [threading.Thread(target=client_thread) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        time.sleep(1.0)  # the last submissions reach their workers
+        assert agent.stdin is not None
+        agent.stdin.write("stop\n")
+        agent.stdin.flush()
+        agent.wait(60)
+        with open(out_path) as f:
+            arrived = json.load(f)
     finally:
-        for w, _ in workers:
-            w.drain()
-        for w, conn in workers:
-            w.join(10)
-            conn.close()
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait()
         orch.terminate()
+    rtts = sorted((arrived[r] - t) * 1e3 for r, (_, t) in sent.items() if r in arrived)
+    lags = [(t - due) * 1e3 for due, t in sent.values()]
+    span = max(t for _, t in sent.values()) - min(t for _, t in sent.values())
     q = statistics.quantiles(rtts, n=100)
-    return ServiceRow(journal, requests, q[49], q[89], q[98], max(rtts), completed)
+    return ServiceRow(
+        journal=journal,
+        workers=sum(FLEET.values()),
+        offered_per_s=rate,
+        achieved_per_s=(len(sent) - 1) / span,
+        requests=len(sent),
+        rtt_ms_p50=q[49],
+        rtt_ms_p90=q[89],
+        rtt_ms_p99=q[98],
+        rtt_ms_max=max(rtts),
+        send_lag_ms_p99=statistics.quantiles(lags, n=100)[98],
+        dispatched=len(rtts),
+    )
 
 
 def machine_info() -> dict[str, Any]:
@@ -352,15 +456,16 @@ def markdown(sat: list[SaturatedRow], ch: list[ChaosRow], svc: list[ServiceRow])
         )
     lines += [
         "",
-        "| service (submit -> dispatch) | requests | p50 ms | p90 ms | p99 ms | max ms "
-        "| completed |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| service (submit -> dispatch), open loop | workers | offered /s | achieved /s "
+        "| requests | p50 ms | p90 ms | p99 ms | max ms | send lag p99 ms | dispatched |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in svc:
         lines.append(
-            f"| {'journal (SQLite WAL)' if r.journal else 'no journal'} | {r.requests} "
+            f"| {'journal (SQLite WAL)' if r.journal else 'no journal'} | {r.workers} "
+            f"| {r.offered_per_s:,.0f} | {r.achieved_per_s:,.0f} | {r.requests} "
             f"| {r.rtt_ms_p50:.2f} | {r.rtt_ms_p90:.2f} | {r.rtt_ms_p99:.2f} "
-            f"| {r.rtt_ms_max:.2f} | {r.completed} |"
+            f"| {r.rtt_ms_max:.2f} | {r.send_lag_ms_p99:.2f} | {r.dispatched} |"
         )
     return "\n".join(lines)
 
@@ -370,11 +475,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="fewer decisions, one chaos run (~5 s)")
     p.add_argument("--json", metavar="PATH", help="also write results as JSON here")
     p.add_argument("--seed", type=int, default=0, help="seed of the workloads")
+    p.add_argument("--fleet-agent", nargs=2, metavar=("ADDRESS", "OUT"), help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
+    if a.fleet_agent:
+        return fleet_agent(*a.fleet_agent)
     t0 = time.perf_counter()
     decisions = 30_000 if a.quick else 200_000
     sat = []
@@ -389,20 +497,35 @@ def main(argv: list[str] | None = None) -> int:
     svc = []
     with tempfile.TemporaryDirectory() as tmp:
         for journal in (True, False):
-            n = 300 if a.quick else 2000
-            log(f"service: {n} requests one at a time, journal {'on' if journal else 'off'}")
-            svc.append(service_rtt(n, journal, tmp))
+            seconds = 3.0 if a.quick else 10.0
+            log(
+                f"service: {SERVICE_RATE:.0f} submissions/s for {seconds:g} s, open loop, "
+                f"{sum(FLEET.values())} workers, journal {'on' if journal else 'off'}"
+            )
+            svc.append(service_rtt(SERVICE_RATE, seconds, journal, tmp))
     total = time.perf_counter() - t0
     print(markdown(sat, ch, svc))
     print(f"\ntotal {total:.1f} s; dec/s = Dispatch actions per second (see --help)")
+    smallest, largest = next(iter(POOLS)), list(POOLS)[-1]
+    by = {(r.policy, r.pool): r.core_decisions_per_s for r in sat}
+    jsvc = next(r for r in svc if r.journal)
     summary = {
         "decisions_per_s": min(r.core_decisions_per_s for r in sat),
+        "decisions_per_s_ratio_largest_to_smallest": min(
+            by[(p, largest)] / by[(p, smallest)] for p in POLICIES
+        ),
+        "decisions_per_s_ratio_fleet_to_smallest": min(
+            by[(p, "fleet")] / by[(p, smallest)] for p in POLICIES
+        ),
+        "handle_us_p99": max(r.handle_us_p99 for r in sat),
         "loop_decisions_per_s": min(r.loop_decisions_per_s for r in sat),
         "lost_requests": sum(c.lost for c in ch),
         "duplicate_completions": sum(c.duplicate_completions for c in ch),
-        "service_rtt_p50_ms": next(r.rtt_ms_p50 for r in svc if r.journal),
-        "service_rtt_p99_ms": next(r.rtt_ms_p99 for r in svc if r.journal),
+        "service_rtt_p50_ms": jsvc.rtt_ms_p50,
+        "service_rtt_p99_ms": jsvc.rtt_ms_p99,
         "service_rtt_p99_ms_no_journal": next(r.rtt_ms_p99 for r in svc if not r.journal),
+        "service_achieved_per_s": jsvc.achieved_per_s,
+        "service_workers": jsvc.workers,
     }
     if a.json:
         doc = {
@@ -413,6 +536,11 @@ def main(argv: list[str] | None = None) -> int:
                 "decisions_per_s": "Dispatch actions per second inside Orchestrator.handle "
                 "(slowest saturated row)",
                 "handle_us": "microseconds per handle() call",
+                "decisions_per_s_ratio_largest_to_smallest": "per policy, the largest pool's "
+                "decisions/s over the smallest's; the worst policy",
+                "handle_us_p99": "the largest handle() p99 of any saturated row",
+                "service_rtt": "ms from sending a submission to its encode item arriving at "
+                "a worker, open loop, journal on",
             },
             "rows": [{"part": "saturated", **asdict(r)} for r in sat]
             + [{"part": "chaos", **asdict(c)} for c in ch]
