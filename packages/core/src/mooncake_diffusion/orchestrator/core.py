@@ -579,7 +579,7 @@ class Orchestrator:
         free = self._pools.free_total
         for stage in _PUMP_ORDER:
             q = self._queues[stage]
-            while q and free[stage] > 0:
+            while free[stage] > 0 and q:
                 if stage == "denoise" and free["decode"] <= self._decode_reserved:
                     break  # no decode credit to reserve for the latent
                 req = q.pop(now)

@@ -89,18 +89,32 @@ class _LoadHeap:
     while it has no free credit).
     """
 
-    __slots__ = ("heap", "members")
+    __slots__ = ("heap", "limit", "members")
 
     def __init__(self) -> None:
         self.heap: list[_Entry] = []
         self.members: dict[int, WorkerView] = {}  # every live worker of the group
+        self.limit = 16  # past this many entries, most are stale: compact
+
+    def join(self, w: WorkerView) -> None:
+        self.members[w.seq] = w
+        self.limit = 2 * len(self.members) + 16
+
+    def leave(self, w: WorkerView) -> None:
+        self.members.pop(w.seq, None)
+        self.limit = 2 * len(self.members) + 16
 
     def add(self, entry: _Entry, stamps: Mapping[int, int]) -> None:
         heap = self.heap
-        if len(heap) > 2 * len(self.members) + 16:  # mostly stale: rebuild, O(members)
-            heap[:] = [e for e in heap if stamps.get(e[2]) == e[3]]
-            heapq.heapify(heap)
+        if len(heap) > self.limit:
+            self.compact(stamps)
         heapq.heappush(heap, entry)
+
+    def compact(self, stamps: Mapping[int, int]) -> None:
+        """Drop the stale entries, O(members): amortised over the pushes that made them."""
+        heap = self.heap
+        heap[:] = [e for e in heap if stamps.get(e[2]) == e[3]]
+        heapq.heapify(heap)
 
     def best(self, stamps: Mapping[int, int]) -> WorkerView | None:
         heap = self.heap
@@ -145,7 +159,8 @@ class LeastLoadedIndex:
         h = self._heaps.get(w.stage)
         if h is None:
             h = self._heaps[w.stage] = _LoadHeap()
-        h.members[w.seq] = w
+        if w.seq not in h.members:
+            h.join(w)
         e = self._stamps.entry(w)
         if e is not None:
             h.add(e, self._stamps.of)
@@ -154,7 +169,7 @@ class LeastLoadedIndex:
         self._stamps.of.pop(w.seq, None)
         h = self._heaps.get(w.stage)
         if h is not None:
-            h.members.pop(w.seq, None)
+            h.leave(w)
 
     def pick(self, item: WorkItem) -> WorkerView | None:
         h = self._heaps.get(item.stage)
@@ -197,8 +212,11 @@ class AffinityIndex:
         e = self._stamps.entry(w)
         if e is not None:
             stamps = self._stamps.of
+            push = heapq.heappush
             for _, h in groups:
-                h.add(e, stamps)
+                if len(h.heap) > h.limit:
+                    h.compact(stamps)
+                push(h.heap, e)
 
     def _join(self, w: WorkerView) -> list[tuple[_Group, _LoadHeap]]:
         vals = tuple(map(w.labels.get, self._keys))
@@ -210,14 +228,14 @@ class AffinityIndex:
                 if h is None:
                     h = self._groups[key] = _LoadHeap()
                     self._plans.clear()
-                h.members[w.seq] = w
+                h.join(w)
                 out.append((key, h))
         return out  # type: ignore[return-value]
 
     def remove(self, w: WorkerView) -> None:
         self._stamps.of.pop(w.seq, None)
         for key, h in self._of.pop(w.seq, ()):
-            h.members.pop(w.seq, None)
+            h.leave(w)
             if not h.members:  # no worker has these labels any more
                 del self._groups[key]
                 self._plans.clear()
@@ -230,9 +248,12 @@ class AffinityIndex:
             plan = self._plans[(item.stage, vals)] = self._plan(item.stage, vals)
         stamps = self._stamps.of
         for h in plan:
-            w = h.best(stamps)
-            if w is not None:
-                return w
+            heap = h.heap
+            while heap:  # h.best(stamps), inline: this is the per-decision path
+                e = heap[0]
+                if stamps.get(e[2]) == e[3]:
+                    return e[4]
+                heapq.heappop(heap)
         return None
 
     def _plan(self, stage: str, vals: tuple[str | None, ...]) -> list[_LoadHeap]:
