@@ -18,13 +18,17 @@ this process under a virtual clock. Two parts:
                events, bookkeeping). Per routing policy and per pool size (workers per
                stage, encode/denoise/decode, with 4/1/4 credits each), from 24 workers
                (``small``) to 4,096 (``xl``).
-    service    The submit-to-dispatch round trip through the real service over loopback:
-               ``mooncake-diffusion orchestrator`` runs as its own process (with and
-               without its SQLite journal); this process runs the HTTP client and three
-               ``StageWorker``s (in-memory connector, stage functions that acknowledge at
-               once). One request at a time: the time from ``client.submit`` to the
-               encode worker's stage function being called (HTTP in, journal commit,
-               ZeroMQ out, the worker's thread pool), p50 and p99.
+    service    The submit-to-dispatch round trip through the real service over loopback,
+               open loop: ``mooncake-diffusion orchestrator`` runs as its own process
+               (with and without its SQLite journal) with 1,024 workers registered
+               (64 encode, 768 denoise, 192 decode: one child process holding a DEALER
+               socket per worker, heartbeating, finishing every item at once); this
+               process offers 1,000 submissions/s over HTTP from 8 client threads,
+               request ``i`` due at ``t0 + i/rate`` whatever the answers. RTT: from
+               sending a submission to its encode item arriving at a worker
+               (``time.monotonic``, one clock for both processes): HTTP in, journal
+               commit, ZeroMQ out. ``achieved /s`` and ``send lag`` say whether the
+               offered rate was kept (a lag of seconds: this machine could not).
     chaos      ``Simulation`` (``simulate/faults.py``) of 10,000 requests with random
                worker deaths (half reported by a supervisor, half found by the
                heartbeat deadline; some dead workers' results arrive late), retryable
@@ -484,6 +488,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.fleet_agent:
         return fleet_agent(*a.fleet_agent)
     t0 = time.perf_counter()
+    load_start = os.getloadavg()
     decisions = 30_000 if a.quick else 200_000
     sat = []
     for pool in POOLS:
@@ -506,6 +511,7 @@ def main(argv: list[str] | None = None) -> int:
     total = time.perf_counter() - t0
     print(markdown(sat, ch, svc))
     print(f"\ntotal {total:.1f} s; dec/s = Dispatch actions per second (see --help)")
+    print(f"load average at start {load_start}, at end {os.getloadavg()}")
     smallest, largest = next(iter(POOLS)), list(POOLS)[-1]
     by = {(r.policy, r.pool): r.core_decisions_per_s for r in sat}
     jsvc = next(r for r in svc if r.journal)
@@ -546,6 +552,8 @@ def main(argv: list[str] | None = None) -> int:
             + [{"part": "chaos", **asdict(c)} for c in ch]
             + [{"part": "service", **asdict(r)} for r in svc],
             "summary": summary,
+            # 1/5/15-minute load averages: how busy the machine was (its 2 CPUs are shared)
+            "load_average": {"start": load_start, "end": os.getloadavg()},
             "total_seconds": total,
         }
         with open(a.json, "w") as f:
