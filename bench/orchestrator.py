@@ -29,6 +29,8 @@ this process under a virtual clock. Two parts:
                (``time.monotonic``, one clock for both processes): HTTP in, journal
                commit, ZeroMQ out. ``achieved /s`` and ``send lag`` say whether the
                offered rate was kept (a lag of seconds: this machine could not).
+               A last row sends one submission at a time (journal on): the round
+               trip without queueing.
     chaos      ``Simulation`` (``simulate/faults.py``) of 10,000 requests with random
                worker deaths (half reported by a supervisor, half found by the
                heartbeat deadline; some dead workers' results arrive late), retryable
@@ -262,11 +264,13 @@ class ServiceRow:
     dispatched: int
 
 
-def fleet_agent(address: str, out_path: str) -> int:
-    """A child process: ``FLEET`` workers on one thread, one DEALER socket each, that
-    finish every item at once and note when each encode item arrived
-    (``time.monotonic``, the same clock in every process). Prints ``ready`` once all
-    are welcomed; on a line on stdin it writes the arrival times as JSON and exits."""
+def fleet_agent(address: str, out_path: str, stages: str) -> int:
+    """A child process: the ``FLEET`` workers of ``stages`` (comma-separated) on one
+    thread, one DEALER socket each, that finish every item at once and note when each
+    encode item arrived (``time.monotonic``, the same clock in every process). Prints
+    ``ready`` once all are welcomed; on a line on stdin it writes the arrival times as
+    JSON and exits. The encode workers get a process of their own, so the time
+    measured is not that of polling a thousand sockets."""
     import zmq
 
     from mooncake_diffusion.orchestrator.wire import (
@@ -285,6 +289,8 @@ def fleet_agent(address: str, out_path: str) -> int:
     socks: dict[zmq.Socket, str] = {}
     poller = zmq.Poller()
     for stage, n in FLEET.items():
+        if stage not in stages.split(","):
+            continue
         for i in range(n):
             wid = f"fleet-{stage}-{i}"
             s = ctx.socket(zmq.DEALER)
@@ -334,11 +340,13 @@ def fleet_agent(address: str, out_path: str) -> int:
             next_beat = time.monotonic() + interval
 
 
-def service_rtt(rate: float, seconds: float, journal: bool, tmp: str) -> ServiceRow:
-    """Open loop: ``rate`` submissions/s for ``seconds`` over HTTP from 8 client threads,
-    request ``i`` due at ``t0 + i / rate`` whatever the answers; the service has the
-    1,024 ``FLEET`` workers registered. RTT: from the moment a submission is sent to
-    its encode item arriving at a worker (HTTP in, journal commit, ZeroMQ out)."""
+def service_rtt(rate: float | None, total: int, journal: bool, tmp: str) -> ServiceRow:
+    """Open loop: ``total`` submissions at ``rate``/s over HTTP from 8 client threads,
+    request ``i`` due at ``t0 + i / rate`` whatever the answers; ``rate=None``: one
+    thread, one submission at a time (each sent when the last was answered). The
+    service has the 1,024 ``FLEET`` workers registered. RTT: from the moment a
+    submission is sent to its encode item arriving at a worker (HTTP in, journal
+    commit, ZeroMQ out)."""
     import subprocess
     import threading
 
@@ -353,16 +361,19 @@ def service_rtt(rate: float, seconds: float, journal: bool, tmp: str) -> Service
         argv += ["--journal", os.path.join(tmp, f"bench-{time.time_ns()}.db")]
     orch = Proc(argv)
     out_path = os.path.join(tmp, f"arrived-{time.time_ns()}.json")
-    agent = subprocess.Popen(
-        [sys.executable, __file__, "--fleet-agent", f"tcp://127.0.0.1:{wport}", out_path],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    agents = [
+        subprocess.Popen(
+            [sys.executable, __file__, "--fleet-agent", f"tcp://127.0.0.1:{wport}", out, stages],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for out, stages in ((out_path, "encode"), (os.devnull, "denoise,decode"))
+    ]
     try:
         orch.wait_for("orchestrator ready")
-        assert agent.stdout is not None and agent.stdout.readline().strip() == "ready"
-        total = int(rate * seconds)
+        for ag in agents:
+            assert ag.stdout is not None and ag.stdout.readline().strip() == "ready"
         warm = total // 10  # the first tenth warms connections and caches: not counted
         sent: dict[str, tuple[float, float]] = {}  # rid -> (due, sent)
         lock = threading.Lock()
@@ -376,7 +387,7 @@ def service_rtt(rate: float, seconds: float, journal: bool, tmp: str) -> Service
                         i = next(nxt, None)
                     if i is None:
                         return
-                    due = t0 + i / rate
+                    due = t0 + i / rate if rate else time.monotonic()
                     wait = due - time.monotonic()
                     if wait > 0:
                         time.sleep(wait)
@@ -386,22 +397,25 @@ def service_rtt(rate: float, seconds: float, journal: bool, tmp: str) -> Service
                     if i >= warm:
                         sent[rid] = (due, t)
 
-        threads = [threading.Thread(target=client_thread) for _ in range(8)]
+        threads = [threading.Thread(target=client_thread) for _ in range(8 if rate else 1)]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
         time.sleep(1.0)  # the last submissions reach their workers
-        assert agent.stdin is not None
-        agent.stdin.write("stop\n")
-        agent.stdin.flush()
-        agent.wait(60)
+        for ag in agents:
+            assert ag.stdin is not None
+            ag.stdin.write("stop\n")
+            ag.stdin.flush()
+        for ag in agents:
+            ag.wait(60)
         with open(out_path) as f:
             arrived = json.load(f)
     finally:
-        if agent.poll() is None:
-            agent.kill()
-            agent.wait()
+        for ag in agents:
+            if ag.poll() is None:
+                ag.kill()
+                ag.wait()
         orch.terminate()
     rtts = sorted((arrived[r] - t) * 1e3 for r, (_, t) in sent.items() if r in arrived)
     lags = [(t - due) * 1e3 for due, t in sent.values()]
@@ -410,7 +424,7 @@ def service_rtt(rate: float, seconds: float, journal: bool, tmp: str) -> Service
     return ServiceRow(
         journal=journal,
         workers=sum(FLEET.values()),
-        offered_per_s=rate,
+        offered_per_s=rate or 0.0,
         achieved_per_s=(len(sent) - 1) / span,
         requests=len(sent),
         rtt_ms_p50=q[49],
@@ -465,9 +479,10 @@ def markdown(sat: list[SaturatedRow], ch: list[ChaosRow], svc: list[ServiceRow])
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in svc:
+        offered = f"{r.offered_per_s:,.0f}" if r.offered_per_s else "one at a time"
         lines.append(
             f"| {'journal (SQLite WAL)' if r.journal else 'no journal'} | {r.workers} "
-            f"| {r.offered_per_s:,.0f} | {r.achieved_per_s:,.0f} | {r.requests} "
+            f"| {offered} | {r.achieved_per_s:,.0f} | {r.requests} "
             f"| {r.rtt_ms_p50:.2f} | {r.rtt_ms_p90:.2f} | {r.rtt_ms_p99:.2f} "
             f"| {r.rtt_ms_max:.2f} | {r.send_lag_ms_p99:.2f} | {r.dispatched} |"
         )
@@ -479,7 +494,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="fewer decisions, one chaos run (~5 s)")
     p.add_argument("--json", metavar="PATH", help="also write results as JSON here")
     p.add_argument("--seed", type=int, default=0, help="seed of the workloads")
-    p.add_argument("--fleet-agent", nargs=2, metavar=("ADDRESS", "OUT"), help=argparse.SUPPRESS)
+    p.add_argument("--fleet-agent", nargs=3, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -501,20 +516,22 @@ def main(argv: list[str] | None = None) -> int:
         ch.append(chaos(policy, a.seed))
     svc = []
     with tempfile.TemporaryDirectory() as tmp:
+        seconds = 3.0 if a.quick else 10.0
         for journal in (True, False):
-            seconds = 3.0 if a.quick else 10.0
             log(
                 f"service: {SERVICE_RATE:.0f} submissions/s for {seconds:g} s, open loop, "
                 f"{sum(FLEET.values())} workers, journal {'on' if journal else 'off'}"
             )
-            svc.append(service_rtt(SERVICE_RATE, seconds, journal, tmp))
+            svc.append(service_rtt(SERVICE_RATE, int(SERVICE_RATE * seconds), journal, tmp))
+        log("service: one submission at a time, journal on")
+        svc.append(service_rtt(None, 300 if a.quick else 2000, True, tmp))
     total = time.perf_counter() - t0
     print(markdown(sat, ch, svc))
     print(f"\ntotal {total:.1f} s; dec/s = Dispatch actions per second (see --help)")
     print(f"load average at start {load_start}, at end {os.getloadavg()}")
     smallest, largest = next(iter(POOLS)), list(POOLS)[-1]
     by = {(r.policy, r.pool): r.core_decisions_per_s for r in sat}
-    jsvc = next(r for r in svc if r.journal)
+    jsvc = next(r for r in svc if r.journal and r.offered_per_s)
     summary = {
         "decisions_per_s": min(r.core_decisions_per_s for r in sat),
         "decisions_per_s_ratio_largest_to_smallest": min(
@@ -530,6 +547,8 @@ def main(argv: list[str] | None = None) -> int:
         "service_rtt_p50_ms": jsvc.rtt_ms_p50,
         "service_rtt_p99_ms": jsvc.rtt_ms_p99,
         "service_rtt_p99_ms_no_journal": next(r.rtt_ms_p99 for r in svc if not r.journal),
+        "service_rtt_p50_ms_one_at_a_time": next(r.rtt_ms_p50 for r in svc if not r.offered_per_s),
+        "service_rtt_p99_ms_one_at_a_time": next(r.rtt_ms_p99 for r in svc if not r.offered_per_s),
         "service_achieved_per_s": jsvc.achieved_per_s,
         "service_workers": jsvc.workers,
     }

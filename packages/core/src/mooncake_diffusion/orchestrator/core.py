@@ -277,6 +277,10 @@ class Orchestrator:
         """Ids of the live workers, in registration order (O(workers), no copy of state)."""
         return list(self._pools.workers)
 
+    def is_live(self, worker_id: str) -> bool:
+        """Whether ``worker_id`` is a live worker now. O(1)."""
+        return worker_id in self._pools.workers
+
     def next_deadline(self) -> float | None:
         """The next time at which the core acts on its own (a heartbeat deadline), or
         ``None``. A driver with no other event before then calls ``handle(Tick())``."""

@@ -426,6 +426,9 @@ class JournaledOrchestrator:
     def live_workers(self) -> list[str]:
         return self.core.live_workers()
 
+    def is_live(self, worker_id: str) -> bool:
+        return self.core.is_live(worker_id)
+
     def close(self) -> None:
         """Close the journal (idempotent). Every returned action's event is committed."""
         self.journal.close()

@@ -609,8 +609,10 @@ class OrchestratorService:
         if not producers:
             return
         assert self._core is not None
-        live = set(self._core.live_workers())
-        targets = (producers & live) or set(sorted(live)[:1])
+        is_live = self._core.is_live
+        targets = {w for w in producers if is_live(w)}
+        if not targets:  # rare: O(workers) only here, not per request
+            targets = set(sorted(self._core.live_workers())[:1])
         for wid in targets:
             self._send(wid.encode(), Release(rid))
 
@@ -718,7 +720,7 @@ class OrchestratorService:
             return
         self._authed.add(ident)
         assert self._core is not None
-        known = msg.worker_id in self._core.live_workers()
+        known = self._core.is_live(msg.worker_id)
         if known and msg.fresh:  # a new process under an old id: its items go back
             self._feed(WorkerLost(msg.worker_id, "worker restarted"), ident)
             known = False
@@ -739,14 +741,14 @@ class OrchestratorService:
         whose producers are all gone (as ``_release`` picks any live worker then): it
         just spoke, so it can be routed to."""
         assert self._core is not None
-        live = set(self._core.live_workers())
+        is_live = self._core.is_live
         for rid, owed in list(self._redeliver.items()):
-            if wid not in owed and owed & live:
+            if wid not in owed and any(map(is_live, owed)):
                 continue  # a live producer of its own will take it
             self._counters["releases_resent"] += 1
             self._send(wid.encode(), Release(rid))
             owed.discard(wid)
-            if not owed & live:
+            if not any(map(is_live, owed)):
                 del self._redeliver[rid]
 
     def _resend_missing(self, wid: str, running: set[ItemRef]) -> None:
