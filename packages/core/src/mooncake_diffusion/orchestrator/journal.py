@@ -393,7 +393,11 @@ class JournaledOrchestrator:
         """
         if self._broken is not None:
             raise JournalError(f"journal {self.journal.path}: unusable after {self._broken}")
-        self.journal.begin()
+        try:
+            self.journal.begin()
+        except JournalError as e:
+            self._broken = e
+            raise
         try:
             yield
         finally:

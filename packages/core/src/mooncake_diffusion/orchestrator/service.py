@@ -451,8 +451,7 @@ class OrchestratorService:
                         try:
                             self._answers.append((fut, fn(), None))
                         except JournalError as e:
-                            log.critical("orchestrator: stopping, the journal failed: %s", e)
-                            self.failure, self._stopping = e, True
+                            self._journal_failed(e)
                             self._answers.append((fut, None, e))
                         except BaseException as e:
                             self._answers.append((fut, None, e))
@@ -471,16 +470,20 @@ class OrchestratorService:
         self._answers = []
         self.table.hold()
         ok = False
+        group = contextlib.ExitStack()
         try:
-            if isinstance(self._core, JournaledOrchestrator):
-                with self._core.group():
-                    yield
-            else:
+            try:
+                if isinstance(self._core, JournaledOrchestrator):
+                    group.enter_context(self._core.group())
+            except JournalError as e:  # the body still runs: every event is refused
+                self._journal_failed(e)
+            try:
                 yield
+            finally:
+                group.close()  # the commit
             ok = self.failure is None
         except JournalError as e:
-            log.critical("orchestrator: stopping, the journal failed: %s", e)
-            self.failure, self._stopping = e, True
+            self._journal_failed(e)
         finally:
             frames, answers, self._frames = self._frames, self._answers, None
             self.table.release(deliver=ok)
@@ -495,6 +498,10 @@ class OrchestratorService:
                 else:
                     fut.set_exception(exc)
 
+    def _journal_failed(self, e: JournalError) -> None:
+        log.critical("orchestrator: stopping, the journal failed: %s", e)
+        self.failure, self._stopping = e, True
+
     def _guard(self, fn: Callable[..., Any], *args: Any) -> None:
         """Worker traffic must never stop the driver: log and count what fails. A
         journal that cannot be written does stop it: acting on events that are not
@@ -502,9 +509,7 @@ class OrchestratorService:
         try:
             fn(*args)
         except JournalError as e:
-            log.critical("orchestrator: stopping, the journal failed: %s", e)
-            self.failure = e
-            self._stopping = True
+            self._journal_failed(e)
         except Exception:
             self._counters["driver_errors"] += 1
             log.exception("orchestrator: error while handling %s", fn.__name__)
