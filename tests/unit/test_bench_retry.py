@@ -95,3 +95,28 @@ def test_the_transfer_bench_reports_an_unmeasured_row_and_goes_on():
 def _rt() -> dict[str, dict[str, float]]:
     q = {"p50_ms": 1.0, "p90_ms": 2.0}
     return {"p2p": q, "store": q, "same_host": q}
+
+
+def test_the_vllm_omni_raw_store_retries_its_put_and_get():
+    spec = importlib.util.spec_from_file_location(
+        "bench_vllm_omni", ROOT / "bench" / "vllm_omni.py"
+    )
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["bench_vllm_omni"] = mod
+    spec.loader.exec_module(mod)
+    codes = iter([LEASE_EXPIRED, LEASE_EXPIRED, 0, LEASE_EXPIRED, 4096])
+
+    class ScriptedStore:
+        def put_from(self, key, ptr, nbytes, config):  # type: ignore[no-untyped-def]
+            return next(codes)
+
+        def get_into(self, key, ptr, nbytes):  # type: ignore[no-untyped-def]
+            return next(codes)
+
+    ft = FakeTime()
+    raw = object.__new__(mod.RawStore)  # no Mooncake: the calls are scripted
+    raw.store, raw.config = ScriptedStore(), None
+    raw.retry = _common.TransientRetry(5.0, clock=ft.clock, sleep=ft.sleep)
+    raw.put("k", 0, 4096)
+    assert raw.get("k", 0, 4096) == 4096
+    assert raw.retry.retries == {"put_from": 2, "get_into": 1}
