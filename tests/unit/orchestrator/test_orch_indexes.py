@@ -22,6 +22,7 @@ from mooncake_diffusion.orchestrator import (
     Heartbeat,
     ItemDone,
     ItemFailed,
+    LeastLoaded,
     Orchestrator,
     OrchestratorConfig,
     RegisterWorker,
@@ -144,3 +145,26 @@ def test_a_heap_of_a_group_seldom_asked_stays_bounded():
         core.handle(Heartbeat("d0", 1 + i % 4), now=t)
     heap = core._index._heaps["decode"].heap  # type: ignore[union-attr]
     assert len(heap) <= 2 * 2 + 17
+
+
+class MostLoaded(LeastLoaded):
+    """A subclass with its own ``choose``: the inherited index must not stand in for it."""
+
+    def choose(self, item, candidates):  # type: ignore[no-untyped-def]
+        return max(candidates, key=lambda w: (w.held / w.advertised, w.seq))
+
+
+def test_a_subclass_that_overrides_choose_is_asked_not_the_inherited_index():
+    core = Orchestrator(OrchestratorConfig(), policy=MostLoaded())
+    assert core._index is None
+    core.handle(RegisterWorker("d0", "decode", 4), now=0.0)
+    core.handle(RegisterWorker("d1", "decode", 4), now=0.0)
+    for i in range(3):
+        core.handle(Submit(f"r{i}", cached_embeddings=b"e"), now=1.0)  # wait for denoise
+    core.handle(RegisterWorker("n0", "denoise", 3), now=1.0)
+    running = [(w.worker_id, len(w.running)) for w in core.snapshot().workers]
+    assert ("n0", 3) in running
+    for i in range(3):
+        core.handle(ItemDone("n0", f"r{i}", "denoise", 1, b"latent"), now=2.0)
+    held = {w.worker_id: len(w.running) for w in core.snapshot().workers}
+    assert held["d1"] == 3 or held["d0"] == 3, held  # most loaded: all on one worker

@@ -70,6 +70,7 @@ from typing import Any, cast
 
 from mooncake_diffusion.orchestrator.clock import Clock
 from mooncake_diffusion.orchestrator.errors import ClockError, PolicyContractError
+from mooncake_diffusion.orchestrator.indexes import RoutingIndex
 from mooncake_diffusion.orchestrator.model import (
     MAX_HANDLE_BYTES,
     MAX_ID,
@@ -216,7 +217,7 @@ class Orchestrator:
         self._classes = {c.name: c for c in self.config.classes}
         make_index = getattr(self.policy, "index", None)
         #: the policy's routing index (``indexes.py``), or None: choose() over candidates
-        self._index = make_index() if callable(make_index) else None
+        self._index: RoutingIndex | None = make_index() if callable(make_index) else None
         self._pools = Pools(self._index)
         self._queues: dict[Stage, ClassQueue[_Request]] = {
             s: ClassQueue(self.config.classes) for s in STAGES

@@ -24,6 +24,11 @@ def _load_key(w: WorkerView) -> tuple[float, int, int]:
     return (w.held / w.advertised, -w.free, w.seq)
 
 
+def _own(policy: object, cls: type) -> bool:
+    """Whether ``policy`` decides with ``cls.choose`` (not a subclass's override)."""
+    return type(policy).choose is cls.choose  # type: ignore[attr-defined]
+
+
 class RoundRobin:
     """Each stage's workers in turn, by registration order, skipping those with no credit."""
 
@@ -40,9 +45,10 @@ class RoundRobin:
         self._last[item.stage] = pick.seq
         return pick
 
-    def index(self) -> RoundRobinIndex:
-        """The same choices in O(log n) (``indexes.py``); shares this policy's cursor."""
-        return RoundRobinIndex(self._last)
+    def index(self) -> RoundRobinIndex | None:
+        """The same choices in O(log n) (``indexes.py``); shares this policy's cursor.
+        None for a subclass with its own ``choose`` (the core then calls that)."""
+        return RoundRobinIndex(self._last) if _own(self, RoundRobin) else None
 
 
 class LeastLoaded:
@@ -51,9 +57,10 @@ class LeastLoaded:
     def choose(self, item: WorkItem, candidates: Sequence[WorkerView]) -> WorkerView:
         return min(candidates, key=_load_key)
 
-    def index(self) -> LeastLoadedIndex:
-        """The same choices in O(log n) amortised (``indexes.py``)."""
-        return LeastLoadedIndex()
+    def index(self) -> LeastLoadedIndex | None:
+        """The same choices in O(log n) amortised (``indexes.py``); None for a
+        subclass with its own ``choose``."""
+        return LeastLoadedIndex() if _own(self, LeastLoaded) else None
 
 
 class AffinityLeastLoaded:
@@ -92,6 +99,8 @@ class AffinityLeastLoaded:
                 best, best_key = w, key
         return best
 
-    def index(self) -> AffinityIndex:
-        """The same choices from 2**len(keys) heaps (``indexes.py``)."""
-        return AffinityIndex(self.keys)
+    def index(self) -> AffinityIndex | None:
+        """The same choices from 2**len(keys) heaps (``indexes.py``); None for a
+        subclass with its own ``choose`` or ``score``."""
+        own = _own(self, AffinityLeastLoaded) and type(self).score is AffinityLeastLoaded.score
+        return AffinityIndex(self.keys) if own else None
