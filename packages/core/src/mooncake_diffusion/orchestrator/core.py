@@ -111,6 +111,7 @@ from mooncake_diffusion.orchestrator.policy import RoutingPolicy
 from mooncake_diffusion.orchestrator.pools import Pools, Worker
 from mooncake_diffusion.orchestrator.queues import ClassQueue
 from mooncake_diffusion.orchestrator.registry import create_policy
+from mooncake_diffusion.orchestrator.victims import Victims
 
 __all__ = ["Orchestrator"]
 
@@ -225,6 +226,8 @@ class Orchestrator:
         self._requests: dict[str, _Request] = {}
         self._finished: OrderedDict[str, str] = OrderedDict()
         self._decode_reserved = 0
+        #: running denoise jobs for the preemption rule (None: preemption is off)
+        self._victims = Victims(self.config.max_preemptions) if self.config.preemption else None
         self._handlers: dict[type, Callable[[Any, float, list[Action]], None]] = {
             Submit: self._on_submit,
             Cancel: self._on_cancel,
@@ -507,6 +510,8 @@ class Orchestrator:
         del w.running[req.rid]
         self._pools.release(w)
         self._pools.touch(w, now)
+        if self._victims is not None:
+            self._victims.stopped(req)
         req.worker = None
         return w
 
@@ -542,6 +547,8 @@ class Orchestrator:
         w.running.clear()
         w.held = 0
         for req in reqs:
+            if self._victims is not None:
+                self._victims.stopped(req)
             req.worker = None
             reason = f"{req.stage} attempt {req.attempt} on {w.worker_id}: {why}"
             ok = self._retry_or_fail(req, reason, True, out)
@@ -559,6 +566,8 @@ class Orchestrator:
         if w is not None:  # cancelled while running
             del w.running[req.rid]
             self._pools.release(w)
+            if self._victims is not None:
+                self._victims.stopped(req)
             req.worker = None
             out.append(Revoke(w.worker_id, req.rid, req.stage, req.attempt, why))
         self._unreserve(req)
@@ -594,27 +603,18 @@ class Orchestrator:
             self._preempt(out)
 
     def _preempt(self, out: list[Action]) -> None:
-        """The preemption rule (module docstring). O(denoise workers) when it applies."""
+        """The preemption rule (module docstring), from ``victims.py``'s index of the
+        running denoise jobs: O(log n) per victim, no scan of the pool."""
         q = self._queues["denoise"]
         if not q or self._pools.free_total["denoise"] > 0:
             return
-        running = [
-            r
-            for w in self._pools.workers.values()
-            if w.stage == "denoise"
-            for r in w.running.values()
-        ]
-        pending = sum(r.preempting for r in running)
-        victims = sorted(
-            (r for r in running if not r.preempting and r.yields < self.config.max_preemptions),
-            key=lambda r: (-r.cls.priority, -r.started, r.rid),
-        )
-        for v in victims:
-            if q.waiting_better_than(v.cls.priority) <= pending:
+        victims = self._victims
+        assert victims is not None
+        while (v := victims.first()) is not None:
+            if q.waiting_better_than(v.cls.priority) <= victims.pending:
                 break  # victims further on are of higher classes: fewer jobs outrank them
             assert v.worker is not None
-            v.preempting = True
-            pending += 1
+            victims.take(v)
             why = "a higher-priority denoise job waits"
             out.append(Preempt(v.worker.worker_id, v.rid, "denoise", v.attempt, why))
 
@@ -649,6 +649,8 @@ class Orchestrator:
         pools.hold(w)
         if stage == "denoise":
             self._reserve(req)
+            if self._victims is not None:
+                self._victims.started(req)
         elif stage == "decode":
             self._unreserve(req)
         out.append(Dispatch(w.worker_id, item))
