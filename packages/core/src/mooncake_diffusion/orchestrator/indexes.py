@@ -18,8 +18,8 @@ sequence (tests check this against ``choose`` on random event sequences), or
 Costs, with n workers in a stage: round robin keeps the free workers' sequence
 numbers sorted (``bisect``: O(log n) comparisons and a memmove of at most n
 pointers per change). Least loaded keeps a heap per stage with lazy deletion:
-O(log n) per change and per pick, amortised, with the heap rebuilt from its
-members when stale entries outnumber them. Affinity keeps one such heap per
+O(log n) per change and per pick, amortised, its stale entries dropped in one
+pass when they outnumber the members. Affinity keeps one such heap per
 (stage, set of matched label keys, their values): 2**k heaps per worker for k
 affinity keys (8 for node/rail/numa), and a pick looks at most 2**k of them,
 best score first.
