@@ -39,7 +39,9 @@ def _next(sock: zmq.Socket, kind: type, within: float = 30.0) -> object:
     raise AssertionError(f"no {kind.__name__} from the service within {within} s")
 
 
-def test_nothing_of_a_turn_leaves_before_its_commit(tmp_path):
+@pytest.fixture
+def service(tmp_path):
+    """A journaled service and a worker ``enc`` (a DEALER socket) it has welcomed."""
     cfg = ServiceConfig(
         orchestrator=OrchestratorConfig(heartbeat_timeout=60.0),
         worker_bind="tcp://127.0.0.1:0",
@@ -50,42 +52,47 @@ def test_nothing_of_a_turn_leaves_before_its_commit(tmp_path):
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.ROUTING_ID, b"enc")
     sock.setsockopt(zmq.LINGER, 0)
-    log: list[str] = []
     try:
-        journal = svc._core.journal  # type: ignore[union-attr]
-        append, commit, push = journal.append, journal.commit, svc._push_frame
-
-        def logged_append(now, blob):  # type: ignore[no-untyped-def]
-            log.append("append")
-            return append(now, blob)
-
-        def logged_commit():  # type: ignore[no-untyped-def]
-            log.append("commit")
-            commit()
-
-        def logged_push(ident, frame):  # type: ignore[no-untyped-def]
-            log.append(type(decode_from_service(frame)).__name__)
-            push(ident, frame)
-
-        journal.append, journal.commit = logged_append, logged_commit
-        svc._push_frame = logged_push  # type: ignore[method-assign]
-
         sock.connect(svc.worker_address)
-        sock.send(encode(Hello("enc", "encode", credits=2)))
-        _next(sock, Welcome)
-        rid = svc.submit({"prompt": "a fox"})
-        answered = list(log)  # what had happened when the client got its answer
-        work = _next(sock, Work)
-        assert work.item.request_id == rid
-        sock.send(encode(Done("enc", ItemRef(rid, "encode", 1), b"emb")))
-        deadline = time.monotonic() + 30
-        while "done" not in [e.kind for e in svc.status(rid).events]:
-            assert time.monotonic() < deadline, svc.status(rid)
-            time.sleep(0.02)
+        yield svc, sock
     finally:
         sock.close()
         ctx.term()
         svc.close()
+
+
+def test_nothing_of_a_turn_leaves_before_its_commit(service):
+    svc, sock = service
+    log: list[str] = []
+    journal = svc._core.journal  # type: ignore[union-attr]
+    append, commit, push = journal.append, journal.commit, svc._push_frame
+
+    def logged_append(now, blob):  # type: ignore[no-untyped-def]
+        log.append("append")
+        return append(now, blob)
+
+    def logged_commit():  # type: ignore[no-untyped-def]
+        log.append("commit")
+        commit()
+
+    def logged_push(ident, frame):  # type: ignore[no-untyped-def]
+        log.append(type(decode_from_service(frame)).__name__)
+        push(ident, frame)
+
+    journal.append, journal.commit = logged_append, logged_commit
+    svc._push_frame = logged_push  # type: ignore[method-assign]
+
+    sock.send(encode(Hello("enc", "encode", credits=2)))
+    _next(sock, Welcome)
+    rid = svc.submit({"prompt": "a fox"})
+    answered = list(log)  # what had happened when the client got its answer
+    work = _next(sock, Work)
+    assert work.item.request_id == rid
+    sock.send(encode(Done("enc", ItemRef(rid, "encode", 1), b"emb")))
+    deadline = time.monotonic() + 30
+    while "done" not in [e.kind for e in svc.status(rid).events]:
+        assert time.monotonic() < deadline, svc.status(rid)
+        time.sleep(0.02)
     # the submit was committed before its answer left the driver
     last_append = max(i for i, x in enumerate(answered) if x == "append")
     assert "commit" in answered[last_append:], answered
@@ -100,32 +107,17 @@ def test_nothing_of_a_turn_leaves_before_its_commit(tmp_path):
     assert {"Welcome", "Work"} <= set(log) and log.count("commit") >= 3, log
 
 
-def test_a_failed_commit_sends_nothing_of_its_turn_and_stops_the_driver(tmp_path):
-    cfg = ServiceConfig(
-        orchestrator=OrchestratorConfig(heartbeat_timeout=60.0),
-        worker_bind="tcp://127.0.0.1:0",
-        journal=str(tmp_path / "orchestrator.db"),
-    )
-    svc = OrchestratorService(cfg).start()
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.ROUTING_ID, b"enc")
-    sock.setsockopt(zmq.LINGER, 0)
-    try:
-        sock.connect(svc.worker_address)
-        sock.send(encode(Hello("enc", "encode", credits=2)))
-        _next(sock, Welcome)
-        journal = svc._core.journal  # type: ignore[union-attr]
+def test_a_failed_commit_sends_nothing_of_its_turn_and_stops_the_driver(service):
+    svc, sock = service
+    sock.send(encode(Hello("enc", "encode", credits=2)))
+    _next(sock, Welcome)
+    journal = svc._core.journal  # type: ignore[union-attr]
 
-        def full_disk():  # type: ignore[no-untyped-def]
-            raise JournalError(f"journal {journal.path}: commit failed: disk full")
+    def full_disk():  # type: ignore[no-untyped-def]
+        raise JournalError(f"journal {journal.path}: commit failed: disk full")
 
-        journal.commit = full_disk  # the submit is handled and dispatched, then not durable
-        with pytest.raises(ServiceUnavailable, match="journal failed"):
-            svc.submit({"prompt": "a fox"})
-        assert svc.stopped.wait(10) and isinstance(svc.failure, JournalError)
-        assert not sock.poll(300), "a frame of the failed turn reached the worker"
-    finally:
-        sock.close()
-        ctx.term()
-        svc.close()
+    journal.commit = full_disk  # the submit is handled and dispatched, then not durable
+    with pytest.raises(ServiceUnavailable, match="journal failed"):
+        svc.submit({"prompt": "a fox"})
+    assert svc.stopped.wait(10) and isinstance(svc.failure, JournalError)
+    assert not sock.poll(300), "a frame of the failed turn reached the worker"
