@@ -10,14 +10,20 @@ this process under a virtual clock. Two parts:
                finishes next (``ItemDone``), the virtual clock advancing so that an
                item holds its credit about 2 s whatever the pool's size (a larger
                pool completes more items per second); every worker heartbeats every
-               10 virtual seconds, so heartbeats per decision do not depend on the
-               size. A *decision* is one ``Dispatch`` action. Timed with
+               10 virtual seconds, the fleet's beats spread evenly over the period,
+               so heartbeats per decision do not depend on the size. A *decision* is
+               one ``Dispatch`` action. Timed with
                ``time.perf_counter`` after a warm-up (registration and the first
                backlog's worth of decisions are not timed): ``core`` is the time spent
                inside ``Orchestrator.handle`` only; ``loop`` adds this driver (building
                events, bookkeeping). Per routing policy and per pool size (workers per
                stage, encode/denoise/decode, with 4/1/4 credits each), from 24 workers
-               (``small``) to 4,096 (``xl``).
+               (``small``) to 4,096 (``xl``). Each row is run ``repeats`` times (3 in
+               ``--quick``, 5 in full), a policy's pools back to back in each repeat,
+               and a row reports its best run (other jobs on the machine only ever
+               slow a run down; every run's figure is kept) and the handle
+               percentiles of its least disturbed run; the ratio between pools is
+               also given paired, per repeat (median and range).
     service    The submit-to-dispatch round trip through the real service over loopback,
                open loop: ``mooncake-diffusion orchestrator`` runs as its own process
                (with and without its SQLite journal) with 1,024 workers registered
@@ -57,7 +63,7 @@ import sys
 import tempfile
 import time
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from mooncake_diffusion.orchestrator import (
@@ -88,6 +94,7 @@ POOLS = {
 CREDITS = {"encode": 4, "denoise": 1, "decode": 4}
 CHAOS_REQUESTS = 10_000
 SERVICE_RATE = 1000.0  # submissions/s offered to the service, open loop
+BEAT_SECONDS = 10.0  # each worker's heartbeat period in the saturated part
 ITEM_SECONDS = 2.0  # virtual time an item holds its credit in the saturated part
 
 
@@ -109,6 +116,8 @@ class SaturatedRow:
     loop_decisions_per_s: float
     handle_us_p50: float
     handle_us_p99: float
+    repeats: int = 1
+    core_decisions_per_s_runs: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -131,7 +140,10 @@ class ChaosRow:
 
 
 # --------------------------------------------------------------------------- saturated
-def saturated(policy: str, pool: str, decisions: int, seed: int) -> SaturatedRow:
+def saturated(
+    policy: str, pool: str, decisions: int, seed: int
+) -> tuple[SaturatedRow, list[float]]:
+    """One run of the saturated workload; the row and its per-event ``handle`` seconds."""
     rng = random.Random(seed)
     clock = VirtualClock()
     core = Orchestrator(
@@ -164,7 +176,7 @@ def saturated(policy: str, pool: str, decisions: int, seed: int) -> SaturatedRow
     backlog = 2 * credits
     step = ITEM_SECONDS / credits  # virtual time per completion: every credit turns over alike
     submitted = 0
-    next_beat = 10.0
+    beats = 0  # heartbeats sent; worker i beats at i/n of every 10 s period: spread out
     warmup = backlog  # decisions before timing starts: registration and the first fill
     t_loop = perf()
     while counts["decisions"] < decisions + warmup:
@@ -181,14 +193,14 @@ def saturated(policy: str, pool: str, decisions: int, seed: int) -> SaturatedRow
         clock.advance(step)
         it = d.item
         feed(ItemDone(d.worker_id, it.request_id, it.stage, it.attempt, b"h" * 200))
-        if clock.now() >= next_beat:
-            for wid in workers:
-                feed(Heartbeat(wid))
-            next_beat += 10.0
+        n = len(workers)
+        while clock.now() >= (beats // n + (beats % n) / n) * BEAT_SECONDS:
+            feed(Heartbeat(workers[beats % n]))
+            beats += 1
     loop_s = perf() - t_loop
     core_s = sum(samples)
     q = statistics.quantiles(samples, n=100)
-    return SaturatedRow(
+    row = SaturatedRow(
         policy=policy,
         pool=pool,
         workers="/".join(str(n) for n in POOLS[pool]),
@@ -202,6 +214,63 @@ def saturated(policy: str, pool: str, decisions: int, seed: int) -> SaturatedRow
         handle_us_p50=q[49] * 1e6,
         handle_us_p99=q[98] * 1e6,
     )
+    return row, samples
+
+
+def saturated_all(
+    decisions: int, repeats: int, seed: int
+) -> tuple[list[SaturatedRow], dict[str, dict[str, list[float]]]]:
+    """Every (policy, pool) ``repeats`` times, the pools of one policy back to back in
+    each repeat (their order flipped every other repeat), so a ratio between pools is
+    taken within one stretch of machine noise. A row: its best run's decisions/s
+    (the least disturbed, as ``timeit`` takes the best: other jobs only ever slow a
+    run down) with every run's in ``core_decisions_per_s_runs``, sums of its counts
+    and seconds, and the handle percentiles of its least disturbed run (the lowest
+    p99). Also returns, per policy, the paired per-repeat ratios
+    ``largest/smallest`` and ``fleet/smallest``."""
+    runs: dict[tuple[str, str], list[tuple[SaturatedRow, list[float]]]] = {}
+    order = list(POOLS)
+    for r in range(repeats):
+        for policy in POLICIES:
+            for pool in order if r % 2 == 0 else order[::-1]:
+                log(f"saturated: {policy}, {pool} pool, {decisions} decisions (repeat {r + 1})")
+                runs.setdefault((policy, pool), []).append(saturated(policy, pool, decisions, seed))
+    rows = []
+    for pool in order:
+        for policy in POLICIES:
+            rs = runs[(policy, pool)]
+            calm = min((row for row, _ in rs), key=lambda row: row.handle_us_p99)
+            first = rs[0][0]
+            dps = [row.core_decisions_per_s for row, _ in rs]
+            rows.append(
+                SaturatedRow(
+                    policy=policy,
+                    pool=pool,
+                    workers=first.workers,
+                    events=sum(row.events for row, _ in rs),
+                    decisions=sum(row.decisions for row, _ in rs),
+                    completed=sum(row.completed for row, _ in rs),
+                    core_seconds=sum(row.core_seconds for row, _ in rs),
+                    loop_seconds=sum(row.loop_seconds for row, _ in rs),
+                    core_decisions_per_s=max(dps),
+                    loop_decisions_per_s=max(row.loop_decisions_per_s for row, _ in rs),
+                    handle_us_p50=calm.handle_us_p50,
+                    handle_us_p99=calm.handle_us_p99,
+                    repeats=len(rs),
+                    core_decisions_per_s_runs=dps,
+                )
+            )
+    ratios: dict[str, dict[str, list[float]]] = {}
+    for policy in POLICIES:
+        small = [row.core_decisions_per_s for row, _ in runs[(policy, order[0])]]
+        ratios[policy] = {
+            name: [
+                row.core_decisions_per_s / s
+                for (row, _), s in zip(runs[(policy, pool)], small, strict=True)
+            ]
+            for name, pool in (("largest", order[-1]), ("fleet", "fleet"))
+        }
+    return rows, ratios
 
 
 # --------------------------------------------------------------------------- chaos
@@ -447,18 +516,31 @@ def machine_info() -> dict[str, Any]:
     }
 
 
-def markdown(sat: list[SaturatedRow], ch: list[ChaosRow], svc: list[ServiceRow]) -> str:
+def markdown(
+    sat: list[SaturatedRow],
+    ch: list[ChaosRow],
+    svc: list[ServiceRow],
+    ratios: dict[str, dict[str, list[float]]] | None = None,
+) -> str:
     lines = [
-        "| policy | pool (E/D/V workers) | decisions | core dec/s | loop dec/s "
-        "| handle p50 us | handle p99 us |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        "| policy | pool (E/D/V workers) | decisions | core dec/s (best) | runs min-max "
+        "| loop dec/s | handle p50 us | handle p99 us |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in sat:
+        runs = r.core_decisions_per_s_runs or [r.core_decisions_per_s]
         lines.append(
             f"| {r.policy} | {r.pool} ({r.workers}) | {r.decisions} "
-            f"| {r.core_decisions_per_s:,.0f} | {r.loop_decisions_per_s:,.0f} "
+            f"| {r.core_decisions_per_s:,.0f} | {min(runs):,.0f}-{max(runs):,.0f} "
+            f"| {r.loop_decisions_per_s:,.0f} "
             f"| {r.handle_us_p50:.1f} | {r.handle_us_p99:.1f} |"
         )
+    for policy, rs in (ratios or {}).items():
+        parts = [
+            f"{name}/smallest {statistics.median(v):.2f} [{min(v):.2f}, {max(v):.2f}]"
+            for name, v in rs.items()
+        ]
+        lines.append(f"\n{policy}, paired per repeat, median [min, max]: {'; '.join(parts)}")
     lines += [
         "",
         "| policy | requests | completed | failed | cancelled | lost | dup | deaths "
@@ -491,7 +573,9 @@ def markdown(sat: list[SaturatedRow], ch: list[ChaosRow], svc: list[ServiceRow])
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    p.add_argument("--quick", action="store_true", help="fewer decisions, one chaos run (~5 s)")
+    p.add_argument(
+        "--quick", action="store_true", help="fewer decisions and repeats, one chaos run (~40 s)"
+    )
     p.add_argument("--json", metavar="PATH", help="also write results as JSON here")
     p.add_argument("--seed", type=int, default=0, help="seed of the workloads")
     p.add_argument("--fleet-agent", nargs=3, help=argparse.SUPPRESS)
@@ -504,12 +588,8 @@ def main(argv: list[str] | None = None) -> int:
         return fleet_agent(*a.fleet_agent)
     t0 = time.perf_counter()
     load_start = os.getloadavg()
-    decisions = 30_000 if a.quick else 200_000
-    sat = []
-    for pool in POOLS:
-        for policy in POLICIES:
-            log(f"saturated: {policy}, {pool} pool, {decisions} decisions")
-            sat.append(saturated(policy, pool, decisions, a.seed))
+    decisions, repeats = (10_000, 3) if a.quick else (40_000, 5)
+    sat, ratios = saturated_all(decisions, repeats, a.seed)
     ch = []
     for policy in ("affinity",) if a.quick else POLICIES:
         log(f"chaos: {CHAOS_REQUESTS} requests, {policy}")
@@ -526,7 +606,7 @@ def main(argv: list[str] | None = None) -> int:
         log("service: one submission at a time, journal on")
         svc.append(service_rtt(None, 300 if a.quick else 2000, True, tmp))
     total = time.perf_counter() - t0
-    print(markdown(sat, ch, svc))
+    print(markdown(sat, ch, svc, ratios))
     print(f"\ntotal {total:.1f} s; dec/s = Dispatch actions per second (see --help)")
     print(f"load average at start {load_start}, at end {os.getloadavg()}")
     smallest, largest = next(iter(POOLS)), list(POOLS)[-1]
@@ -534,12 +614,14 @@ def main(argv: list[str] | None = None) -> int:
     jsvc = next(r for r in svc if r.journal and r.offered_per_s)
     summary = {
         "decisions_per_s": min(r.core_decisions_per_s for r in sat),
+        # per policy, best run over best run; the worst policy (paired ratios below)
         "decisions_per_s_ratio_largest_to_smallest": min(
             by[(p, largest)] / by[(p, smallest)] for p in POLICIES
         ),
         "decisions_per_s_ratio_fleet_to_smallest": min(
             by[(p, "fleet")] / by[(p, smallest)] for p in POLICIES
         ),
+        "decisions_per_s_ratios_paired": ratios,
         "handle_us_p99": max(r.handle_us_p99 for r in sat),
         "loop_decisions_per_s": min(r.loop_decisions_per_s for r in sat),
         "lost_requests": sum(c.lost for c in ch),
@@ -556,10 +638,15 @@ def main(argv: list[str] | None = None) -> int:
         doc = {
             "bench": "orchestrator",
             "machine": machine_info(),
-            "config": {"quick": a.quick, "seed": a.seed, "decisions_per_row": decisions},
+            "config": {
+                "quick": a.quick,
+                "seed": a.seed,
+                "decisions_per_run": decisions,
+                "repeats": repeats,
+            },
             "units": {
                 "decisions_per_s": "Dispatch actions per second inside Orchestrator.handle "
-                "(slowest saturated row)",
+                "(slowest saturated row; a row is the best of its repeats)",
                 "handle_us": "microseconds per handle() call",
                 "decisions_per_s_ratio_largest_to_smallest": "per policy, the largest pool's "
                 "decisions/s over the smallest's; the worst policy",
