@@ -12,10 +12,10 @@ this process under a virtual clock. Two parts:
                pool completes more items per second); every worker heartbeats every
                10 virtual seconds, the fleet's beats spread evenly over the period,
                so heartbeats per decision do not depend on the size. A *decision* is
-               one ``Dispatch`` action. Timed with
-               ``time.perf_counter`` after a warm-up (registration and the first
-               backlog's worth of decisions are not timed): ``core`` is the time spent
-               inside ``Orchestrator.handle`` only; ``loop`` adds this driver (building
+               one ``Dispatch`` action. Timed with ``time.perf_counter`` after a
+               warm-up (registration, and the first backlog until as many requests
+               have completed, are not timed): ``core`` is the time spent inside
+               ``Orchestrator.handle`` only; ``loop`` adds this driver (building
                events, bookkeeping); ``loop dec/CPU-s`` divides by the CPU time this
                thread got in the loop (``time.thread_time``): on a shared machine
                other jobs take the CPU for whole scheduler slices (4 ms events in a
@@ -184,14 +184,16 @@ def saturated(
     step = ITEM_SECONDS / credits  # virtual time per completion: every credit turns over alike
     submitted = 0
     beats = 0  # heartbeats sent; worker i beats at i/n of every 10 s period: spread out
-    warmup = backlog  # decisions before timing starts: registration and the first fill
+    warmup = backlog  # requests completed before timing starts: the first fill drained
+    done_before = 0  # requests completed before the timed part
     t_loop, c_loop = perf(), time.thread_time()
-    while counts["decisions"] < decisions + warmup:
-        if warmup and counts["decisions"] >= warmup:
-            counts["decisions"] = counts["completed"] = warmup = 0
+    while warmup or counts["decisions"] < decisions:
+        if warmup and counts["completed"] >= warmup:
+            counts["decisions"] = counts["completed"] = warmup = 0  # timed from here
+            done_before = submitted - backlog  # so the backlog stays topped up
             samples.clear()
             t_loop, c_loop = perf(), time.thread_time()
-        while submitted - counts["completed"] < backlog:
+        while submitted - done_before - counts["completed"] < backlog:
             cls = "interactive" if rng.random() < 0.7 else "batch"
             cached = b"emb-cached-handle" if rng.random() < 0.5 else None
             feed(Submit(f"r{submitted}", cls, params=b"p" * 64, cached_embeddings=cached))
