@@ -7,19 +7,40 @@ this process under a virtual clock. Two parts:
     saturated  A steady workload that keeps every worker busy: a backlog of requests
                (70 % interactive, 30 % batch; half with cached embeddings, so they skip
                Encode) is topped up after every event, and the oldest dispatched item
-               finishes next (``ItemDone``); every worker heartbeats every 10 virtual
-               seconds. A *decision* is one ``Dispatch`` action. Timed with
-               ``time.perf_counter``: ``core`` is the time spent inside
-               ``Orchestrator.handle`` only; ``loop`` adds this driver (building events,
-               bookkeeping). Per routing policy and per pool size (workers per stage,
-               encode/denoise/decode, with 4/1/4 credits each).
-    service    The submit-to-dispatch round trip through the real service over loopback:
-               ``mooncake-diffusion orchestrator`` runs as its own process (with and
-               without its SQLite journal); this process runs the HTTP client and three
-               ``StageWorker``s (in-memory connector, stage functions that acknowledge at
-               once). One request at a time: the time from ``client.submit`` to the
-               encode worker's stage function being called (HTTP in, journal commit,
-               ZeroMQ out, the worker's thread pool), p50 and p99.
+               finishes next (``ItemDone``), the virtual clock advancing so that an
+               item holds its credit about 2 s whatever the pool's size (a larger
+               pool completes more items per second); every worker heartbeats every
+               10 virtual seconds, the fleet's beats spread evenly over the period,
+               so heartbeats per decision do not depend on the size. A *decision* is
+               one ``Dispatch`` action. Timed with ``time.perf_counter`` after a
+               warm-up (registration, and the first backlog until as many requests
+               have completed, are not timed): ``core`` is the time spent inside
+               ``Orchestrator.handle`` only; ``loop`` adds this driver (building
+               events, bookkeeping); ``loop dec/CPU-s`` divides by the CPU time this
+               thread got in the loop (``time.thread_time``): on a shared machine
+               other jobs take the CPU for whole scheduler slices (4 ms events in a
+               5 us workload), which wall-clock figures count and this one does not.
+               Per routing policy and per pool size (workers per
+               stage, encode/denoise/decode, with 4/1/4 credits each), from 24 workers
+               (``small``) to 4,096 (``xl``). Each row is run ``repeats`` times (3 in
+               ``--quick``, 5 in full), a policy's pools back to back in each repeat,
+               and a row reports its best run (other jobs on the machine only ever
+               slow a run down; every run's figure is kept) and the handle
+               percentiles of its least disturbed run; the ratio between pools is
+               also given paired, per repeat (median and range).
+    service    The submit-to-dispatch round trip through the real service over loopback,
+               open loop: ``mooncake-diffusion orchestrator`` runs as its own process
+               (with and without its SQLite journal) with 1,024 workers registered
+               (64 encode, 768 denoise, 192 decode: one child process holding a DEALER
+               socket per worker, heartbeating, finishing every item at once); this
+               process offers 1,000 submissions/s over HTTP from 8 client threads,
+               request ``i`` due at ``t0 + i/rate`` whatever the answers. RTT: from
+               sending a submission to its encode item arriving at a worker
+               (``time.monotonic``, one clock for both processes): HTTP in, journal
+               commit, ZeroMQ out. ``achieved /s`` and ``send lag`` say whether the
+               offered rate was kept (a lag of seconds: this machine could not).
+               A last row sends one submission at a time (journal on): the round
+               trip without queueing.
     chaos      ``Simulation`` (``simulate/faults.py``) of 10,000 requests with random
                worker deaths (half reported by a supervisor, half found by the
                heartbeat deadline; some dead workers' results arrive late), retryable
@@ -46,7 +67,7 @@ import sys
 import tempfile
 import time
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from mooncake_diffusion.orchestrator import (
@@ -66,9 +87,19 @@ from mooncake_diffusion.orchestrator import (
 from mooncake_diffusion.simulate import SimConfig, Simulation
 
 POLICIES = ("round_robin", "least_loaded", "affinity")
-POOLS = {"small": (4, 16, 4), "large": (16, 128, 32)}  # workers: encode, denoise, decode
+# workers: encode, denoise, decode. "fleet": 1,344 workers; "xl": 4,096, the largest
+# fleet the scheduler is meant to carry on one core.
+POOLS = {
+    "small": (4, 16, 4),
+    "large": (16, 128, 32),
+    "fleet": (64, 1024, 256),
+    "xl": (256, 3072, 768),
+}
 CREDITS = {"encode": 4, "denoise": 1, "decode": 4}
 CHAOS_REQUESTS = 10_000
+SERVICE_RATE = 1000.0  # submissions/s offered to the service, open loop
+BEAT_SECONDS = 10.0  # each worker's heartbeat period in the saturated part
+ITEM_SECONDS = 2.0  # virtual time an item holds its credit in the saturated part
 
 
 def log(msg: str) -> None:
@@ -89,6 +120,11 @@ class SaturatedRow:
     loop_decisions_per_s: float
     handle_us_p50: float
     handle_us_p99: float
+    repeats: int = 1
+    core_decisions_per_s_runs: list[float] = field(default_factory=list)
+    #: decisions per second of this thread's CPU time in the timed loop (the driver
+    #: included): blind to the time other jobs take the CPU away, so steadier here
+    loop_cpu_decisions_per_s: float = 0.0
 
 
 @dataclass
@@ -111,7 +147,10 @@ class ChaosRow:
 
 
 # --------------------------------------------------------------------------- saturated
-def saturated(policy: str, pool: str, decisions: int, seed: int) -> SaturatedRow:
+def saturated(
+    policy: str, pool: str, decisions: int, seed: int
+) -> tuple[SaturatedRow, list[float]]:
+    """One run of the saturated workload; the row and its per-event ``handle`` seconds."""
     rng = random.Random(seed)
     clock = VirtualClock()
     core = Orchestrator(
@@ -140,28 +179,38 @@ def saturated(policy: str, pool: str, decisions: int, seed: int) -> SaturatedRow
             workers.append(wid)
             labels = {"node": f"n{i % 8}", "rail": str(i % 4)}
             feed(RegisterWorker(wid, stage, CREDITS[stage], labels))
-    backlog = 2 * sum(n * CREDITS[s] for s, n in zip(STAGES, POOLS[pool], strict=True))
+    credits = sum(n * CREDITS[s] for s, n in zip(STAGES, POOLS[pool], strict=True))
+    backlog = 2 * credits
+    step = ITEM_SECONDS / credits  # virtual time per completion: every credit turns over alike
     submitted = 0
-    next_beat = 10.0
-    t_loop = perf()
-    while counts["decisions"] < decisions:
-        while submitted - counts["completed"] < backlog:
+    beats = 0  # heartbeats sent; worker i beats at i/n of every 10 s period: spread out
+    warmup = backlog  # requests completed before timing starts: the first fill drained
+    done_before = 0  # requests completed before the timed part
+    t_loop, c_loop = perf(), time.thread_time()
+    while warmup or counts["decisions"] < decisions:
+        if warmup and counts["completed"] >= warmup:
+            counts["decisions"] = counts["completed"] = warmup = 0  # timed from here
+            done_before = submitted - backlog  # so the backlog stays topped up
+            samples.clear()
+            t_loop, c_loop = perf(), time.thread_time()
+        while submitted - done_before - counts["completed"] < backlog:
             cls = "interactive" if rng.random() < 0.7 else "batch"
             cached = b"emb-cached-handle" if rng.random() < 0.5 else None
             feed(Submit(f"r{submitted}", cls, params=b"p" * 64, cached_embeddings=cached))
             submitted += 1
         d = pending.popleft()
-        clock.advance(0.001)
+        clock.advance(step)
         it = d.item
         feed(ItemDone(d.worker_id, it.request_id, it.stage, it.attempt, b"h" * 200))
-        if clock.now() >= next_beat:
-            for wid in workers:
-                feed(Heartbeat(wid))
-            next_beat += 10.0
+        n = len(workers)
+        while clock.now() >= (beats // n + (beats % n) / n) * BEAT_SECONDS:
+            feed(Heartbeat(workers[beats % n]))
+            beats += 1
     loop_s = perf() - t_loop
+    cpu_s = time.thread_time() - c_loop
     core_s = sum(samples)
     q = statistics.quantiles(samples, n=100)
-    return SaturatedRow(
+    row = SaturatedRow(
         policy=policy,
         pool=pool,
         workers="/".join(str(n) for n in POOLS[pool]),
@@ -174,7 +223,66 @@ def saturated(policy: str, pool: str, decisions: int, seed: int) -> SaturatedRow
         loop_decisions_per_s=counts["decisions"] / loop_s,
         handle_us_p50=q[49] * 1e6,
         handle_us_p99=q[98] * 1e6,
+        loop_cpu_decisions_per_s=counts["decisions"] / cpu_s,
     )
+    return row, samples
+
+
+def saturated_all(
+    decisions: int, repeats: int, seed: int
+) -> tuple[list[SaturatedRow], dict[str, dict[str, list[float]]]]:
+    """Every (policy, pool) ``repeats`` times, the pools of one policy back to back in
+    each repeat (their order flipped every other repeat), so a ratio between pools is
+    taken within one stretch of machine noise. A row: its best run's decisions/s
+    (the least disturbed, as ``timeit`` takes the best: other jobs only ever slow a
+    run down) with every run's in ``core_decisions_per_s_runs``, sums of its counts
+    and seconds, and the handle percentiles of its least disturbed run (the lowest
+    p99). Also returns, per policy, the paired per-repeat ratios
+    ``largest/smallest`` and ``fleet/smallest``."""
+    runs: dict[tuple[str, str], list[tuple[SaturatedRow, list[float]]]] = {}
+    order = list(POOLS)
+    for r in range(repeats):
+        for policy in POLICIES:
+            for pool in order if r % 2 == 0 else order[::-1]:
+                log(f"saturated: {policy}, {pool} pool, {decisions} decisions (repeat {r + 1})")
+                runs.setdefault((policy, pool), []).append(saturated(policy, pool, decisions, seed))
+    rows = []
+    for pool in order:
+        for policy in POLICIES:
+            rs = runs[(policy, pool)]
+            calm = min((row for row, _ in rs), key=lambda row: row.handle_us_p99)
+            first = rs[0][0]
+            dps = [row.core_decisions_per_s for row, _ in rs]
+            rows.append(
+                SaturatedRow(
+                    policy=policy,
+                    pool=pool,
+                    workers=first.workers,
+                    events=sum(row.events for row, _ in rs),
+                    decisions=sum(row.decisions for row, _ in rs),
+                    completed=sum(row.completed for row, _ in rs),
+                    core_seconds=sum(row.core_seconds for row, _ in rs),
+                    loop_seconds=sum(row.loop_seconds for row, _ in rs),
+                    core_decisions_per_s=max(dps),
+                    loop_decisions_per_s=max(row.loop_decisions_per_s for row, _ in rs),
+                    loop_cpu_decisions_per_s=max(row.loop_cpu_decisions_per_s for row, _ in rs),
+                    handle_us_p50=calm.handle_us_p50,
+                    handle_us_p99=calm.handle_us_p99,
+                    repeats=len(rs),
+                    core_decisions_per_s_runs=dps,
+                )
+            )
+    ratios: dict[str, dict[str, list[float]]] = {}
+    for policy in POLICIES:
+        small = [row.core_decisions_per_s for row, _ in runs[(policy, order[0])]]
+        ratios[policy] = {
+            name: [
+                row.core_decisions_per_s / s
+                for (row, _), s in zip(runs[(policy, pool)], small, strict=True)
+            ]
+            for name, pool in (("largest", order[-1]), ("fleet", "fleet"))
+        }
+    return rows, ratios
 
 
 # --------------------------------------------------------------------------- chaos
@@ -218,26 +326,112 @@ def chaos(policy: str, seed: int) -> ChaosRow:
     )
 
 
-# --------------------------------------------------------------------------- output
+# --------------------------------------------------------------------------- service
+FLEET = {"encode": 64, "denoise": 768, "decode": 192}  # 1,024 registered workers
+
+
 @dataclass
 class ServiceRow:
     journal: bool
+    workers: int
+    offered_per_s: float
+    achieved_per_s: float
     requests: int
     rtt_ms_p50: float
     rtt_ms_p90: float
     rtt_ms_p99: float
     rtt_ms_max: float
-    completed: int
+    send_lag_ms_p99: float
+    dispatched: int
 
 
-def service_rtt(requests: int, journal: bool, tmp: str) -> ServiceRow:
+def fleet_agent(address: str, out_path: str, stages: str) -> int:
+    """A child process: the ``FLEET`` workers of ``stages`` (comma-separated) on one
+    thread, one DEALER socket each, that finish every item at once and note when each
+    encode item arrived (``time.monotonic``, the same clock in every process). Prints
+    ``ready`` once all are welcomed; on a line on stdin it writes the arrival times as
+    JSON and exits. The encode workers get a process of their own, so the time
+    measured is not that of polling a thousand sockets."""
+    import zmq
+
+    from mooncake_diffusion.orchestrator.wire import (
+        Beat,
+        Done,
+        Hello,
+        ItemRef,
+        Welcome,
+        Work,
+        decode_from_service,
+        encode,
+    )
+
+    ctx = zmq.Context()
+    ctx.set(zmq.MAX_SOCKETS, 2 * sum(FLEET.values()))  # the default is 1,023
+    socks: dict[zmq.Socket, str] = {}
+    poller = zmq.Poller()
+    for stage, n in FLEET.items():
+        if stage not in stages.split(","):
+            continue
+        for i in range(n):
+            wid = f"fleet-{stage}-{i}"
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.IDENTITY, wid.encode())
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(address)
+            labels = {"node": f"n{i % 16}", "rail": str(i % 4)}
+            s.send(encode(Hello(wid, stage, CREDITS[stage], labels)))
+            socks[s] = wid
+            poller.register(s, zmq.POLLIN)
+    poller.register(sys.stdin, zmq.POLLIN)
+    arrived: dict[str, float] = {}
+    welcomed = 0
+    interval = 1.0
+    next_beat = time.monotonic() + interval
+    while True:
+        ready = poller.poll(max(0.0, next_beat - time.monotonic()) * 1000)
+        for s, _ in ready:
+            if s is sys.stdin or s == sys.stdin.fileno():
+                sys.stdin.readline()
+                with open(out_path, "w") as f:
+                    json.dump(arrived, f)
+                for sock in socks:
+                    sock.close()
+                ctx.term()
+                return 0
+            while True:
+                try:
+                    frame = s.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                msg = decode_from_service(frame)
+                if isinstance(msg, Work):
+                    it = msg.item
+                    if it.stage == "encode":
+                        arrived.setdefault(it.request_id, time.monotonic())
+                    ref = ItemRef(it.request_id, it.stage, it.attempt)
+                    s.send(encode(Done(socks[s], ref, b"out")))
+                elif isinstance(msg, Welcome):
+                    welcomed += 1
+                    interval = msg.heartbeat_interval
+                    if welcomed == len(socks):
+                        print("ready", flush=True)
+        if time.monotonic() >= next_beat:
+            for s, wid in socks.items():
+                s.send(encode(Beat(wid)))
+            next_beat = time.monotonic() + interval
+
+
+def service_rtt(rate: float | None, total: int, journal: bool, tmp: str) -> ServiceRow:
+    """Open loop: ``total`` submissions at ``rate``/s over HTTP from 8 client threads,
+    request ``i`` due at ``t0 + i / rate`` whatever the answers; ``rate=None``: one
+    thread, one submission at a time (each sent when the last was answered). The
+    service has the 1,024 ``FLEET`` workers registered. RTT: from the moment a
+    submission is sent to its encode item arriving at a worker (HTTP in, journal
+    commit, ZeroMQ out)."""
+    import subprocess
     import threading
 
-    from mooncake_diffusion.connector import DiffusionConnector
-    from mooncake_diffusion.orchestrator import toy
     from mooncake_diffusion.orchestrator.client import OrchestratorClient
-    from mooncake_diffusion.orchestrator.worker import StageWorker
-    from mooncake_diffusion.settings import MooncakeSettings
 
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
     from servicestack import CLI, Proc, free_port
@@ -247,51 +441,80 @@ def service_rtt(requests: int, journal: bool, tmp: str) -> ServiceRow:
     if journal:
         argv += ["--journal", os.path.join(tmp, f"bench-{time.time_ns()}.db")]
     orch = Proc(argv)
-    orch.wait_for("orchestrator ready")
-    called: dict[str, float] = {}
-    cv = threading.Condition()
-
-    def first(item: Any, ctx: Any) -> bytes:
-        t = time.perf_counter()
-        with cv:
-            called[item.request_id] = t
-            cv.notify_all()
-        return b""
-
-    workers = []
+    out_path = os.path.join(tmp, f"arrived-{time.time_ns()}.json")
+    agents = [
+        subprocess.Popen(
+            [sys.executable, __file__, "--fleet-agent", f"tcp://127.0.0.1:{wport}", out, stages],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for out, stages in ((out_path, "encode"), (os.devnull, "denoise,decode"))
+    ]
     try:
-        for stage, fn in (("encode", first), ("denoise", toy.ack), ("decode", toy.ack)):
-            conn = DiffusionConnector(stage, "memory", MooncakeSettings())
-            w = StageWorker(stage, fn, f"tcp://127.0.0.1:{wport}", connector=conn, credits=4)
-            workers.append((w.start(), conn))
-        client = OrchestratorClient(f"http://127.0.0.1:{api}")
-        rtts = []
-        for i in range(requests + 20):  # the first 20 warm up connections and caches
-            rid = f"rtt-{i}"
-            t0 = time.perf_counter()
-            client.submit({"i": i}, request_id=rid)
-            with cv:
-                cv.wait_for(lambda rid=rid: rid in called, timeout=10)
-            if i >= 20:
-                rtts.append((called[rid] - t0) * 1e3)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            text = client.metrics_text()
-            line = next(x for x in text.splitlines() if 'outcome="completed"' in x)
-            if int(float(line.split()[-1])) >= requests + 20:
-                break
-            time.sleep(0.1)
-        completed = int(float(line.split()[-1]))
-        client.close()
+        orch.wait_for("orchestrator ready")
+        for ag in agents:
+            assert ag.stdout is not None and ag.stdout.readline().strip() == "ready"
+        warm = total // 10  # the first tenth warms connections and caches: not counted
+        sent: dict[str, tuple[float, float]] = {}  # rid -> (due, sent)
+        lock = threading.Lock()
+        nxt = iter(range(total))
+        t0 = time.monotonic() + 0.2
+
+        def client_thread() -> None:
+            with OrchestratorClient(f"http://127.0.0.1:{api}") as client:
+                while True:
+                    with lock:
+                        i = next(nxt, None)
+                    if i is None:
+                        return
+                    due = t0 + i / rate if rate else time.monotonic()
+                    wait = due - time.monotonic()
+                    if wait > 0:
+                        time.sleep(wait)
+                    rid = f"open-{i}"
+                    t = time.monotonic()
+                    client.submit({"i": i}, request_id=rid)
+                    if i >= warm:
+                        sent[rid] = (due, t)
+
+        threads = [threading.Thread(target=client_thread) for _ in range(8 if rate else 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        time.sleep(1.0)  # the last submissions reach their workers
+        for ag in agents:
+            assert ag.stdin is not None
+            ag.stdin.write("stop\n")
+            ag.stdin.flush()
+        for ag in agents:
+            ag.wait(60)
+        with open(out_path) as f:
+            arrived = json.load(f)
     finally:
-        for w, _ in workers:
-            w.drain()
-        for w, conn in workers:
-            w.join(10)
-            conn.close()
+        for ag in agents:
+            if ag.poll() is None:
+                ag.kill()
+                ag.wait()
         orch.terminate()
+    rtts = sorted((arrived[r] - t) * 1e3 for r, (_, t) in sent.items() if r in arrived)
+    lags = [(t - due) * 1e3 for due, t in sent.values()]
+    span = max(t for _, t in sent.values()) - min(t for _, t in sent.values())
     q = statistics.quantiles(rtts, n=100)
-    return ServiceRow(journal, requests, q[49], q[89], q[98], max(rtts), completed)
+    return ServiceRow(
+        journal=journal,
+        workers=sum(FLEET.values()),
+        offered_per_s=rate or 0.0,
+        achieved_per_s=(len(sent) - 1) / span,
+        requests=len(sent),
+        rtt_ms_p50=q[49],
+        rtt_ms_p90=q[89],
+        rtt_ms_p99=q[98],
+        rtt_ms_max=max(rtts),
+        send_lag_ms_p99=statistics.quantiles(lags, n=100)[98],
+        dispatched=len(rtts),
+    )
 
 
 def machine_info() -> dict[str, Any]:
@@ -305,18 +528,31 @@ def machine_info() -> dict[str, Any]:
     }
 
 
-def markdown(sat: list[SaturatedRow], ch: list[ChaosRow], svc: list[ServiceRow]) -> str:
+def markdown(
+    sat: list[SaturatedRow],
+    ch: list[ChaosRow],
+    svc: list[ServiceRow],
+    ratios: dict[str, dict[str, list[float]]] | None = None,
+) -> str:
     lines = [
-        "| policy | pool (E/D/V workers) | decisions | core dec/s | loop dec/s "
-        "| handle p50 us | handle p99 us |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        "| policy | pool (E/D/V workers) | decisions | core dec/s (best) | runs min-max "
+        "| loop dec/s | loop dec/CPU-s | handle p50 us | handle p99 us |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in sat:
+        runs = r.core_decisions_per_s_runs or [r.core_decisions_per_s]
         lines.append(
             f"| {r.policy} | {r.pool} ({r.workers}) | {r.decisions} "
-            f"| {r.core_decisions_per_s:,.0f} | {r.loop_decisions_per_s:,.0f} "
+            f"| {r.core_decisions_per_s:,.0f} | {min(runs):,.0f}-{max(runs):,.0f} "
+            f"| {r.loop_decisions_per_s:,.0f} | {r.loop_cpu_decisions_per_s:,.0f} "
             f"| {r.handle_us_p50:.1f} | {r.handle_us_p99:.1f} |"
         )
+    for policy, rs in (ratios or {}).items():
+        parts = [
+            f"{name}/smallest {statistics.median(v):.2f} [{min(v):.2f}, {max(v):.2f}]"
+            for name, v in rs.items()
+        ]
+        lines.append(f"\n{policy}, paired per repeat, median [min, max]: {'; '.join(parts)}")
     lines += [
         "",
         "| policy | requests | completed | failed | cancelled | lost | dup | deaths "
@@ -332,72 +568,115 @@ def markdown(sat: list[SaturatedRow], ch: list[ChaosRow], svc: list[ServiceRow])
         )
     lines += [
         "",
-        "| service (submit -> dispatch) | requests | p50 ms | p90 ms | p99 ms | max ms "
-        "| completed |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| service (submit -> dispatch), open loop | workers | offered /s | achieved /s "
+        "| requests | p50 ms | p90 ms | p99 ms | max ms | send lag p99 ms | dispatched |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in svc:
+        offered = f"{r.offered_per_s:,.0f}" if r.offered_per_s else "one at a time"
         lines.append(
-            f"| {'journal (SQLite WAL)' if r.journal else 'no journal'} | {r.requests} "
+            f"| {'journal (SQLite WAL)' if r.journal else 'no journal'} | {r.workers} "
+            f"| {offered} | {r.achieved_per_s:,.0f} | {r.requests} "
             f"| {r.rtt_ms_p50:.2f} | {r.rtt_ms_p90:.2f} | {r.rtt_ms_p99:.2f} "
-            f"| {r.rtt_ms_max:.2f} | {r.completed} |"
+            f"| {r.rtt_ms_max:.2f} | {r.send_lag_ms_p99:.2f} | {r.dispatched} |"
         )
     return "\n".join(lines)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    p.add_argument("--quick", action="store_true", help="fewer decisions, one chaos run (~5 s)")
+    p.add_argument(
+        "--quick", action="store_true", help="fewer decisions and repeats, one chaos run (~40 s)"
+    )
     p.add_argument("--json", metavar="PATH", help="also write results as JSON here")
     p.add_argument("--seed", type=int, default=0, help="seed of the workloads")
+    p.add_argument("--fleet-agent", nargs=3, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
+    if a.fleet_agent:
+        return fleet_agent(*a.fleet_agent)
     t0 = time.perf_counter()
-    decisions = 30_000 if a.quick else 200_000
-    sat = []
-    for pool in POOLS:
-        for policy in POLICIES:
-            log(f"saturated: {policy}, {pool} pool, {decisions} decisions")
-            sat.append(saturated(policy, pool, decisions, a.seed))
+    load_start = os.getloadavg()
+    decisions, repeats = (10_000, 3) if a.quick else (40_000, 5)
+    sat, ratios = saturated_all(decisions, repeats, a.seed)
     ch = []
     for policy in ("affinity",) if a.quick else POLICIES:
         log(f"chaos: {CHAOS_REQUESTS} requests, {policy}")
         ch.append(chaos(policy, a.seed))
     svc = []
     with tempfile.TemporaryDirectory() as tmp:
+        seconds = 3.0 if a.quick else 10.0
         for journal in (True, False):
-            n = 300 if a.quick else 2000
-            log(f"service: {n} requests one at a time, journal {'on' if journal else 'off'}")
-            svc.append(service_rtt(n, journal, tmp))
+            log(
+                f"service: {SERVICE_RATE:.0f} submissions/s for {seconds:g} s, open loop, "
+                f"{sum(FLEET.values())} workers, journal {'on' if journal else 'off'}"
+            )
+            svc.append(service_rtt(SERVICE_RATE, int(SERVICE_RATE * seconds), journal, tmp))
+        log("service: one submission at a time, journal on")
+        svc.append(service_rtt(None, 300 if a.quick else 2000, True, tmp))
     total = time.perf_counter() - t0
-    print(markdown(sat, ch, svc))
+    print(markdown(sat, ch, svc, ratios))
     print(f"\ntotal {total:.1f} s; dec/s = Dispatch actions per second (see --help)")
+    print(f"load average at start {load_start}, at end {os.getloadavg()}")
+    smallest, largest = next(iter(POOLS)), list(POOLS)[-1]
+    by = {(r.policy, r.pool): r.core_decisions_per_s for r in sat}
+    cpu = {(r.policy, r.pool): r.loop_cpu_decisions_per_s for r in sat}
+    jsvc = next(r for r in svc if r.journal and r.offered_per_s)
     summary = {
         "decisions_per_s": min(r.core_decisions_per_s for r in sat),
+        # per policy, best run over best run; the worst policy (paired ratios below)
+        "decisions_per_s_ratio_largest_to_smallest": min(
+            by[(p, largest)] / by[(p, smallest)] for p in POLICIES
+        ),
+        "decisions_per_s_ratio_fleet_to_smallest": min(
+            by[(p, "fleet")] / by[(p, smallest)] for p in POLICIES
+        ),
+        "decisions_per_s_ratios_paired": ratios,
+        "handle_us_p99": max(r.handle_us_p99 for r in sat),
         "loop_decisions_per_s": min(r.loop_decisions_per_s for r in sat),
+        "loop_cpu_decisions_per_s": min(r.loop_cpu_decisions_per_s for r in sat),
+        "loop_cpu_ratio_largest_to_smallest": min(
+            cpu[(p, largest)] / cpu[(p, smallest)] for p in POLICIES
+        ),
         "lost_requests": sum(c.lost for c in ch),
         "duplicate_completions": sum(c.duplicate_completions for c in ch),
-        "service_rtt_p50_ms": next(r.rtt_ms_p50 for r in svc if r.journal),
-        "service_rtt_p99_ms": next(r.rtt_ms_p99 for r in svc if r.journal),
+        "service_rtt_p50_ms": jsvc.rtt_ms_p50,
+        "service_rtt_p99_ms": jsvc.rtt_ms_p99,
         "service_rtt_p99_ms_no_journal": next(r.rtt_ms_p99 for r in svc if not r.journal),
+        "service_rtt_p50_ms_one_at_a_time": next(r.rtt_ms_p50 for r in svc if not r.offered_per_s),
+        "service_rtt_p99_ms_one_at_a_time": next(r.rtt_ms_p99 for r in svc if not r.offered_per_s),
+        "service_achieved_per_s": jsvc.achieved_per_s,
+        "service_workers": jsvc.workers,
     }
     if a.json:
         doc = {
             "bench": "orchestrator",
             "machine": machine_info(),
-            "config": {"quick": a.quick, "seed": a.seed, "decisions_per_row": decisions},
+            "config": {
+                "quick": a.quick,
+                "seed": a.seed,
+                "decisions_per_run": decisions,
+                "repeats": repeats,
+            },
             "units": {
                 "decisions_per_s": "Dispatch actions per second inside Orchestrator.handle "
-                "(slowest saturated row)",
+                "(slowest saturated row; a row is the best of its repeats)",
                 "handle_us": "microseconds per handle() call",
+                "decisions_per_s_ratio_largest_to_smallest": "per policy, the largest pool's "
+                "decisions/s over the smallest's; the worst policy",
+                "handle_us_p99": "the largest handle() p99 of any saturated row",
+                "service_rtt": "ms from sending a submission to its encode item arriving at "
+                "a worker, open loop, journal on",
             },
             "rows": [{"part": "saturated", **asdict(r)} for r in sat]
             + [{"part": "chaos", **asdict(c)} for c in ch]
             + [{"part": "service", **asdict(r)} for r in svc],
             "summary": summary,
+            # 1/5/15-minute load averages: how busy the machine was (its 2 CPUs are shared)
+            "load_average": {"start": load_start, "end": os.getloadavg()},
             "total_seconds": total,
         }
         with open(a.json, "w") as f:

@@ -56,11 +56,12 @@ import statistics
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
-from _common import PeerClient, connector, serve_peer
+from _common import PeerClient, TransientRetry, Unmeasured, connector, serve_peer
 
 from mooncake_diffusion import DiffusionConnector, LocalCluster, MooncakeSettings, StagePayload
 
@@ -308,6 +309,7 @@ class RawStore(Path):
             check_rc(self.store.register_buffer(t.data_ptr(), t.numel()), "store register")
         self.config = ReplicateConfig()
         self.config.with_hard_pin = True  # what the connector uses for delete_on_consume
+        self.retry = TransientRetry()
         self.count = 0
         self.split: dict[int, list[tuple[float, float, float]]] = {}
 
@@ -315,16 +317,21 @@ class RawStore(Path):
         self.count += 1
         keys = [f"{RAW_KEY_ROOT}{n}/{self.count}"]
         s = self.store
+        retry, src, dst = self.retry, self.src.data_ptr(), self.dst.data_ptr()
         t0 = time.perf_counter()
-        put = s.batch_put_from(keys, [self.src.data_ptr()], [n], self.config)
+        put = retry("batch_put_from", lambda: s.batch_put_from(keys, [src], [n], self.config)[0])
         t1 = time.perf_counter()
-        got = s.batch_get_into(keys, [self.dst.data_ptr()], [n])
+        try:
+            got = retry("batch_get_into", lambda: s.batch_get_into(keys, [dst], [n])[0])
+        except Unmeasured:
+            s.batch_remove(keys, True)  # leave no object behind
+            raise
         t2 = time.perf_counter()
-        removed = s.batch_remove(keys, True)
+        removed = retry("batch_remove", lambda: s.batch_remove(keys, True)[0])
         t3 = time.perf_counter()
-        check_rc(put[0], "batch_put_from")
-        check(got[0] == n, f"batch_get_into returned {got[0]}, expected {n}")
-        check_rc(removed[0], "batch_remove")
+        check_rc(put, "batch_put_from")
+        check(got == n, f"batch_get_into returned {got}, expected {n}")
+        check_rc(removed, "batch_remove")
         self.split.setdefault(n, []).append((t1 - t0, t2 - t1, t3 - t2))
         return t3 - t0
 
@@ -379,29 +386,48 @@ class ConnectorStore(Path):
 class Row:
     size_bytes: int
     path: str
-    seconds: float
-    gbps: float
+    seconds: float | None  # None: not measured (``unmeasured`` says why)
+    gbps: float | None
     ratio: float | None
+    unmeasured: str | None = None
 
 
-def measure_size(paths: list[Path], n: int, warmup: int, repeats: int) -> dict[str, float]:
+def measure_size(
+    paths: list[Path], n: int, warmup: int, repeats: int, unmeasured: dict[str, str]
+) -> dict[str, float]:
     """Verify, warm up, then time every path round-robin; returns median seconds by path.
 
     The order flips on every repeat, so no path always runs right after the same other.
+    A path whose raw calls stay transiently failed past their deadline (``Unmeasured``)
+    is left out of this size, its reason put in ``unmeasured``.
     """
+
+    def attempt(p: Path, fn: Callable[[], Any]) -> Any:
+        try:
+            return fn()
+        except Unmeasured as e:
+            unmeasured[p.name] = str(e)
+            log(f"{fmt_size(n)} {p.name}: not measured: {e}")
+            return None
+
+    live = list(paths)
     for p in paths:
         p.prepare(n, 1 + warmup + repeats)
-        p.verify(n)
-        for _ in range(warmup):
-            p.run(n)
-    times: dict[str, list[float]] = {p.name: [] for p in paths}
+        if attempt(p, lambda p=p: [p.verify(n), *(p.run(n) for _ in range(warmup))]) is None:
+            live.remove(p)
+    times: dict[str, list[float]] = {p.name: [] for p in live}
     for i in range(repeats):
-        for p in paths if i % 2 == 0 else reversed(paths):
-            times[p.name].append(p.run(n))
+        for p in list(live if i % 2 == 0 else reversed(live)):
+            dt = attempt(p, lambda p=p: p.run(n))
+            if dt is None:
+                live.remove(p)
+                del times[p.name]
+            else:
+                times[p.name].append(dt)
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
-def rows_for(n: int, medians: dict[str, float]) -> list[Row]:
+def rows_for(n: int, medians: dict[str, float], unmeasured: dict[str, str]) -> list[Row]:
     gbps = {name: n / s / 1e9 for name, s in medians.items()}
     order = [
         "memcpy",
@@ -413,6 +439,9 @@ def rows_for(n: int, medians: dict[str, float]) -> list[Row]:
     ]
     rows = []
     for name in order:
+        if name in unmeasured:
+            rows.append(Row(n, name, None, None, None, unmeasured[name]))
+            continue
         if name not in medians:
             continue
         base = BASE_OF.get(name)
@@ -471,12 +500,15 @@ def fmt_size(n: int) -> str:
     return f"{n / MIB:g} MiB"
 
 
-def markdown(rows: list[Row], rt: dict[str, dict[str, float]]) -> str:
+def markdown(rows: list[Row], rt: dict[str, dict[str, float]], retries: dict[str, int]) -> str:
     lines = [
         "| size | path | seconds (median) | GB/s | ratio |",
         "|---:|---|---:|---:|---:|",
     ]
     for r in rows:
+        if r.seconds is None or r.gbps is None:
+            lines.append(f"| {fmt_size(r.size_bytes)} | {r.path} | not measured | - | - |")
+            continue
         if r.ratio is not None:
             ratio = f"{r.ratio:.2f}"
         else:
@@ -485,6 +517,11 @@ def markdown(rows: list[Row], rt: dict[str, dict[str, float]]) -> str:
             f"| {fmt_size(r.size_bytes)} | {r.path} | {r.seconds:.6f} | {r.gbps:.2f} | {ratio} |"
         )
     lines.append("")
+    for r in rows:
+        if r.unmeasured:
+            lines.append(f"not measured: {fmt_size(r.size_bytes)} {r.path}: {r.unmeasured}")
+    for what, n in retries.items():
+        lines.append(f"retried (transient Mooncake code): {what} x{n}")
     for mode, q in rt.items():
         lines.append(
             f"roundtrip_4k {mode}: p50 {q['p50_ms']:.3f} ms, p90 {q['p90_ms']:.3f} ms "
@@ -495,8 +532,12 @@ def markdown(rows: list[Row], rt: dict[str, dict[str, float]]) -> str:
 
 def summary(rows: list[Row], rt: dict[str, dict[str, float]]) -> dict[str, Any]:
     def min_ratio(path: str) -> float | None:
-        ratios = [r.ratio for r in rows if r.path == path and r.size_bytes >= 16 * MIB]
-        return min(x for x in ratios if x is not None) if ratios else None
+        ratios = [
+            r.ratio
+            for r in rows
+            if r.path == path and r.size_bytes >= 16 * MIB and r.ratio is not None
+        ]
+        return min(ratios) if ratios else None
 
     same_host = [
         r.ratio
@@ -537,7 +578,9 @@ class Config:
     json_path: str | None
 
 
-def run_all(cfg: Config, cluster: LocalCluster) -> tuple[list[Row], dict[str, Any], dict]:
+def run_all(
+    cfg: Config, cluster: LocalCluster
+) -> tuple[list[Row], dict[str, Any], dict, dict[str, int]]:
     settings = cluster.settings
     assert settings is not None
     max_bytes = max(cfg.sizes)
@@ -569,9 +612,10 @@ def run_all(cfg: Config, cluster: LocalCluster) -> tuple[list[Row], dict[str, An
         ]
         for n in cfg.sizes:
             t = time.perf_counter()
-            medians = measure_size([memcpy], n, cfg.warmup, cfg.repeats)
-            medians |= measure_size(paths, n, cfg.warmup, cfg.repeats)
-            rows += rows_for(n, medians)
+            unmeasured: dict[str, str] = {}
+            medians = measure_size([memcpy], n, cfg.warmup, cfg.repeats, unmeasured)
+            medians |= measure_size(paths, n, cfg.warmup, cfg.repeats, unmeasured)
+            rows += rows_for(n, medians, unmeasured)
             log(f"{fmt_size(n)}: done in {time.perf_counter() - t:.1f} s")
         log(f"4 KiB round trips ({cfg.rt_iterations} per mode)")
         p2p_prod = stack.enter_context(connector("denoise", "p2p", settings, src))
@@ -583,8 +627,9 @@ def run_all(cfg: Config, cluster: LocalCluster) -> tuple[list[Row], dict[str, An
             "store": roundtrip(st_prod, st_cons, src, dst, cfg.rt_iterations, cfg.rt_warmup),
         }
         split = store_split(raw_store)
+        retries = dict(raw_store.retry.retries)
         log("closing connectors, engines and the peer")
-    return rows, rt, split
+    return rows, rt, split, retries
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -626,12 +671,12 @@ def main(argv: list[str] | None = None) -> int:
         f"starting LocalCluster (pool {pool / MIB:g} MiB); sizes {[fmt_size(n) for n in cfg.sizes]}"
     )
     with LocalCluster(pool_bytes=pool) as cluster:
-        rows, rt, split = run_all(cfg, cluster)
+        rows, rt, split, retries = run_all(cfg, cluster)
         left = cluster.keys()
     if left:
         log(f"WARNING: {len(left)} store keys left behind: {left[:5]}")
     total = time.perf_counter() - t0
-    print(markdown(rows, rt))
+    print(markdown(rows, rt, retries))
     print(f"\ntotal {total:.1f} s; sizes in MiB (2**20 B), GB/s = 1e9 B/s")
     if cfg.json_path:
         doc = {
@@ -648,6 +693,12 @@ def main(argv: list[str] | None = None) -> int:
             "rows": [asdict(r) for r in rows],
             "roundtrip_4k": rt,
             "raw_store_split": split,
+            "raw_retries": retries,
+            "unmeasured": [
+                {"size_bytes": r.size_bytes, "path": r.path, "reason": r.unmeasured}
+                for r in rows
+                if r.unmeasured
+            ],
             "summary": summary(rows, rt),
             "store_keys_left": len(left),
             "total_seconds": total,

@@ -234,6 +234,9 @@ class RawStore:
             raise RuntimeError(f"raw store setup failed ({rc})")
         self.config = mstore.ReplicateConfig()
         self.ptrs: list[int] = []
+        from _common import TransientRetry  # a transient -707 is retried, as ours is
+
+        self.retry = TransientRetry()
 
     def register(self, t: Any) -> int:
         ptr = t.data_ptr()
@@ -243,11 +246,12 @@ class RawStore:
         return ptr
 
     def put(self, key: str, ptr: int, nbytes: int) -> None:
-        if (rc := self.store.put_from(key, ptr, nbytes, self.config)) != 0:
+        rc = self.retry("put_from", lambda: self.store.put_from(key, ptr, nbytes, self.config))
+        if rc != 0:
             raise RuntimeError(f"raw store put_from of {key} failed ({rc})")
 
     def get(self, key: str, ptr: int, nbytes: int) -> int:
-        return self.store.get_into(key, ptr, nbytes)
+        return self.retry("get_into", lambda: self.store.get_into(key, ptr, nbytes))
 
     def close(self) -> None:
         for ptr in self.ptrs:
@@ -336,10 +340,12 @@ def peer_main() -> int:
         if state.get("core") is not None:
             state["core"].close()
             state["core"] = None
+        retries = {}
         if state.get("raw") is not None:
+            retries = dict(state["raw"].retry.retries)
             state["raw"].close()
             state["raw"] = None
-        return {}
+        return {"raw_retries": retries}
 
     ops = {"setup": setup, "put": put, "put_small": put_small, "reap": reap, "close": close}
     return serve_peer(ops)
@@ -431,8 +437,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for conn in conns.values():
                 conn.close()
             core.close()
+            raw_retries = dict(raw.retry.retries)
             raw.close()
-            peer.call("close")
+            for what, n in peer.call("close").get("raw_retries", {}).items():
+                raw_retries[f"peer {what}"] = n
             left = cluster.keys()
         finally:
             peer.close()
@@ -491,6 +499,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         },
         "repeats": args.repeats,
         "store_keys_left": len(left),
+        "raw_retries": raw_retries,  # transient Mooncake codes retried by raw_store
         "wall_s": round(time.perf_counter() - t_start, 1),
     }
     config = {"quick": args.quick, "sizes_mb": sizes, "repeats": args.repeats,

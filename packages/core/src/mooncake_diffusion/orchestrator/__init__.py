@@ -25,6 +25,8 @@ Modules, one concern each:
     policy.py    RoutingPolicy / WorkerView: the routing contract
     registry.py  lazy, strict policy registry (+ entry points)
     policies.py  round_robin, least_loaded, affinity
+    indexes.py   the built-in policies' choices without a scan of the pool
+    victims.py   the running denoise jobs in preemption order
     sim.py       a discrete-event cluster simulator over the real core
     journal.py   SQLite (WAL) event log; JournaledOrchestrator replays it on restart
     errors.py    OrchestratorError and its subclasses

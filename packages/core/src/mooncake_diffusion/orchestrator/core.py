@@ -70,6 +70,7 @@ from typing import Any, cast
 
 from mooncake_diffusion.orchestrator.clock import Clock
 from mooncake_diffusion.orchestrator.errors import ClockError, PolicyContractError
+from mooncake_diffusion.orchestrator.indexes import RoutingIndex
 from mooncake_diffusion.orchestrator.model import (
     MAX_HANDLE_BYTES,
     MAX_ID,
@@ -110,6 +111,7 @@ from mooncake_diffusion.orchestrator.policy import RoutingPolicy
 from mooncake_diffusion.orchestrator.pools import Pools, Worker
 from mooncake_diffusion.orchestrator.queues import ClassQueue
 from mooncake_diffusion.orchestrator.registry import create_policy
+from mooncake_diffusion.orchestrator.victims import Victims
 
 __all__ = ["Orchestrator"]
 
@@ -214,13 +216,18 @@ class Orchestrator:
         self._clock = clock
         self._now = float("-inf")
         self._classes = {c.name: c for c in self.config.classes}
-        self._pools = Pools()
+        make_index = getattr(self.policy, "index", None)
+        #: the policy's routing index (``indexes.py``), or None: choose() over candidates
+        self._index: RoutingIndex | None = make_index() if callable(make_index) else None
+        self._pools = Pools(self._index)
         self._queues: dict[Stage, ClassQueue[_Request]] = {
             s: ClassQueue(self.config.classes) for s in STAGES
         }
         self._requests: dict[str, _Request] = {}
         self._finished: OrderedDict[str, str] = OrderedDict()
         self._decode_reserved = 0
+        #: running denoise jobs for the preemption rule (None: preemption is off)
+        self._victims = Victims(self.config.max_preemptions) if self.config.preemption else None
         self._handlers: dict[type, Callable[[Any, float, list[Action]], None]] = {
             Submit: self._on_submit,
             Cancel: self._on_cancel,
@@ -273,6 +280,10 @@ class Orchestrator:
     def live_workers(self) -> list[str]:
         """Ids of the live workers, in registration order (O(workers), no copy of state)."""
         return list(self._pools.workers)
+
+    def is_live(self, worker_id: str) -> bool:
+        """Whether ``worker_id`` is a live worker now. O(1)."""
+        return worker_id in self._pools.workers
 
     def next_deadline(self) -> float | None:
         """The next time at which the core acts on its own (a heartbeat deadline), or
@@ -467,11 +478,15 @@ class Orchestrator:
         """The request if ``ev`` comes from the worker holding its current attempt; else
         reject (stale attempts and results for items not held are dropped here)."""
         rid, stage, attempt, wid = ev.request_id, ev.stage, ev.attempt, ev.worker_id
+        req = self._requests.get(rid)
+        if req is not None and stage == req.stage:
+            w = req.worker
+            if attempt == req.attempt and w is not None and w.worker_id == wid:
+                return req  # the common case first: no message is built
         what = f"{stage} attempt {attempt} of {rid!r} from {wid!r}"
         if stage not in STAGES:
             msg = f"unknown stage {stage!r}; stages: {', '.join(STAGES)}"
             return _reject(out, "unknown_stage", msg, ev)
-        req = self._requests.get(rid)
         if req is None:
             outcome = self._finished.get(rid)
             if outcome is not None:
@@ -482,8 +497,6 @@ class Orchestrator:
                 return _reject(out, "stale_attempt", f"{what}: {stage} already done", ev)
             return _reject(out, "not_held", f"{what}: the request is at {req.stage}", ev)
         w = req.worker
-        if attempt == req.attempt and w is not None and w.worker_id == wid:
-            return req
         if isinstance(attempt, int) and 1 <= attempt < req.attempt:
             return _reject(out, "stale_attempt", f"{what}: attempt {req.attempt} is current", ev)
         if attempt == req.attempt and attempt >= 1 and w is None:
@@ -497,6 +510,8 @@ class Orchestrator:
         del w.running[req.rid]
         self._pools.release(w)
         self._pools.touch(w, now)
+        if self._victims is not None:
+            self._victims.stopped(req)
         req.worker = None
         return w
 
@@ -532,6 +547,8 @@ class Orchestrator:
         w.running.clear()
         w.held = 0
         for req in reqs:
+            if self._victims is not None:
+                self._victims.stopped(req)
             req.worker = None
             reason = f"{req.stage} attempt {req.attempt} on {w.worker_id}: {why}"
             ok = self._retry_or_fail(req, reason, True, out)
@@ -549,6 +566,8 @@ class Orchestrator:
         if w is not None:  # cancelled while running
             del w.running[req.rid]
             self._pools.release(w)
+            if self._victims is not None:
+                self._victims.stopped(req)
             req.worker = None
             out.append(Revoke(w.worker_id, req.rid, req.stage, req.attempt, why))
         self._unreserve(req)
@@ -574,7 +593,7 @@ class Orchestrator:
         free = self._pools.free_total
         for stage in _PUMP_ORDER:
             q = self._queues[stage]
-            while q and free[stage] > 0:
+            while free[stage] > 0 and q:
                 if stage == "denoise" and free["decode"] <= self._decode_reserved:
                     break  # no decode credit to reserve for the latent
                 req = q.pop(now)
@@ -584,27 +603,18 @@ class Orchestrator:
             self._preempt(out)
 
     def _preempt(self, out: list[Action]) -> None:
-        """The preemption rule (module docstring). O(denoise workers) when it applies."""
+        """The preemption rule (module docstring), from ``victims.py``'s index of the
+        running denoise jobs: O(log n) per victim, no scan of the pool."""
         q = self._queues["denoise"]
         if not q or self._pools.free_total["denoise"] > 0:
             return
-        running = [
-            r
-            for w in self._pools.workers.values()
-            if w.stage == "denoise"
-            for r in w.running.values()
-        ]
-        pending = sum(r.preempting for r in running)
-        victims = sorted(
-            (r for r in running if not r.preempting and r.yields < self.config.max_preemptions),
-            key=lambda r: (-r.cls.priority, -r.started, r.rid),
-        )
-        for v in victims:
-            if q.waiting_better_than(v.cls.priority) <= pending:
+        victims = self._victims
+        assert victims is not None
+        while (v := victims.first()) is not None:
+            if q.waiting_better_than(v.cls.priority) <= victims.pending:
                 break  # victims further on are of higher classes: fewer jobs outrank them
             assert v.worker is not None
-            v.preempting = True
-            pending += 1
+            victims.take(v)
             why = "a higher-priority denoise job waits"
             out.append(Preempt(v.worker.worker_id, v.rid, "denoise", v.attempt, why))
 
@@ -617,9 +627,11 @@ class Orchestrator:
             req.rid, stage, attempt, req.cls.name, req.deadline, req.params, req.input, req.hint
         )
         pools = self._pools
-        candidates = pools.candidates(stage)
         try:
-            w: Any = self.policy.choose(item, candidates)
+            if self._index is not None:
+                w: Any = self._index.pick(item)
+            else:
+                w = self.policy.choose(item, pools.candidates(stage))
         except Exception as e:
             req.token = q.push(req, req.cls.name, req.since)
             raise PolicyContractError(f"routing policy raised on {stage} item: {e!r}") from e
@@ -627,7 +639,7 @@ class Orchestrator:
         if pools.workers.get(wid) is not w or w.stage != stage or w.free < 1:  # type: ignore[arg-type]
             req.token = q.push(req, req.cls.name, req.since)
             raise PolicyContractError(
-                f"routing policy chose {w!r}, not one of the {len(candidates)} candidates"
+                f"routing policy chose {w!r}, not a live {stage} worker with a free credit"
             )
         req.attempt = attempt
         req.tried[stage] = attempt
@@ -637,6 +649,8 @@ class Orchestrator:
         pools.hold(w)
         if stage == "denoise":
             self._reserve(req)
+            if self._victims is not None:
+                self._victims.started(req)
         elif stage == "decode":
             self._unreserve(req)
         out.append(Dispatch(w.worker_id, item))

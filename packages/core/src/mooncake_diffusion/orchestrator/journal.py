@@ -12,7 +12,10 @@ actions and state), so the journal is an event log, not a state dump:
 
 ``handle`` reads the clock once, runs the core at that time, commits the event
 (one transaction) and only then returns the actions, so the driver never acts on
-an event the journal could lose. Which events are written:
+an event the journal could lose. Group commit: inside ``with jo.group():`` the
+events are committed together when the block exits (one write for many events);
+the driver then holds back every effect of their actions until the block has
+exited without error (the service does, per turn of its loop). Which events are written:
 - an event the core accepted: as given (after a msgpack round trip, see below);
 - an event the core rejected: nothing, unless expiring workers at that time
   changed the state; then a ``Tick`` at the same time, which replays the same
@@ -53,6 +56,7 @@ Not thread-safe: one driver thread, like the core.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import sqlite3
@@ -128,7 +132,8 @@ class Journal:
 
     Opens or creates ``path``; raises ``JournalError`` for a file that is not a
     journal or has an unknown schema version. ``append`` commits one event per
-    call (blocks for the write; no fsync per commit, see the module docstring).
+    call (blocks for the write; no fsync per commit, see the module docstring),
+    or, between ``begin`` and ``commit``, adds it to that one transaction.
     Call ``close`` (or use it as a context manager) when done.
     """
 
@@ -207,13 +212,35 @@ class Journal:
         return self._dec.decode(blob), blob
 
     def append(self, now: float, blob: bytes) -> int:
-        """Commit one encoded event at ``now`` (one transaction); returns its seq."""
+        """Commit one encoded event at ``now`` (one transaction, or part of the one
+        ``begin`` opened); returns its seq."""
         try:
             cur = self._db.execute("INSERT INTO events (now, event) VALUES (?, ?)", (now, blob))
         except sqlite3.Error as e:
             raise JournalError(f"journal {self.path}: write failed: {e}") from e
         assert cur.lastrowid is not None
         return cur.lastrowid
+
+    def begin(self) -> None:
+        """Open a transaction: ``append`` calls until ``commit`` are written together."""
+        try:
+            self._db.execute("BEGIN")
+        except sqlite3.Error as e:
+            raise JournalError(f"journal {self.path}: begin failed: {e}") from e
+
+    def commit(self) -> None:
+        """Commit the transaction ``begin`` opened (one write for all its events)."""
+        try:
+            self._db.execute("COMMIT")
+        except sqlite3.Error as e:
+            raise JournalError(f"journal {self.path}: commit failed: {e}") from e
+
+    def rollback(self) -> None:
+        """Drop the open transaction's events, if any (best effort: the journal is
+        being given up on)."""
+        with contextlib.suppress(sqlite3.Error):
+            if self._db.in_transaction:
+                self._db.execute("ROLLBACK")
 
     def __len__(self) -> int:
         """The number of events journaled."""
@@ -347,6 +374,45 @@ class JournaledOrchestrator:
             self._commit(now, blob)
         return actions
 
+    @property
+    def broken(self) -> JournalError | None:
+        """The write failure that made this object unusable, or None."""
+        return self._broken
+
+    @contextlib.contextmanager
+    def group(self) -> Iterator[None]:
+        """Group commit: the events handled inside the block are committed together
+        when it exits (one transaction, one write) instead of one by one.
+
+        Obligation of the caller: act on none of the actions returned inside the
+        block until it has exited without raising (buffer frames, answers and
+        notifications; execute them after). If a write or the commit fails, the
+        block raises ``JournalError`` (nothing of the block is durable; this object
+        refuses every later call). An exception of another kind still commits what
+        the core applied, so the journal keeps matching the core, then propagates.
+        """
+        if self._broken is not None:
+            raise JournalError(f"journal {self.journal.path}: unusable after {self._broken}")
+        try:
+            self.journal.begin()
+        except JournalError as e:
+            self._broken = e
+            raise
+        try:
+            yield
+        finally:
+            if self._broken is not None:
+                self.journal.rollback()
+            else:
+                try:
+                    self.journal.commit()
+                except JournalError as e:
+                    self._broken = e
+                    self.journal.rollback()
+                    raise
+        if self._broken is not None:
+            raise JournalError(f"journal {self.journal.path}: {self._broken}")
+
     def _commit(self, now: float, blob: bytes) -> None:
         try:
             self.journal.append(now, blob)
@@ -363,6 +429,9 @@ class JournaledOrchestrator:
 
     def live_workers(self) -> list[str]:
         return self.core.live_workers()
+
+    def is_live(self, worker_id: str) -> bool:
+        return self.core.is_live(worker_id)
 
     def close(self) -> None:
         """Close the journal (idempotent). Every returned action's event is committed."""

@@ -2,7 +2,9 @@
 
 Each is a few lines over the ``RoutingPolicy`` contract in ``policy.py``: pure
 functions of the candidates plus, for round robin, a cursor per stage. Ties
-always break by registration order, so runs are reproducible.
+always break by registration order, so runs are reproducible. ``choose`` is the
+reference; ``index()`` gives the core the same choices without a scan of the
+pool (``indexes.py``).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from mooncake_diffusion.orchestrator.errors import OrchestratorConfigError
+from mooncake_diffusion.orchestrator.indexes import AffinityIndex, LeastLoadedIndex, RoundRobinIndex
 from mooncake_diffusion.orchestrator.model import WorkItem
 from mooncake_diffusion.orchestrator.policy import WorkerView
 
@@ -19,6 +22,11 @@ __all__ = ["AffinityLeastLoaded", "LeastLoaded", "RoundRobin"]
 def _load_key(w: WorkerView) -> tuple[float, int, int]:
     # fraction of advertised credits in use, then more free credits first, then age
     return (w.held / w.advertised, -w.free, w.seq)
+
+
+def _own(policy: object, cls: type) -> bool:
+    """Whether ``policy`` decides with ``cls.choose`` (not a subclass's override)."""
+    return type(policy).choose is cls.choose  # type: ignore[attr-defined]
 
 
 class RoundRobin:
@@ -37,12 +45,22 @@ class RoundRobin:
         self._last[item.stage] = pick.seq
         return pick
 
+    def index(self) -> RoundRobinIndex | None:
+        """The same choices in O(log n) (``indexes.py``); shares this policy's cursor.
+        None for a subclass with its own ``choose`` (the core then calls that)."""
+        return RoundRobinIndex(self._last) if _own(self, RoundRobin) else None
+
 
 class LeastLoaded:
     """The worker with the smallest share of its credits in use."""
 
     def choose(self, item: WorkItem, candidates: Sequence[WorkerView]) -> WorkerView:
         return min(candidates, key=_load_key)
+
+    def index(self) -> LeastLoadedIndex | None:
+        """The same choices in O(log n) amortised (``indexes.py``); None for a
+        subclass with its own ``choose``."""
+        return LeastLoadedIndex() if _own(self, LeastLoaded) else None
 
 
 class AffinityLeastLoaded:
@@ -80,3 +98,9 @@ class AffinityLeastLoaded:
             if key < best_key:
                 best, best_key = w, key
         return best
+
+    def index(self) -> AffinityIndex | None:
+        """The same choices from 2**len(keys) heaps (``indexes.py``); None for a
+        subclass with its own ``choose`` or ``score``."""
+        own = _own(self, AffinityLeastLoaded) and type(self).score is AffinityLeastLoaded.score
+        return AffinityIndex(self.keys) if own else None

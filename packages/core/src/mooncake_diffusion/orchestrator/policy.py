@@ -10,7 +10,11 @@ Call sequence, all on the core's thread, inside ``Orchestrator.handle``:
     worker = policy.choose(item, candidates)
 
 Policies are named in a lazy, strict registry (``registry.py``); built-ins
-are in ``policies.py``.
+are in ``policies.py``. Optional: a policy with an ``index()`` method returning
+a ``RoutingIndex`` (``indexes.py``), or None, lets the core decide without
+building the candidate list (O(workers) per decision); the index must pick
+exactly what ``choose`` would. The built-ins have one; ``choose`` alone is
+enough for any other policy.
 """
 
 from __future__ import annotations

@@ -7,7 +7,12 @@ Used only by the core, which calls, per event:
     pools.touch(w, now)                 any event from a live worker
     pools.advertise(w, credits)         RegisterWorker / Heartbeat(credits=...)
     pools.hold(w) / pools.release(w)    a dispatch / that item done, failed or revoked
-    pools.candidates(stage)             per dispatch decision: workers with a free credit
+    pools.candidates(stage)             per decision, for a policy without an index:
+                                        workers with a free credit, O(workers)
+
+With a routing index (``indexes.py``), every membership and credit change is
+reported to it (``index.update(w)`` / ``index.remove(w)``) so the core's
+decisions need no scan; ``candidates`` is then never called.
 
 Credits: a worker advertises ``advertised`` receive slots; each running item
 holds one. ``free = max(0, advertised - held)``: a lower advertisement never
@@ -18,9 +23,12 @@ per stage is kept incrementally so "can anything be dispatched?" is O(1).
 from __future__ import annotations
 
 import heapq
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mooncake_diffusion.orchestrator.model import STAGES, Stage
+
+if TYPE_CHECKING:
+    from mooncake_diffusion.orchestrator.indexes import RoutingIndex
 
 __all__ = ["Pools", "Worker"]
 
@@ -64,9 +72,11 @@ class Worker:
 
 
 class Pools:
-    """Live workers by id and by stage, their credits and heartbeat deadlines."""
+    """Live workers by id and by stage, their credits and heartbeat deadlines.
+    ``index``: told of every change (see the module docstring), or ``None``."""
 
-    def __init__(self) -> None:
+    def __init__(self, index: RoutingIndex | None = None) -> None:
+        self.index = index
         self.workers: dict[str, Worker] = {}
         self.by_stage: dict[str, list[Worker]] = {s: [] for s in STAGES}
         self.free_total: dict[str, int] = dict.fromkeys(STAGES, 0)
@@ -99,6 +109,8 @@ class Pools:
         self.by_stage[w.stage].remove(w)
         self.free_total[w.stage] -= w.free
         w.free = 0
+        if self.index is not None:
+            self.index.remove(w)
 
     # ---- liveness
     def touch(self, w: Worker, now: float) -> None:
@@ -143,6 +155,8 @@ class Pools:
             free = 0
         self.free_total[w.stage] += free - w.free
         w.free = free
+        if self.index is not None:
+            self.index.update(w)
 
     def advertise(self, w: Worker, credits: int) -> None:
         w.advertised = credits

@@ -16,8 +16,13 @@ Threads: one driver thread owns the core, the ROUTER socket and the request
 table; it runs every event to completion before the next. API calls (from any
 thread) are posted to it and wait for its answer (``call_timeout_s``), so the
 API never sees a half-applied event. With a journal, every accepted event is
-committed before its actions run (``JournaledOrchestrator``), and a restarted
-service replays it: statuses are rebuilt, running items are re-sent.
+committed before its actions take effect (``JournaledOrchestrator``), and a
+restarted service replays it: statuses are rebuilt, running items are re-sent.
+Group commit: each turn of the driver loop (every worker frame and API call
+ready at one poll, up to 512 frames) is one journal transaction; the frames it
+sends, the API answers and the stream events it produces are held until that
+commit, then go out in order. One write per turn instead of one per event is
+what lets 1,024 workers' heartbeats and 1,000 submissions/s share one thread.
 
 Delivery: a ``Work`` frame can be lost (the worker was not connected yet, or
 the service restarted between commit and send). Workers list what they hold in
@@ -41,6 +46,7 @@ not answering). Bad worker frames are logged and answered with ``Refused``.
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import logging
 import queue
@@ -211,6 +217,9 @@ class OrchestratorService:
         #: request -> its producers still owed one
         self._redeliver: OrderedDict[str, set[str]] = OrderedDict()
         self._authed: set[bytes] = set()
+        #: during a driver turn (``_turn``): frames and API answers held for its commit
+        self._frames: list[tuple[bytes, bytes]] | None = None
+        self._answers: list[tuple[Future, Any, BaseException | None]] = []
         self._counters: Counter[str] = Counter()
         self.metrics = ServiceMetrics()
         self.worker_address = ""
@@ -426,28 +435,72 @@ class OrchestratorService:
                 ready = dict(poller.poll(timeout))
             except zmq.ZMQError:
                 break
-            if router in ready:
-                for _ in range(512):
-                    try:
-                        ident, frame = router.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    except ValueError:  # not two frames: a foreign peer
-                        self._counters["wire_errors"] += 1
-                        continue
-                    self._guard(self._on_frame, ident, frame)
-            for fn, fut in self._mail.drain():
-                if fut.set_running_or_notify_cancel():
-                    try:
-                        fut.set_result(fn())
-                    except JournalError as e:
-                        log.critical("orchestrator: stopping, the journal failed: %s", e)
-                        self.failure, self._stopping = e, True
-                        fut.set_exception(ServiceUnavailable(f"journal failed: {e}"))
-                    except BaseException as e:
-                        fut.set_exception(e)
-            if deadline is not None and self._now() >= deadline:
-                self._guard(self._feed, Tick(), None)
+            with self._turn():
+                if router in ready:
+                    for _ in range(512):
+                        try:
+                            ident, frame = router.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        except ValueError:  # not two frames: a foreign peer
+                            self._counters["wire_errors"] += 1
+                            continue
+                        self._guard(self._on_frame, ident, frame)
+                for fn, fut in self._mail.drain():
+                    if fut.set_running_or_notify_cancel():
+                        try:
+                            self._answers.append((fut, fn(), None))
+                        except JournalError as e:
+                            self._journal_failed(e)
+                            self._answers.append((fut, None, e))
+                        except BaseException as e:
+                            self._answers.append((fut, None, e))
+                if deadline is not None and self._now() >= deadline:
+                    self._guard(self._feed, Tick(), None)
+
+    @contextlib.contextmanager
+    def _turn(self) -> Iterator[None]:
+        """One turn of the driver loop, under one group commit of the journal: the
+        events it handles are written together, then their effects (frames to
+        workers, answers to API calls, stream events) go out, in order. If the
+        commit fails, none goes out: API calls get ``ServiceUnavailable`` and the
+        driver stops (a supervisor restarts it; the journal has what was durable)."""
+        assert self._core is not None
+        self._frames = []
+        self._answers = []
+        self.table.hold()
+        ok = False
+        group = contextlib.ExitStack()
+        try:
+            try:
+                if isinstance(self._core, JournaledOrchestrator):
+                    group.enter_context(self._core.group())
+            except JournalError as e:  # the body still runs: every event is refused
+                self._journal_failed(e)
+            try:
+                yield
+            finally:
+                group.close()  # the commit
+            ok = self.failure is None
+        except JournalError as e:
+            self._journal_failed(e)
+        finally:
+            frames, answers, self._frames = self._frames, self._answers, None
+            self.table.release(deliver=ok)
+            if ok:
+                for ident, frame in frames:
+                    self._push_frame(ident, frame)
+            for fut, result, exc in answers:
+                if ok and exc is None:
+                    fut.set_result(result)
+                elif isinstance(exc, JournalError) or (exc is None and not ok):
+                    fut.set_exception(ServiceUnavailable(f"journal failed: {self.failure}"))
+                else:
+                    fut.set_exception(exc)
+
+    def _journal_failed(self, e: JournalError) -> None:
+        log.critical("orchestrator: stopping, the journal failed: %s", e)
+        self.failure, self._stopping = e, True
 
     def _guard(self, fn: Callable[..., Any], *args: Any) -> None:
         """Worker traffic must never stop the driver: log and count what fails. A
@@ -456,9 +509,7 @@ class OrchestratorService:
         try:
             fn(*args)
         except JournalError as e:
-            log.critical("orchestrator: stopping, the journal failed: %s", e)
-            self.failure = e
-            self._stopping = True
+            self._journal_failed(e)
         except Exception:
             self._counters["driver_errors"] += 1
             log.exception("orchestrator: error while handling %s", fn.__name__)
@@ -563,8 +614,10 @@ class OrchestratorService:
         if not producers:
             return
         assert self._core is not None
-        live = set(self._core.live_workers())
-        targets = (producers & live) or set(sorted(live)[:1])
+        is_live = self._core.is_live
+        targets = {w for w in producers if is_live(w)}
+        if not targets:  # rare: O(workers) only here, not per request
+            targets = set(sorted(self._core.live_workers())[:1])
         for wid in targets:
             self._send(wid.encode(), Release(rid))
 
@@ -589,6 +642,12 @@ class OrchestratorService:
         self._send_frame(ident, encode(msg))
 
     def _send_frame(self, ident: bytes, frame: bytes) -> None:
+        if self._frames is not None:  # inside a turn: sent once its events are durable
+            self._frames.append((ident, frame))
+        else:
+            self._push_frame(ident, frame)
+
+    def _push_frame(self, ident: bytes, frame: bytes) -> None:
         assert self._router is not None
         try:
             self._router.send_multipart([ident, frame], zmq.NOBLOCK)
@@ -666,7 +725,7 @@ class OrchestratorService:
             return
         self._authed.add(ident)
         assert self._core is not None
-        known = msg.worker_id in self._core.live_workers()
+        known = self._core.is_live(msg.worker_id)
         if known and msg.fresh:  # a new process under an old id: its items go back
             self._feed(WorkerLost(msg.worker_id, "worker restarted"), ident)
             known = False
@@ -687,14 +746,14 @@ class OrchestratorService:
         whose producers are all gone (as ``_release`` picks any live worker then): it
         just spoke, so it can be routed to."""
         assert self._core is not None
-        live = set(self._core.live_workers())
+        is_live = self._core.is_live
         for rid, owed in list(self._redeliver.items()):
-            if wid not in owed and owed & live:
+            if wid not in owed and any(map(is_live, owed)):
                 continue  # a live producer of its own will take it
             self._counters["releases_resent"] += 1
             self._send(wid.encode(), Release(rid))
             owed.discard(wid)
-            if not owed & live:
+            if not any(map(is_live, owed)):
                 del self._redeliver[rid]
 
     def _resend_missing(self, wid: str, running: set[ItemRef]) -> None:

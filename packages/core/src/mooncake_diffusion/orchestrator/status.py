@@ -91,6 +91,9 @@ class RequestTable:
         self._live: dict[str, RequestStatus] = {}
         self._finished: OrderedDict[str, RequestStatus] = OrderedDict()
         self._subs: dict[str, list[queue.SimpleQueue[RequestEvent | None]]] = {}
+        #: while held (``hold``): stream items not yet put, in order
+        self._held: list[tuple[queue.SimpleQueue[RequestEvent | None], RequestEvent | None]] = []
+        self._holding = False
 
     # ------------------------------------------------------------------ reads
     def status(self, rid: str) -> RequestStatus | None:
@@ -120,6 +123,24 @@ class RequestTable:
         else:
             self._subs.setdefault(rid, []).append(q)
         return True
+
+    def hold(self) -> None:
+        """Keep new stream items back until ``release`` (the service's group commit:
+        no client sees an event before it is durable). Statuses change at once."""
+        self._holding = True
+
+    def release(self, deliver: bool = True) -> None:
+        """Put the held stream items (or, ``deliver=False``, drop them), stop holding."""
+        held, self._held, self._holding = self._held, [], False
+        if deliver:
+            for q, ev in held:
+                q.put(ev)
+
+    def _put(self, q: queue.SimpleQueue[RequestEvent | None], ev: RequestEvent | None) -> None:
+        if self._holding:
+            self._held.append((q, ev))
+        else:
+            q.put(ev)
 
     def close_streams(self) -> None:
         for subs in self._subs.values():
@@ -203,7 +224,7 @@ class RequestTable:
             ref.request_id, "progress", time.time(), ref.stage, ref.attempt, worker_id, step, total
         )
         for q in self._subs.get(ref.request_id, ()):
-            q.put(ev)
+            self._put(q, ev)
 
     # ------------------------------------------------------------------ internals
     def _finish(
@@ -220,7 +241,7 @@ class RequestTable:
         ev = RequestEvent(rid, state, now, st.stage, st.attempt, reason="; ".join(reasons) or None)
         self._emit(rid, ev, st)
         for q in self._subs.pop(rid, ()):
-            q.put(None)
+            self._put(q, None)
         self._finished[rid] = st
         while len(self._finished) > self.max_finished:
             self._finished.popitem(last=False)
@@ -230,4 +251,4 @@ class RequestTable:
         if st is not None and len(st.events) < MAX_EVENTS:
             st.events.append(ev)
         for q in self._subs.get(rid, ()):
-            q.put(ev)
+            self._put(q, ev)

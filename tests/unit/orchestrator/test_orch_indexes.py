@@ -1,0 +1,170 @@
+"""Routing indexes (``indexes.py``) make the same decisions as the policies' ``choose``.
+
+Two cores see the same random event sequence: one with a built-in policy (the
+core asks its index), one with the same policy hidden behind a wrapper that has
+only ``choose`` (the core builds the candidate list and scans it: the
+brute-force reference). Every action of every event must be equal.
+"""
+
+from __future__ import annotations
+
+import random
+
+import msgspec
+import pytest
+from orch_harness import check_invariants
+
+from mooncake_diffusion.orchestrator import (
+    STAGES,
+    Cancel,
+    Dispatch,
+    Event,
+    Heartbeat,
+    ItemDone,
+    ItemFailed,
+    LeastLoaded,
+    Orchestrator,
+    OrchestratorConfig,
+    RegisterWorker,
+    Submit,
+    Tick,
+    VirtualClock,
+    WorkerLost,
+    create_policy,
+)
+from mooncake_diffusion.orchestrator.indexes import AffinityIndex
+
+pytestmark = pytest.mark.unit
+
+POLICIES = [
+    ("round_robin", {}),
+    ("least_loaded", {}),
+    ("affinity", {}),
+    ("affinity", {"keys": ("rail",)}),
+    ("affinity", {"keys": ("node", "rail", "numa", "zone")}),
+]
+
+
+class ChooseOnly:
+    """The policy's ``choose`` and nothing else: the core falls back to a full scan."""
+
+    def __init__(self, name: str, options: dict) -> None:
+        self.inner = create_policy(name, **options)
+
+    def choose(self, item, candidates):  # type: ignore[no-untyped-def]
+        return self.inner.choose(item, candidates)
+
+
+def _labels(rng: random.Random) -> dict[str, str]:
+    labels = {}
+    for key, values in (("node", 4), ("rail", 3), ("numa", 2), ("zone", 2)):
+        if rng.random() < 0.8:  # some workers lack a key
+            labels[key] = f"{key[0]}{rng.randrange(values)}"
+    return labels
+
+
+def _events(rng: random.Random, core: Orchestrator, live: list[str], n: int) -> Event:
+    """One random event, chosen from the reference core's state."""
+    snap = core.snapshot()
+    running = [(w, rid) for w in snap.workers for rid in w.running]
+    roll = rng.random()
+    if roll < 0.08 or not live:
+        stage = rng.choice(STAGES)
+        wid = f"{stage}-{n}"
+        live.append(wid)
+        return RegisterWorker(wid, stage, rng.randrange(0, 4), _labels(rng), 30.0)
+    if roll < 0.16:
+        return Heartbeat(rng.choice(live), rng.choice([None, 0, 1, 2, 3, 5]))
+    if roll < 0.19:
+        wid = live.pop(rng.randrange(len(live)))
+        return WorkerLost(wid, "gone")
+    if roll < 0.45:
+        cached = b"emb" if rng.random() < 0.4 else None
+        cls = rng.choice(["interactive", "batch"])
+        return Submit(f"r{n}", cls, b"p", cached)
+    if roll < 0.9 and running:
+        w, rid = rng.choice(running)
+        req = next(r for r in snap.requests if r.request_id == rid)
+        if rng.random() < 0.1:
+            return ItemFailed(w.worker_id, rid, w.stage, req.attempt, "flaky")
+        return ItemDone(w.worker_id, rid, w.stage, req.attempt, f"{w.worker_id}:{rid}".encode())
+    if roll < 0.93 and snap.requests:
+        return Cancel(rng.choice(snap.requests).request_id)
+    return Tick()
+
+
+@pytest.mark.parametrize(("name", "options"), POLICIES)
+@pytest.mark.parametrize("seed", range(6))
+def test_an_index_decides_as_choose_over_every_candidate(name, options, seed):
+    rng = random.Random(seed)
+    cfg = OrchestratorConfig(heartbeat_timeout=30.0, max_attempts=4)
+    indexed = Orchestrator(cfg, clock=VirtualClock(), policy=create_policy(name, **options))
+    reference = Orchestrator(cfg, clock=VirtualClock(), policy=ChooseOnly(name, options))
+    assert indexed._index is not None and reference._index is None
+    live: list[str] = []
+    now = 0.0
+    dispatches = 0
+    for n in range(1500):
+        now += rng.choice([0.0, 0.01, 0.5, 4.0])  # sometimes past a heartbeat deadline
+        ev = _events(rng, reference, live, n)
+        want = reference.handle(ev, now=now)
+        got = indexed.handle(ev, now=now)
+        assert msgspec.msgpack.encode(got) == msgspec.msgpack.encode(want), (n, ev)
+        dispatches += sum(type(a) is Dispatch for a in got)
+        live[:] = [w for w in live if w in reference._pools.workers]
+        if n % 100 == 0:
+            check_invariants(indexed)
+    assert indexed.snapshot() == reference.snapshot()
+    assert dispatches > 300  # the sequence made many decisions, not a few
+
+
+def test_affinity_groups_are_dropped_with_their_last_worker():
+    policy = create_policy("affinity")
+    core = Orchestrator(OrchestratorConfig(), policy=policy)
+    index = core._index
+    assert isinstance(index, AffinityIndex)
+    core.handle(RegisterWorker("d0", "decode", 2, {"node": "n0", "rail": "0"}), now=0.0)
+    core.handle(RegisterWorker("d1", "decode", 2, {"node": "n1"}), now=0.0)
+    groups = len(index._groups)
+    assert groups == 4 + 1  # d0: none, node, rail, node+rail; d1: its node (none is shared)
+    core.handle(WorkerLost("d0"), now=1.0)
+    assert len(index._groups) == 2
+    core.handle(WorkerLost("d1"), now=1.0)
+    assert index._groups == {} and index._stamps.of == {}
+
+
+def test_a_heap_of_a_group_seldom_asked_stays_bounded():
+    """Credits move all the time; stale entries of groups no hint asks for are
+    rebuilt away, so memory follows the workers, not the number of decisions."""
+    core = Orchestrator(OrchestratorConfig(), policy=create_policy("least_loaded"))
+    core.handle(RegisterWorker("d0", "decode", 4), now=0.0)
+    core.handle(RegisterWorker("d1", "decode", 4), now=0.0)
+    t = 0.0
+    for i in range(2000):
+        t += 0.001
+        core.handle(Heartbeat("d0", 1 + i % 4), now=t)
+    heap = core._index._heaps["decode"].heap  # type: ignore[union-attr]
+    assert len(heap) <= 2 * 2 + 17
+
+
+class MostLoaded(LeastLoaded):
+    """A subclass with its own ``choose``: the inherited index must not stand in for it."""
+
+    def choose(self, item, candidates):  # type: ignore[no-untyped-def]
+        return max(candidates, key=lambda w: (w.held / w.advertised, w.seq))
+
+
+def test_a_subclass_that_overrides_choose_is_asked_not_the_inherited_index():
+    core = Orchestrator(OrchestratorConfig(), policy=MostLoaded())
+    assert core._index is None
+    core.handle(RegisterWorker("d0", "decode", 4), now=0.0)
+    core.handle(RegisterWorker("d1", "decode", 4), now=0.0)
+    for i in range(3):
+        core.handle(Submit(f"r{i}", cached_embeddings=b"e"), now=1.0)  # wait for denoise
+    core.handle(RegisterWorker("n0", "denoise", 3), now=1.0)
+    running = [(w.worker_id, len(w.running)) for w in core.snapshot().workers]
+    assert ("n0", 3) in running
+    for i in range(3):
+        core.handle(ItemDone("n0", f"r{i}", "denoise", 1, b"latent"), now=2.0)
+    held = {w.worker_id: len(w.running) for w in core.snapshot().workers}
+    assert held["d1"] == 3 or held["d0"] == 3, held  # most loaded: all on one worker
