@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import json
+from pathlib import Path
 
 import pytest
 from gated import Gate
@@ -48,10 +49,15 @@ def result(st: dict) -> dict:
 
 
 def start(
-    stack: ServiceStack, denoise: int = 1, *extra: str, gate: dict[str, str] | None = None
+    stack: ServiceStack,
+    denoise: int = 1,
+    *extra: str,
+    gate: dict[str, str] | None = None,
+    outputs: Path | None = None,
 ) -> None:
     """Orchestrator, one encode, ``denoise`` denoise and one decode worker; with ``gate``
-    (``Gate.env(...)``) the denoise workers run ``gated:denoise`` under it."""
+    (``Gate.env(...)``) the denoise workers run ``gated:denoise`` under it; with
+    ``outputs`` the decode worker saves files there (its ``MCD_OUTPUTS``)."""
     stack.after_close.append(clear_embeddings)
     stack.lasting = (EMB_ROOT,)
     stack.start_orchestrator(*extra)
@@ -59,7 +65,8 @@ def start(
     for i in range(denoise):
         fn = "gated:denoise" if gate else f"{STAGES}:denoise"
         stack.start_worker("denoise", f"den-{i}", fn=fn, env=gate, wait=False)
-    stack.start_worker("decode", "dec-0", fn=f"{STAGES}:decode", wait=False)
+    env = {"MCD_OUTPUTS": str(outputs)} if outputs else None
+    stack.start_worker("decode", "dec-0", fn=f"{STAGES}:decode", env=env, wait=False)
     stack.ready()
 
 
@@ -70,7 +77,7 @@ NO_KILL_HEARTBEAT_S = 60.0
 
 def test_disaggregated_outputs_are_bitwise_identical_to_colocated(stack, tmp_path):
     stack.heartbeat_timeout = NO_KILL_HEARTBEAT_S
-    start(stack)
+    start(stack, outputs=tmp_path)
     stack.clean_exit = ("enc-0", "den-0", "dec-0", "orchestrator")
     reqs = [
         {"prompt": "a red fox", "negative_prompt": "blurry", "seed": 1, "steps": 4},
@@ -78,7 +85,7 @@ def test_disaggregated_outputs_are_bitwise_identical_to_colocated(stack, tmp_pat
         {"prompt": "waves", "negative_prompt": "blurry", "seed": 3, "steps": 3, "frames": 9},
         {"prompt": "no cfg", "guidance": 1.0, "seed": 4, "steps": 3, "frames": 5},
     ]
-    rids = [stack.client.submit({**p, "out_dir": str(tmp_path), "chunks": 2}) for p in reqs]
+    rids = [stack.client.submit({**p, "save": True, "chunks": 2}) for p in reqs]
     for rid, p in zip(rids, reqs, strict=True):
         st = stack.client.wait(rid, timeout=180)
         assert st["state"] == "completed", st

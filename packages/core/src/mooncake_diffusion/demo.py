@@ -218,7 +218,9 @@ def demo_stack(denoise_workers: int, out: Path, *, port: int = 0) -> Iterator[De
             raise
         print(f"orchestrator: api {api.url} (dashboard {api.url}/dashboard, docs {api.url}/docs)")
         try:
-            env = cluster.settings.as_env()
+            # the decode worker writes outputs into its configured folder (never a
+            # request's choice), the one the API serves them from
+            env = {**cluster.settings.as_env(), "MCD_OUTPUTS": str(out)}
             # decode credits are latent receive slots: a denoise job is admitted only
             # when one can be reserved, so give every denoise worker one, and a spare
             plan = [("encode", "enc-0", 1), ("decode", "dec-0", denoise_workers + 1)] + [
@@ -284,7 +286,7 @@ def serve_batch(
             if stagger and cls == "interactive" and rids:
                 _until_denoising(svc, rids, timeout=30)
                 stagger = False
-            rids.append(svc.submit({**params, "out_dir": str(out)}, request_id=rid, slo_class=cls))
+            rids.append(svc.submit({**params, "save": True}, request_id=rid, slo_class=cls))
         kinds = f"{images} interactive images, {videos} batch videos"
         print(f"submitted {len(rids)} requests: {kinds}")
         from rich.live import Live

@@ -4,9 +4,12 @@
     mooncake-diffusion worker --stage denoise --fn mooncake_diffusion.pipeline.stages:denoise
     mooncake-diffusion worker --stage decode  --fn mooncake_diffusion.pipeline.stages:decode
 
-Request params (JSON): the ``GenerationParams`` fields, plus ``out_dir`` (where
-decode writes ``<request_id>.png`` or ``.gif``; default: no file) and
-``chunks`` (temporal chunks the latent moves and decodes in; default 4).
+Request params (JSON): the ``GenerationParams`` fields, plus ``save`` (true: decode
+writes ``<request_id>.png`` or ``.gif`` into the worker's own output folder,
+``MCD_OUTPUTS``; default: no file) and ``chunks`` (temporal chunks the latent moves
+and decodes in; default 4). No request chooses a path: where outputs go is the
+worker's configuration, and a request that asks to save on a worker without
+``MCD_OUTPUTS`` fails with that reason.
 ``MCD_PIPELINE_CONFIG`` (JSON of ``PipelineConfig`` fields) sizes the model;
 every worker of a deployment must use the same. ``MCD_CHECKPOINT_EVERY``
 (default 2) is the denoise checkpoint interval.
@@ -48,11 +51,21 @@ from mooncake_diffusion.pipeline.params import GenerationParams, PipelineConfig
 from mooncake_diffusion.pipeline.reference import ReferencePipeline
 from mooncake_diffusion.pipeline.writers import write_frames
 
-__all__ = ["decode", "denoise", "encode", "frames_digest", "generation_params", "pipeline"]
+__all__ = [
+    "OUTPUTS_ENV",
+    "decode",
+    "denoise",
+    "encode",
+    "frames_digest",
+    "generation_params",
+    "outputs_folder",
+    "pipeline",
+]
 
 CONFIG_ENV = "MCD_PIPELINE_CONFIG"
 EVERY_ENV = "MCD_CHECKPOINT_EVERY"
-_EXTRA = ("out_dir", "chunks")
+OUTPUTS_ENV = "MCD_OUTPUTS"
+_EXTRA = ("save", "chunks")
 _lock = threading.Lock()
 _pipes: dict[str, ReferencePipeline] = {}
 _caches: dict[str, Any] = {}
@@ -168,7 +181,17 @@ def decode(item: WorkItem, ctx: StageContext) -> bytes:
         "first_frame_at": first_at,
         "video": params.is_video,
     }
-    out_dir = ctx.params.get("out_dir")
-    if out_dir:
-        out["path"] = str(write_frames(frames, Path(out_dir) / item.request_id))
+    if ctx.params.get("save"):
+        out["path"] = str(write_frames(frames, outputs_folder() / item.request_id))
     return msgspec.json.encode(out)
+
+
+def outputs_folder() -> Path:
+    """The folder this worker writes outputs into (``MCD_OUTPUTS``, created if need
+    be). Raises ``ValueError`` (fails the request) when it is not configured."""
+    raw = os.environ.get(OUTPUTS_ENV)
+    if not raw:
+        raise ValueError(f"this decode worker saves no files: {OUTPUTS_ENV} is not set")
+    folder = Path(raw)
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
