@@ -412,7 +412,8 @@ def test_slow_and_unsized_bodies_are_refused_without_changing_state():
         sock = socket.create_connection((api.host, api.port), timeout=30)
         with sock:
             sock.sendall(
-                b"POST /v1/requests HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                b"POST /v1/requests HTTP/1.1\r\nHost: localhost\r\n"
+                b"Content-Type: application/json\r\n"
                 b"Content-Length: 100\r\n\r\n" + b'{"params":'
             )
             status, err = _answer(sock)
@@ -421,7 +422,8 @@ def test_slow_and_unsized_bodies_are_refused_without_changing_state():
         sock = socket.create_connection((api.host, api.port), timeout=30)
         with sock:
             sock.sendall(
-                b"POST /v1/requests HTTP/1.1\r\nHost: localhost\r\nTransfer-Encoding: chunked\r\n\r\n"
+                b"POST /v1/requests HTTP/1.1\r\nHost: localhost\r\n"
+                b"Transfer-Encoding: chunked\r\n\r\n"
                 b"2\r\n{}\r\n0\r\n\r\n"
             )
             status, err = _answer(sock)
