@@ -179,6 +179,8 @@ class DemoStack:
     api: Any
     procs: list[Any]
     out: Path
+    #: the Mooncake cluster's client settings (a store client of the stack's own)
+    settings: Any = None
 
     def check_workers(self) -> None:
         """Raise ``RuntimeError`` when a worker process has exited."""
@@ -229,7 +231,7 @@ def demo_stack(denoise_workers: int, out: Path, *, port: int = 0) -> Iterator[De
             for stage, wid, credits in plan:
                 log = logs / f"{wid}.log"
                 procs.append(_spawn(stage, wid, svc.worker_address, env, log, credits))
-            stack = DemoStack(svc, api, procs, out)
+            stack = DemoStack(svc, api, procs, out, cluster.settings)
             deadline = time.monotonic() + 120
             while len(svc.cluster()["workers"]) < len(plan):
                 if time.monotonic() > deadline:

@@ -21,7 +21,7 @@ every worker of a deployment must use the same. ``MCD_CHECKPOINT_EVERY``
   worker's), checkpoints every k steps, reports progress per step, yields at a
   step boundary when preempted (``DenoisePreempted``; the job resumes from its
   checkpoint later), publishes the latent chunked along T; checkpoints are
-  removed once it is published.
+  removed once it is published, or at once when the request is cancelled.
 - decode: consumes the latent chunk by chunk as chunks land, decodes each on the
   causal VAE stream (decode overlaps the transfer), writes the output file.
   Output (the request's result): JSON with ``frames``, ``sha256`` of all frame
@@ -46,9 +46,9 @@ from mooncake_diffusion.caches.embedding import EmbeddingCache
 from mooncake_diffusion.orchestrator.model import WorkItem
 from mooncake_diffusion.orchestrator.worker import StageContext
 from mooncake_diffusion.payload import StagePayload
-from mooncake_diffusion.pipeline.checkpointing import denoise_with_checkpoints
+from mooncake_diffusion.pipeline.checkpointing import checkpoint_job_of, denoise_with_checkpoints
 from mooncake_diffusion.pipeline.params import GenerationParams, PipelineConfig
-from mooncake_diffusion.pipeline.reference import ReferencePipeline
+from mooncake_diffusion.pipeline.reference import DenoisePreempted, ReferencePipeline
 from mooncake_diffusion.pipeline.writers import write_frames
 
 __all__ = [
@@ -135,14 +135,19 @@ def denoise(item: WorkItem, ctx: StageContext) -> StagePayload | None:
         ctx.info["in_path"] = got.path
     ctx.info["in_s"] = time.perf_counter() - t0
     cache = _cache("ckpt", ctx)
-    result = denoise_with_checkpoints(
-        pipe,
-        cache,
-        cond,
-        params,
-        on_step=lambda k, _state: ctx.progress(k, params.steps),
-        should_stop=lambda _k: ctx.cancelled or ctx.should_yield,
-    )
+    try:
+        result = denoise_with_checkpoints(
+            pipe,
+            cache,
+            cond,
+            params,
+            on_step=lambda k, _state: ctx.progress(k, params.steps),
+            should_stop=lambda _k: ctx.cancelled or ctx.should_yield,
+        )
+    except DenoisePreempted:
+        if ctx.cancelled:  # nobody resumes a cancelled job: its checkpoints go now
+            cache.finish(checkpoint_job_of(cache, pipe, params))
+        raise
     ctx.info["resumed_from"] = result.resumed_from
     ctx.info["checkpoints"] = len(result.saved)
     latent = result.latent.contiguous()
