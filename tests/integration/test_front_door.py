@@ -290,3 +290,28 @@ def test_decode_saves_only_into_its_configured_folder(monkeypatch, tmp_path):
     # out_dir in params is not a GenerationParams field and names nothing now
     p = stages.generation_params({"prompt": "p", "out_dir": "/x", "save": True})
     assert p.prompt == "p"
+
+
+def test_a_default_orchestrator_process_answers_the_front_door_cases():
+    """``mooncake-diffusion orchestrator`` with its defaults (its own ports aside): no
+    Content-Type, a foreign Host and ``params.out_dir`` are 4xx, and the OpenAI route's
+    error carries ``error.message``; the process exits cleanly."""
+    from servicestack import CLI, Proc, free_port
+
+    api, workers = free_port(), free_port()
+    proc = Proc([*CLI, "orchestrator", "--port", str(api), "--worker-port", str(workers)])
+    try:
+        url = proc.started(r"orchestrator ready: api (\S+)").group(1)
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        cases = [
+            fd.Case("no content-type", "POST", "/v1/requests", b'{"params": {}}', {}, 415),
+            fd.Case("foreign Host", "GET", "/v1/cluster", host="evil.example", want=421),
+            fd._post("out_dir", "/v1/requests", {"params": {"out_dir": "/tmp"}}, 400),
+            fd._post("n=0", "/v1/images/generations", {"prompt": "p", "n": 0}, 400),
+        ]
+        for c in cases:
+            status, body = fd.send(host, int(port), c, 30)
+            assert status == c.want, (c.name, status, body)
+            assert body["error"]["message"], (c.name, body)
+    finally:
+        assert proc.terminate() == 0
