@@ -17,16 +17,11 @@ from pathlib import Path
 
 import openai
 import pytest
+from apistack import Stack
 
-from mooncake_diffusion.connector import DiffusionConnector
-from mooncake_diffusion.orchestrator import toy
-from mooncake_diffusion.orchestrator.api import MAX_BODY, ApiServer
+from mooncake_diffusion.orchestrator.api import MAX_BODY
 from mooncake_diffusion.orchestrator.front import FrontConfig
 from mooncake_diffusion.orchestrator.limits import HttpLimits
-from mooncake_diffusion.orchestrator.service import OrchestratorService, ServiceConfig
-from mooncake_diffusion.orchestrator.worker import StageWorker
-from mooncake_diffusion.settings import MooncakeSettings
-from mooncake_diffusion.transports.memory import fabric_keys
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -40,27 +35,13 @@ _spec.loader.exec_module(fd)
 BODY_S = 0.5
 
 
-class Front:
-    """Service + API (outputs folder, short body timeout) + toy workers per stage."""
+class Front(Stack):
+    """``Stack`` with an outputs folder, a short body timeout and a toy worker per stage."""
 
     def __init__(self, outputs: Path, limits: HttpLimits | None = None, **front) -> None:
-        self.svc = OrchestratorService(ServiceConfig(worker_bind="tcp://127.0.0.1:0")).start()
-        self.api = ApiServer(
-            self.svc,
-            "127.0.0.1",
-            0,
-            outputs=outputs,
-            body_timeout_s=BODY_S,
-            front=FrontConfig(**front),
-            limits=limits,
-        )
-        self.connectors: list[DiffusionConnector] = []
-        self.workers = []
-        for stage in ("encode", "denoise", "decode"):
-            conn = DiffusionConnector(stage, "memory", MooncakeSettings())
-            self.connectors.append(conn)
-            w = StageWorker(stage, getattr(toy, stage), self.svc.worker_address, connector=conn)
-            self.workers.append(w.start())
+        api = {"outputs": outputs, "body_timeout_s": BODY_S, "front": FrontConfig(**front)}
+        super().__init__(api={**api, "limits": limits})
+        self.pipeline()
 
     def state(self):
         v = self.svc.cluster()
@@ -73,28 +54,13 @@ class Front:
             assert time.monotonic() < deadline, "workers did not register"
             time.sleep(0.02)
 
-    def close(self) -> None:
-        for w in self.workers:
-            w.drain()
-        for w in self.workers:
-            w.join(10)
-        self.svc.close()
-        self.api.close()
-        for c in self.connectors:
-            assert c.stats().live_publications == 0, c.stats()
-            c.close()
-
 
 @pytest.fixture
 def front(tmp_path):
     f = Front(tmp_path / "outputs")
     f.wait_workers()
     yield f
-    deadline = time.monotonic() + 10
-    while fabric_keys() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    f.close()
-    assert fabric_keys() == [], fabric_keys()  # every payload released
+    f.close_released()
 
 
 def http_json(f: Front, method: str, path: str, body=None, headers=None):
@@ -175,11 +141,7 @@ def test_cost_ceiling_is_per_class_and_configurable(tmp_path):
         for rid in ("b1", "s1"):
             assert f.svc.wait(rid, timeout=30).state == "completed"
     finally:
-        deadline = time.monotonic() + 10
-        while fabric_keys() and time.monotonic() < deadline:
-            time.sleep(0.02)
-        f.close()
-    assert fabric_keys() == []
+        f.close_released()
 
 
 def hold_denoise(f: Front) -> None:
@@ -254,7 +216,7 @@ def test_streams_are_capped_per_client_and_health_answers_under_a_flood(tmp_path
         for c in conns:
             c.close()
         f.svc.cancel("held")
-        f.close()
+        f.close_released()
 
 
 def test_readyz_reflects_the_workers(tmp_path):

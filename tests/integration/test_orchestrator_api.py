@@ -15,13 +15,13 @@ import time
 import msgspec
 import pytest
 import zmq
+from apistack import Stack
 from gated import held
 from prometheus_client.parser import text_string_to_metric_families
 
 from mooncake_diffusion.connector import DiffusionConnector
-from mooncake_diffusion.orchestrator import OrchestratorConfig, toy
+from mooncake_diffusion.orchestrator import toy
 from mooncake_diffusion.orchestrator.api import MAX_BODY, ApiServer
-from mooncake_diffusion.orchestrator.client import OrchestratorClient
 from mooncake_diffusion.orchestrator.errors import OrchestratorError
 from mooncake_diffusion.orchestrator.service import (
     OrchestratorService,
@@ -39,67 +39,15 @@ from mooncake_diffusion.orchestrator.wire import (
 )
 from mooncake_diffusion.orchestrator.worker import StageWorker
 from mooncake_diffusion.settings import MooncakeSettings
-from mooncake_diffusion.transports.memory import fabric_keys
 
 pytestmark = pytest.mark.integration
-
-
-class Stack:
-    def __init__(self, token: str | None = None, **cfg: object) -> None:
-        config = ServiceConfig(
-            orchestrator=OrchestratorConfig(**cfg),  # type: ignore[arg-type]
-            worker_bind="tcp://127.0.0.1:0",
-            token=token,
-        )
-        self.svc = OrchestratorService(config).start()
-        self.api = ApiServer(self.svc, "127.0.0.1", 0, token=token)
-        self.client = OrchestratorClient(self.api.url, token=token)
-        self.workers: list[StageWorker] = []
-        self.connectors: list[DiffusionConnector] = []
-        self.token = token
-
-    def worker(self, stage: str, fn=None, **kw) -> StageWorker:
-        conn = DiffusionConnector(stage, "memory", MooncakeSettings())
-        self.connectors.append(conn)
-        w = StageWorker(
-            stage,
-            fn or getattr(toy, stage),
-            self.svc.worker_address,
-            connector=conn,
-            token=self.token,
-            **kw,
-        ).start()
-        self.workers.append(w)
-        return w
-
-    def pipeline(self) -> None:
-        for stage in ("encode", "denoise", "decode"):
-            self.worker(stage)
-
-    def close(self) -> None:
-        self.client.close()
-        for w in self.workers:
-            w.drain()
-        for w in self.workers:
-            w.join(10)
-        self.svc.close()
-        self.api.close()
-        for c in self.connectors:
-            assert c.stats().live_publications == 0, c.stats()
-            c.close()
 
 
 @pytest.fixture
 def stack():
     s = Stack()
     yield s
-    # payloads are released just after a request finishes (the client may hear of the
-    # outcome first): give the release a moment before the workers go
-    deadline = time.monotonic() + 10
-    while fabric_keys() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    s.close()
-    assert fabric_keys() == [], fabric_keys()  # every payload released
+    s.close_released()
 
 
 def raw(api: ApiServer, method: str, path: str, body: bytes | None = None, headers=None):
