@@ -12,8 +12,8 @@ processes running the reference pipeline), then, all on loopback and each bounde
                an unknown model, a cost over the ceiling, traversal, wrong methods),
                plus the official ``openai`` client on the OpenAI routes. Each case
                checks the status, OpenAI's error shape, and that nothing was left
-               behind (queues, running requests, worker credits; no file in the canary
-               folder a request tried to write into). A failed check is a failure.
+               behind (queues, running requests, worker credits, store keys; no file
+               in the canary folder a request tried to write into). A failed check is a failure.
     cancel     a video denoising (checkpoints saved) is deleted (``DELETE
                /v1/videos/ID``); then the step checkpoints left in the store are counted.
     flood      1,000 idle TCP connections and 50 open event streams, then /healthz and
@@ -357,7 +357,8 @@ def main(argv: list[str] | None = None) -> int:
             def state() -> Any:
                 v = svc.cluster()
                 free = sum(w["free"] for w in v["workers"])
-                return ({s: len(q) for s, q in v["queued"].items()}, len(v["running"]), free)
+                queued = {s: len(q) for s, q in v["queued"].items()}
+                return (queued, len(v["running"]), free, len(store_keys(stack)))
 
             print("abuse cases ...", flush=True)
             rows = run_cases(host, port, abuse_cases(canary, MAX_BODY), state, BODY_TIMEOUT_S + 20)
@@ -427,14 +428,21 @@ def cancel_checkpoints(stack: Any) -> tuple[int, str]:
     finally:
         client.close()
         c.close()
-    time.sleep(1.0)  # the worker notices the cancel at its next step boundary
-    from mooncake_diffusion._mooncake.store import StoreClient
+    # the worker drops them when it notices the cancel, at its next step boundary
+    deadline = time.monotonic() + 10
+    while (left := [k for k in store_keys(stack) if k.startswith(CKPT_ROOT)]) and (
+        time.monotonic() < deadline
+    ):
+        time.sleep(0.1)
+    return len(left), st["state"]
 
-    store = StoreClient(stack.settings)
-    try:
-        return store.remove_prefix(CKPT_ROOT), st["state"]
-    finally:
-        store.close()
+
+def store_keys(stack: Any) -> list[str]:
+    """Every key the stack's Mooncake store holds (the master's admin API)."""
+    from mooncake_diffusion._mooncake.master import admin_get
+
+    text = admin_get(stack.settings.admin_address, "/get_all_keys").decode()
+    return [k for k in text.splitlines() if k]
 
 
 def flood_health(stack: Any, n: int) -> Flood:
