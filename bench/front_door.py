@@ -32,6 +32,7 @@ import contextlib
 import http.client
 import json
 import os
+import platform
 import socket
 import statistics
 import subprocess
@@ -391,8 +392,10 @@ def main(argv: list[str] | None = None) -> int:
         print("listeners not on loopback:\n  " + "\n  ".join(listeners))
     print(f"total {total:.1f} s")
     if a.json:
+        machine = {"cpu_count": os.cpu_count(), "platform": platform.platform()}
         doc = {
             "bench": "front_door",
+            "machine": {**machine, "python": platform.python_version()},
             "config": {"quick": a.quick, "timed_calls": timed_calls},
             "rows": rows,
             "flood": asdict(flood),
