@@ -21,7 +21,9 @@ every worker of a deployment must use the same. ``MCD_CHECKPOINT_EVERY``
   worker's), checkpoints every k steps, reports progress per step, yields at a
   step boundary when preempted (``DenoisePreempted``; the job resumes from its
   checkpoint later), publishes the latent chunked along T; checkpoints are
-  removed once it is published, or at once when the request is cancelled.
+  removed once it is published, at once when the request is cancelled while it
+  runs, and when the request ends failed or cancelled later (``forget_denoise``,
+  ``denoise``'s ``Resumable.forget``: the orchestrator asks a denoise worker).
 - decode: consumes the latent chunk by chunk as chunks land, decodes each on the
   causal VAE stream (decode overlaps the transfer), writes the output file.
   Output (the request's result): JSON with ``frames``, ``sha256`` of all frame
@@ -56,6 +58,7 @@ __all__ = [
     "decode",
     "denoise",
     "encode",
+    "forget_denoise",
     "frames_digest",
     "generation_params",
     "outputs_folder",
@@ -146,7 +149,7 @@ def denoise(item: WorkItem, ctx: StageContext) -> StagePayload | None:
         )
     except DenoisePreempted:
         if ctx.cancelled:  # nobody resumes a cancelled job: its checkpoints go now
-            cache.finish(checkpoint_job_of(cache, pipe, params))
+            forget_denoise(item, ctx)
         raise
     ctx.info["resumed_from"] = result.resumed_from
     ctx.info["checkpoints"] = len(result.saved)
@@ -162,6 +165,18 @@ def denoise(item: WorkItem, ctx: StageContext) -> StagePayload | None:
         chunk_dim=2,
         num_chunks=chunks,
     )
+
+
+def forget_denoise(item: WorkItem, ctx: StageContext) -> None:
+    """Remove the step checkpoints of ``item``'s denoise job: its request is cancelled
+    or failed, nobody resumes it (``denoise.forget``, see ``worker.Resumable``)."""
+    params = generation_params(ctx.params)
+    pipe = pipeline()
+    cache = _cache("ckpt", ctx)
+    cache.finish(checkpoint_job_of(cache, pipe, params))
+
+
+denoise.forget = forget_denoise  # type: ignore[attr-defined]
 
 
 def decode(item: WorkItem, ctx: StageContext) -> bytes:
