@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mooncake_diffusion._mooncake import bindshim
+
 __all__ = ["DemoStack", "demo_batch", "demo_stack", "run_demo", "serve_batch"]
 
 STAGES = "mooncake_diffusion.pipeline.stages"
@@ -222,7 +224,12 @@ def demo_stack(denoise_workers: int, out: Path, *, port: int = 0) -> Iterator[De
         try:
             # the decode worker writes outputs into its configured folder (never a
             # request's choice), the one the API serves them from
-            env = {**cluster.settings.as_env(), "MCD_OUTPUTS": str(out)}
+            settings = cluster.settings
+            env = {
+                **settings.as_env(),
+                **bindshim.env(settings.local_hostname),
+                "MCD_OUTPUTS": str(out),
+            }
             # decode credits are latent receive slots: a denoise job is admitted only
             # when one can be reserved, so give every denoise worker one, and a spare
             plan = [("encode", "enc-0", 1), ("decode", "dec-0", denoise_workers + 1)] + [
