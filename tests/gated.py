@@ -12,6 +12,10 @@ request's stage holds where the test asked:
   decode after ``k`` latent chunks; encode before it runs;
 - for every request's denoise: ``Gate.env(step)``, the step to hold at.
 
+``failing_denoise`` is ``denoise`` that, after the gate (if any), raises a retryable
+error right after step ``Gate.env(fail=k)`` on every attempt: the request fails for
+good once its attempts are spent, with the checkpoints of the steps before ``k`` saved.
+
 The first arrival at the point, in any worker of the test, writes a *reached*
 file (worker id, step, pid, time) and blocks until the test releases it, or, with
 ``until="yield"``, until the orchestrator asks the item to yield (preemption), or
@@ -44,11 +48,12 @@ from typing import Any
 from mooncake_diffusion.orchestrator import toy
 from mooncake_diffusion.pipeline import stages
 
-__all__ = ["Gate", "decode", "denoise", "encode", "held", "toy_denoise"]
+__all__ = ["Gate", "decode", "denoise", "encode", "failing_denoise", "held", "toy_denoise"]
 
 DIR_ENV = "MCD_TEST_GATE_DIR"
 STEP_ENV = "MCD_TEST_GATE_STEP"
 UNTIL_ENV = "MCD_TEST_GATE_UNTIL"
+FAIL_ENV = "MCD_TEST_FAIL_STEP"
 HOLD_MAX_S = 300.0
 _POLL_S = 0.005
 
@@ -137,10 +142,21 @@ def _stepped(fn: Any) -> Any:
         return held(fn, step, lambda c, k: _hold(c, k, until))(item, ctx)
 
     run.__doc__ = f"{fn.__module__}.{fn.__name__}, held where the test asks (module doc)"
+    if hasattr(fn, "forget"):  # the stage's Resumable capability stays
+        run.forget = fn.forget  # type: ignore[attr-defined]
     return run
 
 
+def _failing(item: Any, ctx: Any) -> Any:
+    def fail(_ctx: Any, k: int) -> None:
+        raise RuntimeError(f"injected failure after step {k}")
+
+    return held(stages.denoise, int(os.environ[FAIL_ENV]), fail)(item, ctx)
+
+
+_failing.forget = stages.forget_denoise  # type: ignore[attr-defined]
 denoise = _stepped(stages.denoise)
+failing_denoise = _stepped(_failing)
 toy_denoise = _stepped(toy.denoise)
 
 
@@ -211,15 +227,17 @@ class Gate:
         self.root = Path(root) / "gate"
         self.root.mkdir(parents=True, exist_ok=True)
 
-    def env(self, step: int = 0, until: str = "release") -> dict[str, str]:
+    def env(self, step: int = 0, until: str = "release", fail: int = 0) -> dict[str, str]:
         """Worker environment: gated stages read this folder; with ``step`` > 0 every
         request's denoise holds at ``step`` until ``release()`` (``until="release"``)
-        or until the item is asked to yield (``"yield"``)."""
+        or until the item is asked to yield (``"yield"``); ``fail``: the step after
+        which ``failing_denoise`` raises."""
         assert until in ("release", "yield"), until
         return {
             DIR_ENV: str(self.root),
             STEP_ENV: str(step),
             UNTIL_ENV: until,
+            FAIL_ENV: str(fail),
             "PYTHONPATH": os.pathsep.join(
                 [str(Path(__file__).parent), *filter(None, [os.environ.get("PYTHONPATH")])]
             ),

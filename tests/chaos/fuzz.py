@@ -302,7 +302,7 @@ class ApiTarget:
             "query_string": b"",
             "root_path": "",
             "headers": [
-                (b"host", b"fuzz"),
+                (b"host", b"127.0.0.1"),
                 (b"content-type", ctype.encode()),
                 (b"content-length", str(len(body)).encode()),
             ],
@@ -324,7 +324,8 @@ class ApiTarget:
         if 300 <= status < 400:  # a redirect (e.g. a trailing slash): nothing happened
             assert len(self.svc.table.live()) == before, "a redirected body changed state"
             return
-        assert 400 <= status < 500 and isinstance(reply.get("error"), str), (status, reply)
+        err = reply.get("error")  # OpenAI's shape
+        assert 400 <= status < 500 and isinstance(err, dict) and err["message"], (status, reply)
         assert len(self.svc.table.live()) == before, "a refused body changed state"
 
 

@@ -301,7 +301,7 @@ def colocated(params: dict[str, Any]) -> str:
 
     key = repr(sorted(params.items()))
     if key not in _COLOCATED:
-        fields = {k: v for k, v in params.items() if k not in ("chunks", "out_dir")}
+        fields = {k: v for k, v in params.items() if k not in ("chunks", "save")}
         _COLOCATED[key] = frames_digest(
             ReferencePipeline().run_colocated(GenerationParams(**fields))
         )

@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import base64
 import json
+import time
+from pathlib import Path
 
 import pytest
 from gated import Gate
 from servicestack import ServiceStack
 
+from mooncake_diffusion.caches.checkpoint import CKPT_ROOT
 from mooncake_diffusion.caches.embedding import EmbeddingCache
 from mooncake_diffusion.caches.keys import EMB_ROOT
 from mooncake_diffusion.pipeline.params import GenerationParams
@@ -39,6 +42,12 @@ def clear_embeddings(cluster) -> None:
         cache.close()
 
 
+def checkpoints(cluster) -> list[str]:
+    """The step-checkpoint keys the store holds."""
+    keys = cluster.keys()
+    return [k for k in keys if k.startswith(CKPT_ROOT)]
+
+
 def colocated(p: dict) -> str:
     return frames_digest(ReferencePipeline().run_colocated(GenerationParams(**p)))
 
@@ -48,18 +57,25 @@ def result(st: dict) -> dict:
 
 
 def start(
-    stack: ServiceStack, denoise: int = 1, *extra: str, gate: dict[str, str] | None = None
+    stack: ServiceStack,
+    denoise: int = 1,
+    *extra: str,
+    gate: dict[str, str] | None = None,
+    outputs: Path | None = None,
+    gated_fn: str = "denoise",
 ) -> None:
     """Orchestrator, one encode, ``denoise`` denoise and one decode worker; with ``gate``
-    (``Gate.env(...)``) the denoise workers run ``gated:denoise`` under it."""
+    (``Gate.env(...)``) the denoise workers run ``gated:<gated_fn>`` under it; with
+    ``outputs`` the decode worker saves files there (its ``MCD_OUTPUTS``)."""
     stack.after_close.append(clear_embeddings)
     stack.lasting = (EMB_ROOT,)
     stack.start_orchestrator(*extra)
     stack.start_worker("encode", "enc-0", fn=f"{STAGES}:encode", wait=False)
     for i in range(denoise):
-        fn = "gated:denoise" if gate else f"{STAGES}:denoise"
+        fn = f"gated:{gated_fn}" if gate else f"{STAGES}:denoise"
         stack.start_worker("denoise", f"den-{i}", fn=fn, env=gate, wait=False)
-    stack.start_worker("decode", "dec-0", fn=f"{STAGES}:decode", wait=False)
+    env = {"MCD_OUTPUTS": str(outputs)} if outputs else None
+    stack.start_worker("decode", "dec-0", fn=f"{STAGES}:decode", env=env, wait=False)
     stack.ready()
 
 
@@ -70,7 +86,7 @@ NO_KILL_HEARTBEAT_S = 60.0
 
 def test_disaggregated_outputs_are_bitwise_identical_to_colocated(stack, tmp_path):
     stack.heartbeat_timeout = NO_KILL_HEARTBEAT_S
-    start(stack)
+    start(stack, outputs=tmp_path)
     stack.clean_exit = ("enc-0", "den-0", "dec-0", "orchestrator")
     reqs = [
         {"prompt": "a red fox", "negative_prompt": "blurry", "seed": 1, "steps": 4},
@@ -78,7 +94,7 @@ def test_disaggregated_outputs_are_bitwise_identical_to_colocated(stack, tmp_pat
         {"prompt": "waves", "negative_prompt": "blurry", "seed": 3, "steps": 3, "frames": 9},
         {"prompt": "no cfg", "guidance": 1.0, "seed": 4, "steps": 3, "frames": 5},
     ]
-    rids = [stack.client.submit({**p, "out_dir": str(tmp_path), "chunks": 2}) for p in reqs]
+    rids = [stack.client.submit({**p, "save": True, "chunks": 2}) for p in reqs]
     for rid, p in zip(rids, reqs, strict=True):
         st = stack.client.wait(rid, timeout=180)
         assert st["state"] == "completed", st
@@ -138,3 +154,27 @@ def test_a_batch_video_yields_to_an_interactive_image_and_resumes_bitwise(stack,
     assert den[0]["info"]["resumed_from"] == 4, den  # resumed from its last checkpoint
     assert result(vid_st)["sha256"] == colocated(video)
     assert result(img_st)["sha256"] == colocated(image)
+
+
+def test_a_request_whose_denoise_fails_on_every_attempt_leaves_no_checkpoint(
+    stack, tmp_path, mooncake_cluster
+):
+    gate = Gate(tmp_path)
+    # every attempt raises right after step 5 (the first one is held there first), so
+    # the job's checkpoint of step 4 is saved and each retry resumes from it
+    start(stack, 2, gate=gate.env(5, fail=5), gated_fn="failing_denoise")
+    stack.clean_exit = ("enc-0", "den-0", "den-1", "dec-0", "orchestrator")
+    p = {"prompt": "doomed", "negative_prompt": "bad", "seed": 11, "steps": 16, "frames": 5}
+    rid = stack.client.submit(p)
+    gate.wait_reached(rid)
+    assert checkpoints(mooncake_cluster)
+    gate.release(rid)
+    st = stack.client.wait(rid, timeout=180)
+    assert st["state"] == "failed", st
+    reasons = st["reasons"]
+    assert len(reasons) == 3 and all("injected failure after step 5" in r for r in reasons), st
+    # the orchestrator has a denoise worker drop them once the request failed for good
+    deadline = time.monotonic() + 30
+    while (left := checkpoints(mooncake_cluster)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert left == [], left

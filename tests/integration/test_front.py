@@ -89,9 +89,10 @@ def test_openai_client_gets_images_and_a_video(front):
 
         with pytest.raises(openai.BadRequestError) as e:
             client.images.generate(prompt="x", size="63x63")
-        assert e.value.response.json()["error"] == "bad_value"
-        with pytest.raises(openai.NotFoundError):
+        assert e.value.code == "bad_value" and "multiple of 16" in e.value.message, e.value
+        with pytest.raises(openai.NotFoundError) as e:
             client.videos.retrieve("video_nope")
+        assert "video_nope" in e.value.message, e.value.message
     finally:
         client.close()
 
@@ -182,3 +183,44 @@ def test_metrics_count_each_stage_input_by_path(front):
         assert after[key] - before.get(key, 0) == done[prev]["bytes"], (stage, after)
         key = ("mcd_orchestrator_transfer_seconds", stage, path)
         assert after[key] - before.get(key, 0) == pytest.approx(done[stage]["in_s"])
+
+
+def test_docs_render_from_the_stacks_own_assets():
+    """/docs as Chromium renders it, with every request off the stack refused: Swagger
+    UI's files come from the stack (the ``fastapi-offline`` package), not a CDN."""
+    from playwright.sync_api import sync_playwright
+
+    from mooncake_diffusion.orchestrator.api import ApiServer
+    from mooncake_diffusion.orchestrator.service import OrchestratorService, ServiceConfig
+
+    svc = OrchestratorService(ServiceConfig(worker_bind="tcp://127.0.0.1:0")).start()
+    api = ApiServer(svc, "127.0.0.1", 0)
+    outside: list[str] = []
+    try:
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+            try:
+                page = browser.new_page(viewport={"width": 1400, "height": 900})
+
+                def only_local(route):
+                    if route.request.url.startswith(api.url):
+                        route.continue_()
+                    else:
+                        outside.append(route.request.url)
+                        route.abort()
+
+                page.route("**/*", only_local)
+                page.goto(f"{api.url}/docs")
+                page.wait_for_selector(".opblock-summary-path", timeout=60_000)
+                paths = page.locator(".opblock-summary-path").all_inner_texts()
+                assert "/v1/requests" in [p.strip() for p in paths], paths
+                assert page.locator(".information-container .title").count() == 1
+                ARTIFACTS.mkdir(exist_ok=True)
+                page.screenshot(path=str(ARTIFACTS / "docs.png"), full_page=True)
+                assert (ARTIFACTS / "docs.png").stat().st_size > 10_000
+            finally:
+                browser.close()
+    finally:
+        svc.close()
+        api.close()
+    assert outside == [], outside  # nothing was fetched from anywhere else

@@ -15,13 +15,13 @@ import time
 import msgspec
 import pytest
 import zmq
+from apistack import Stack
 from gated import held
 from prometheus_client.parser import text_string_to_metric_families
 
 from mooncake_diffusion.connector import DiffusionConnector
-from mooncake_diffusion.orchestrator import OrchestratorConfig, toy
+from mooncake_diffusion.orchestrator import toy
 from mooncake_diffusion.orchestrator.api import MAX_BODY, ApiServer
-from mooncake_diffusion.orchestrator.client import OrchestratorClient
 from mooncake_diffusion.orchestrator.errors import OrchestratorError
 from mooncake_diffusion.orchestrator.service import (
     OrchestratorService,
@@ -39,67 +39,15 @@ from mooncake_diffusion.orchestrator.wire import (
 )
 from mooncake_diffusion.orchestrator.worker import StageWorker
 from mooncake_diffusion.settings import MooncakeSettings
-from mooncake_diffusion.transports.memory import fabric_keys
 
 pytestmark = pytest.mark.integration
-
-
-class Stack:
-    def __init__(self, token: str | None = None, **cfg: object) -> None:
-        config = ServiceConfig(
-            orchestrator=OrchestratorConfig(**cfg),  # type: ignore[arg-type]
-            worker_bind="tcp://127.0.0.1:0",
-            token=token,
-        )
-        self.svc = OrchestratorService(config).start()
-        self.api = ApiServer(self.svc, "127.0.0.1", 0, token=token)
-        self.client = OrchestratorClient(self.api.url, token=token)
-        self.workers: list[StageWorker] = []
-        self.connectors: list[DiffusionConnector] = []
-        self.token = token
-
-    def worker(self, stage: str, fn=None, **kw) -> StageWorker:
-        conn = DiffusionConnector(stage, "memory", MooncakeSettings())
-        self.connectors.append(conn)
-        w = StageWorker(
-            stage,
-            fn or getattr(toy, stage),
-            self.svc.worker_address,
-            connector=conn,
-            token=self.token,
-            **kw,
-        ).start()
-        self.workers.append(w)
-        return w
-
-    def pipeline(self) -> None:
-        for stage in ("encode", "denoise", "decode"):
-            self.worker(stage)
-
-    def close(self) -> None:
-        self.client.close()
-        for w in self.workers:
-            w.drain()
-        for w in self.workers:
-            w.join(10)
-        self.svc.close()
-        self.api.close()
-        for c in self.connectors:
-            assert c.stats().live_publications == 0, c.stats()
-            c.close()
 
 
 @pytest.fixture
 def stack():
     s = Stack()
     yield s
-    # payloads are released just after a request finishes (the client may hear of the
-    # outcome first): give the release a moment before the workers go
-    deadline = time.monotonic() + 10
-    while fabric_keys() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    s.close()
-    assert fabric_keys() == [], fabric_keys()  # every payload released
+    s.close_released()
 
 
 def raw(api: ApiServer, method: str, path: str, body: bytes | None = None, headers=None):
@@ -209,28 +157,36 @@ def test_a_failing_stage_fails_the_request_with_its_reason(stack):
 
 def test_http_bad_input_gets_4xx_and_changes_nothing(stack):
     api = stack.api
+    j = {"Content-Type": "application/json"}
     cases = [
-        ("POST", "/v1/requests", b"{not json", {"Content-Type": "application/json"}, 400),
-        ("POST", "/v1/requests", b"[1, 2]", {}, 400),
-        ("POST", "/v1/requests", b'{"params": 3}', {}, 400),
-        ("POST", "/v1/requests", b'{"paramz": {}}', {}, 400),
-        ("POST", "/v1/requests", b'{"slo_class": "gold"}', {}, 400),
-        ("POST", "/v1/requests", b'{"deadline_s": -1}', {}, 400),
-        ("POST", "/v1/requests", b'{"cached_embeddings": "@@"}', {}, 400),
+        ("POST", "/v1/requests", b"{not json", j, 400),
+        ("POST", "/v1/requests", b"[1, 2]", j, 400),
+        ("POST", "/v1/requests", b'{"params": 3}', j, 400),
+        ("POST", "/v1/requests", b'{"paramz": {}}', j, 400),
+        ("POST", "/v1/requests", b'{"slo_class": "gold"}', j, 400),
+        ("POST", "/v1/requests", b'{"deadline_s": -1}', j, 400),
+        ("POST", "/v1/requests", b'{"cached_embeddings": "@@"}', j, 400),
+        ("POST", "/v1/requests", b'{"params": {"out_dir": "/tmp"}}', j, 400),
+        ("POST", "/v1/requests", b'{"request_id": "a/b"}', j, 400),
+        ("POST", "/v1/requests", b'{"request_id": ""}', j, 400),
         ("POST", "/v1/requests", b"{}", {"Content-Type": "text/plain"}, 415),
-        ("POST", "/v1/requests", b"x" * (MAX_BODY + 1), {}, 413),
+        ("POST", "/v1/requests", b"{}", {}, 415),  # no Content-Type: a cross-site form
+        ("POST", "/v1/requests", b"x" * (MAX_BODY + 1), j, 413),
         ("GET", "/v1/requests/nope", None, {}, 404),
         ("POST", "/v1/requests/nope/cancel", None, {}, 404),
         ("GET", "/v1/requests/nope/events", None, {}, 404),
         ("DELETE", "/v1/requests", None, {}, 405),
         ("GET", "/v2/whatever", None, {}, 404),
+        ("GET", "/healthz", None, {"Host": "evil.example"}, 421),
+        ("POST", "/v1/requests", b"{}", {**j, "Origin": "http://evil.example"}, 403),
     ]
     for method, path, body, headers, want in cases:
         status, err = raw(api, method, path, body, headers)
         assert status == want, (method, path, body and body[:40], status, err)
-        assert err["error"] and err["message"], err
+        e = err["error"]  # OpenAI's shape
+        assert e["message"] and e["code"] and e["type"] and "param" in e, err
     big = {"params": {"x": "y" * 70_000}}
-    assert raw(api, "POST", "/v1/requests", json.dumps(big).encode())[0] == 400
+    assert raw(api, "POST", "/v1/requests", json.dumps(big).encode(), j)[0] == 400
     rid = stack.client.submit({"prompt": "ok"}, request_id="dup")
     with pytest.raises(RequestRejected) as e:
         stack.client.submit({}, request_id="dup")
@@ -283,7 +239,7 @@ def test_non_loopback_needs_a_token_and_the_token_is_enforced():
     s = Stack(token="s3cret")
     try:
         status, err = raw(s.api, "GET", "/v1/cluster")
-        assert status == 401 and err["error"] == "unauthorized"
+        assert status == 401 and err["error"]["code"] == "unauthorized"
         assert raw(s.api, "GET", "/healthz")[0] == 200
         assert s.client.cluster()["workers"] == []
         bad = StageWorker(
@@ -404,20 +360,22 @@ def test_slow_and_unsized_bodies_are_refused_without_changing_state():
         sock = socket.create_connection((api.host, api.port), timeout=30)
         with sock:
             sock.sendall(
-                b"POST /v1/requests HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"POST /v1/requests HTTP/1.1\r\nHost: localhost\r\n"
+                b"Content-Type: application/json\r\n"
                 b"Content-Length: 100\r\n\r\n" + b'{"params":'
             )
             status, err = _answer(sock)
-        assert (status, err["error"]) == (408, "timeout"), err
+        assert (status, err["error"]["code"]) == (408, "timeout"), err
         # a chunked body without a length
         sock = socket.create_connection((api.host, api.port), timeout=30)
         with sock:
             sock.sendall(
-                b"POST /v1/requests HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                b"POST /v1/requests HTTP/1.1\r\nHost: localhost\r\n"
+                b"Transfer-Encoding: chunked\r\n\r\n"
                 b"2\r\n{}\r\n0\r\n\r\n"
             )
             status, err = _answer(sock)
-        assert (status, err["error"]) == (411, "length_required"), err
+        assert (status, err["error"]["code"]) == (411, "length_required"), err
         assert svc.cluster()["queued"]["encode"] == []
     finally:
         svc.close()

@@ -9,7 +9,8 @@ workers. No pickle: one JSON request line in, one JSON reply line out.
     # child (pkg/worker.py)
     serve_json_lines({"publish": publish, "stats": stats}, sys.stdin, sys.stdout)
 
-The child gets ``settings`` through the environment (``MooncakeSettings.as_env``).
+The child gets ``settings`` through the environment (``MooncakeSettings.as_env``),
+and the bind shim for ``settings.local_hostname`` (``_mooncake.bindshim``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import subprocess
 from collections.abc import Callable, Mapping
 from typing import Any, TextIO
 
+from mooncake_diffusion._mooncake import bindshim
 from mooncake_diffusion.errors import MooncakeDiffusionError
 from mooncake_diffusion.settings import MooncakeSettings
 
@@ -36,7 +38,7 @@ class JsonLinesChild:
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
-            env=dict(os.environ, **settings.as_env()),
+            env=dict(os.environ, **settings.as_env(), **bindshim.env(settings.local_hostname)),
         )
 
     def request(self, **cmd: Any) -> dict:

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mooncake_diffusion._mooncake import bindshim
+
 __all__ = ["DemoStack", "demo_batch", "demo_stack", "run_demo", "serve_batch"]
 
 STAGES = "mooncake_diffusion.pipeline.stages"
@@ -179,6 +181,8 @@ class DemoStack:
     api: Any
     procs: list[Any]
     out: Path
+    #: the Mooncake cluster's client settings (a store client of the stack's own)
+    settings: Any = None
 
     def check_workers(self) -> None:
         """Raise ``RuntimeError`` when a worker process has exited."""
@@ -218,7 +222,14 @@ def demo_stack(denoise_workers: int, out: Path, *, port: int = 0) -> Iterator[De
             raise
         print(f"orchestrator: api {api.url} (dashboard {api.url}/dashboard, docs {api.url}/docs)")
         try:
-            env = cluster.settings.as_env()
+            # the decode worker writes outputs into its configured folder (never a
+            # request's choice), the one the API serves them from
+            settings = cluster.settings
+            env = {
+                **settings.as_env(),
+                **bindshim.env(settings.local_hostname),
+                "MCD_OUTPUTS": str(out),
+            }
             # decode credits are latent receive slots: a denoise job is admitted only
             # when one can be reserved, so give every denoise worker one, and a spare
             plan = [("encode", "enc-0", 1), ("decode", "dec-0", denoise_workers + 1)] + [
@@ -227,7 +238,7 @@ def demo_stack(denoise_workers: int, out: Path, *, port: int = 0) -> Iterator[De
             for stage, wid, credits in plan:
                 log = logs / f"{wid}.log"
                 procs.append(_spawn(stage, wid, svc.worker_address, env, log, credits))
-            stack = DemoStack(svc, api, procs, out)
+            stack = DemoStack(svc, api, procs, out, cluster.settings)
             deadline = time.monotonic() + 120
             while len(svc.cluster()["workers"]) < len(plan):
                 if time.monotonic() > deadline:
@@ -284,7 +295,7 @@ def serve_batch(
             if stagger and cls == "interactive" and rids:
                 _until_denoising(svc, rids, timeout=30)
                 stagger = False
-            rids.append(svc.submit({**params, "out_dir": str(out)}, request_id=rid, slo_class=cls))
+            rids.append(svc.submit({**params, "save": True}, request_id=rid, slo_class=cls))
         kinds = f"{images} interactive images, {videos} batch videos"
         print(f"submitted {len(rids)} requests: {kinds}")
         from rich.live import Live

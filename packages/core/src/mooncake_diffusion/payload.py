@@ -14,7 +14,30 @@ from typing import Any
 from mooncake_diffusion.errors import DeadlineExceededError, PayloadError
 from mooncake_diffusion.schema import MAX_META_BYTES, Kind, LeaseMode, PayloadHandle
 
-__all__ = ["ChunkView", "Publication", "ReceivedPayload", "StagePayload"]
+__all__ = [
+    "MAX_REQUEST_ID",
+    "ChunkView",
+    "Publication",
+    "ReceivedPayload",
+    "StagePayload",
+    "request_id_problem",
+]
+
+MAX_REQUEST_ID = 256
+
+
+def request_id_problem(request_id: object) -> str | None:
+    """Why ``request_id`` cannot name a request, or None. The one rule of every
+    worker (its keys are ``mcd/<request_id>/...``, its files ``<request_id>.png``)
+    and of the API: 1..256 characters, no ``/``, no control characters."""
+    if not isinstance(request_id, str) or not 0 < len(request_id) <= MAX_REQUEST_ID:
+        return f"request_id must be a non-empty string of at most {MAX_REQUEST_ID} chars"
+    if "/" in request_id:
+        return f"request_id {request_id!r} must not contain '/'"
+    if any(ord(c) < 32 or ord(c) == 127 for c in request_id):
+        return f"request_id {request_id!r} must not contain control characters"
+    return None
+
 
 _KINDS = ("embedding", "latent", "feature", "checkpoint")
 _LEASES = ("delete_on_consume", "shared", "retained")
@@ -51,10 +74,9 @@ class StagePayload:
     ttl_s: float | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.request_id, str) or not 0 < len(self.request_id) <= 256:
-            raise PayloadError("request_id must be a non-empty string of at most 256 chars")
-        if "/" in self.request_id:
-            raise PayloadError(f"request_id {self.request_id!r} must not contain '/'")
+        problem = request_id_problem(self.request_id)
+        if problem is not None:
+            raise PayloadError(problem)
         if self.kind not in _KINDS:
             raise PayloadError(f"kind must be one of {_KINDS}, got {self.kind!r}")
         if self.lease not in _LEASES:

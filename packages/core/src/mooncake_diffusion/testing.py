@@ -11,7 +11,8 @@ Fixtures:
                        pool empty), closes it, and checks no store key and no
                        extra thread is left
 Helpers: ``assert_no_leaks(cluster, thread_baseline)``, ``thread_names()``,
-``close_wait_sockets(pid)``, ``tcp_states(pid)``.
+``close_wait_sockets(pid)``, ``tcp_states(pid)``, ``tcp_listeners(pid)``,
+``descendants(pid)``, ``non_loopback_listeners(pid)``.
 
 Isolation: one failure reports one failure. Before each test that uses the
 cluster, a cluster that died (a crashed master or store host) is restarted
@@ -22,6 +23,7 @@ starts from an empty store; ``assert_no_leaks`` removes the keys it reports too.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import threading
 import time
@@ -33,7 +35,15 @@ import pytest
 from mooncake_diffusion._mooncake.cluster import LocalCluster
 from mooncake_diffusion.connector import DiffusionConnector
 
-__all__ = ["assert_no_leaks", "close_wait_sockets", "tcp_states", "thread_names"]
+__all__ = [
+    "assert_no_leaks",
+    "close_wait_sockets",
+    "descendants",
+    "non_loopback_listeners",
+    "tcp_listeners",
+    "tcp_states",
+    "thread_names",
+]
 
 
 def _tcp_sockets(pid: int | str) -> list[tuple[str, str]]:
@@ -89,6 +99,63 @@ def tcp_states(pid: int | str = "self") -> dict[str, int]:
         name = _TCP_STATES.get(state, state)
         out[name] = out.get(name, 0) + 1
     return out
+
+
+def _address(hexaddr: str) -> tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]:
+    """``/proc/net/tcp{,6}``'s ``ADDR:PORT`` (the address in 32-bit host-order words)."""
+    h, port = hexaddr.split(":")
+    raw = b"".join(bytes.fromhex(h[i : i + 8])[::-1] for i in range(0, len(h), 8))
+    return ipaddress.ip_address(raw), int(port, 16)
+
+
+def tcp_listeners(pid: int | str = "self") -> list[str]:
+    """The TCP listening sockets of process ``pid`` as ``address:port`` (IPv6 in
+    brackets); a process gone: ``[]``."""
+    out = []
+    for state, addr in _tcp_sockets(pid):
+        if _TCP_STATES.get(state) == "LISTEN":
+            ip, port = _address(addr.split("->")[0])
+            mapped = getattr(ip, "ipv4_mapped", None)
+            shown = f"[::ffff:{mapped}]" if mapped else f"[{ip}]" if ip.version == 6 else ip
+            out.append(f"{shown}:{port}")
+    return out
+
+
+def _loopback(listener: str) -> bool:
+    ip = ipaddress.ip_address(listener.rpartition(":")[0].strip("[]"))
+    mapped = getattr(ip, "ipv4_mapped", None)  # ::ffff:127.0.0.1 takes IPv4 loopback only
+    return ip.is_loopback or (mapped is not None and mapped.is_loopback)
+
+
+def descendants(pid: int) -> set[int]:
+    """``pid`` and every process below it (from ``/proc/*/stat``)."""
+    parent: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:  # gone
+            continue
+        parent[int(entry)] = int(stat.rpartition(")")[2].split()[1])
+    found, grew = {pid}, True
+    while grew:
+        more = {p for p, pp in parent.items() if pp in found} - found
+        found |= more
+        grew = bool(more)
+    return found
+
+
+def non_loopback_listeners(pid: int) -> list[str]:
+    """TCP listeners of ``pid`` and its descendants on a non-loopback address, each
+    as ``address:port pid=N``."""
+    return [
+        f"{addr} pid={p}"
+        for p in sorted(descendants(pid))
+        for addr in tcp_listeners(p)
+        if not _loopback(addr)
+    ]
 
 
 def thread_names() -> set[str]:

@@ -23,6 +23,7 @@ import sys
 import time
 import urllib.request
 
+from mooncake_diffusion._mooncake import bindshim
 from mooncake_diffusion._mooncake.master import MasterProcess, admin_get
 from mooncake_diffusion.errors import MasterUnavailableError
 from mooncake_diffusion.settings import MooncakeSettings
@@ -113,11 +114,13 @@ class LocalCluster:
             )
         self.prefaulted_bytes = hello.get("prefaulted_bytes", 0)
 
-    def _store_env(self) -> dict[str, str] | None:
-        if self.store_port is None:
-            return None  # inherited
-        port = str(self.store_port)
-        return {**os.environ, "MC_STORE_CLIENT_MIN_PORT": port, "MC_STORE_CLIENT_MAX_PORT": port}
+    def _store_env(self) -> dict[str, str]:
+        """Ours, with the bind shim for ``host`` (its Transfer Engine's listeners)."""
+        env = {**os.environ, **bindshim.env(self.host)}
+        if self.store_port is not None:
+            port = str(self.store_port)
+            env.update(MC_STORE_CLIENT_MIN_PORT=port, MC_STORE_CLIENT_MAX_PORT=port)
+        return env
 
     def keys(self) -> list[str]:
         """Every key the store holds now, from the master's admin API."""

@@ -25,6 +25,7 @@ import signal
 import sys
 import threading
 
+from mooncake_diffusion._mooncake import bindshim
 from mooncake_diffusion._mooncake.master import probe_master
 from mooncake_diffusion._mooncake.store import StoreClient
 from mooncake_diffusion.leases import Reaper
@@ -81,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         help="fault the whole pool in before saying ready (see the module docstring)",
     )
     a = p.parse_args(argv)
+    bindshim.reexec(a.host)  # its Transfer Engine listens on --host, however started
     settings = MooncakeSettings(master=a.master, admin=a.admin, local_hostname=a.host)
     probe_master(settings)
     stop = threading.Event()

@@ -1,30 +1,36 @@
 """The orchestrator's HTTP JSON API for clients, on FastAPI + uvicorn, in front of an
-``OrchestratorService``. OpenAPI: ``/openapi.json``, browsable at ``/docs``.
+``OrchestratorService``. OpenAPI: ``/openapi.json``, browsable at ``/docs`` (Swagger
+UI's files served by the stack itself, from the ``fastapi-offline`` package).
 
 Routes (JSON in and out; bytes fields such as ``output`` are base64):
 
-    POST /v1/requests                 {"params": {...}, "request_id"?, "slo_class"?,
+    POST   /v1/requests               {"params": {...}, "request_id"?, "slo_class"?,
                                        "cached_embeddings"? (base64), "deadline_s"?}
                                       -> 201 status
-    GET  /v1/requests/{id}            -> 200 status
-    POST /v1/requests/{id}/cancel     -> 200 status
-    GET  /v1/requests/{id}/events     -> 200 one JSON event per line until the request
+    GET    /v1/requests/{id}          -> 200 status
+    POST   /v1/requests/{id}/cancel   -> 200 status
+    GET    /v1/requests/{id}/events   -> 200 one JSON event per line until the request
                                          finishes (``?follow=0``: what happened so far)
-    GET  /v1/cluster                  -> 200 pools, queues, running requests
-    GET  /metrics                     -> Prometheus text
-    GET  /healthz                     -> 200 {"status": "ok"} (no token needed)
-    GET  /dashboard                   -> the live dashboard (``dashboard.html``; its data
+    GET    /v1/cluster                -> 200 pools, queues, running requests
+    GET    /metrics                   -> Prometheus text
+    GET    /healthz                   -> 200 {"status": "ok"} (no token needed)
+    GET    /readyz                    -> 200 when every stage has a live worker, else 503
+    GET    /dashboard                 -> the live dashboard (``dashboard.html``; its data
                                          calls carry the token from ``#token=...``)
-    /v1/images/..., /v1/videos/...    -> OpenAI-compatible generation (``openai_api.py``)
+    /v1/models, /v1/images/..., /v1/videos/...  OpenAI-compatible (``openai_api.py``)
 
-Errors are ``{"error": code, "message": text}``: 400 malformed or invalid input,
-401 a missing or wrong bearer token, 404 unknown request or route, 405 wrong
-method, 408 a body not sent within ``BODY_TIMEOUT_S`` (a slow client), 409 a
-duplicate id or a request that already finished, 411/413 a body without a length
-or over ``MAX_BODY``, 415 not JSON, 503 the service is not answering. Bad input
+Errors, on every route and status, are OpenAI's shape ``{"error": {"message",
+"type", "param", "code"}}``: 400 malformed or invalid input (a ``params`` key that
+names a path, a request id the workers would refuse, a cost over the class's
+ceiling), 401 a missing or wrong bearer token, 403 a cross-site Origin, 404 unknown
+request, model or route, 405 wrong method, 408 a body not sent within
+``BODY_TIMEOUT_S``, 409 a duplicate id or a request that already finished, 411/413 a
+body without a length or over ``MAX_BODY``, 415 a body without the route's
+Content-Type, 421 a Host the server does not answer to, 429/503 over a connection
+limit (``limits.py``), 500 a server fault, 503 the service is not answering. Bad input
 never changes state. ``ApiServer`` binds loopback by default; binding another
-address requires a token (every route but /healthz, /docs and /openapi.json then
-needs ``Authorization: Bearer <token>``).
+address requires a token (every route but /healthz, /readyz, /docs and
+/openapi.json then needs ``Authorization: Bearer <token>``).
 """
 
 from __future__ import annotations
@@ -36,17 +42,17 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
+import anyio
 import msgspec
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import StreamingResponse
+from fastapi.responses import HTMLResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
-from starlette.concurrency import iterate_in_threadpool, run_in_threadpool
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mooncake_diffusion.orchestrator import openai_api
@@ -54,11 +60,19 @@ from mooncake_diffusion.orchestrator.bodies import (
     BODY_TIMEOUT_S,
     MAX_BODY,
     ApiError,
+    error_response,
     parse,
     read_json,
     validation_message,
 )
 from mooncake_diffusion.orchestrator.errors import OrchestratorError
+from mooncake_diffusion.orchestrator.front import FrontConfig, check_params, check_request_id
+from mooncake_diffusion.orchestrator.limits import (
+    HttpLimits,
+    RouteLimits,
+    guarded_http,
+    thread_limiters,
+)
 from mooncake_diffusion.orchestrator.service import (
     OrchestratorService,
     RequestRejected,
@@ -70,17 +84,15 @@ __all__ = ["BODY_TIMEOUT_S", "MAX_BODY", "ApiError", "ApiServer", "build_app"]
 
 log = logging.getLogger("mooncake_diffusion.orchestrator.http")
 
-#: Seconds an idle keep-alive connection is kept open.
-KEEP_ALIVE_S = 5
-#: Connections served at once; more get 503 from uvicorn.
-MAX_CONNECTIONS = 1024
-_PUBLIC = frozenset({"/healthz", "/docs", "/openapi.json", "/dashboard"})
+_PUBLIC = frozenset({"/healthz", "/readyz", "/docs", "/openapi.json", "/dashboard"})
+_STAGES = ("encode", "denoise", "decode")
 _CODES = {
     "duplicate_request": 409,
     "already_finished": 409,
     "unknown_request": 404,
 }
 _STATUS_CODES = {404: "not_found", 405: "method_not_allowed", 401: "unauthorized"}
+_SWAGGER = ("swagger-ui-bundle.js", "swagger-ui.css", "favicon.png")
 
 
 def is_loopback(host: str) -> bool:
@@ -106,11 +118,17 @@ class CancelRequest(BaseModel):
     reason: str = "cancelled by client"
 
 
-class ErrorBody(BaseModel):
-    """Every 4xx/5xx answer."""
-
-    error: str
+class ErrorDetail(BaseModel):
     message: str
+    type: str
+    param: str | None
+    code: str
+
+
+class ErrorBody(BaseModel):
+    """Every 4xx/5xx answer (OpenAI's shape)."""
+
+    error: ErrorDetail
 
 
 def _schemas() -> tuple[dict[str, Any], dict[str, Any]]:
@@ -125,10 +143,6 @@ def _json(data: Any, status: int = 200) -> Response:
     return Response(msgspec.json.encode(data), status, media_type="application/json")
 
 
-def _error(status: int, code: str, message: str) -> Response:
-    return _json({"error": code, "message": message}, status)
-
-
 def _body_schema(model: type[BaseModel]) -> dict[str, Any]:
     return {
         "requestBody": {
@@ -138,6 +152,58 @@ def _body_schema(model: type[BaseModel]) -> dict[str, Any]:
     }
 
 
+def _docs_page() -> str:
+    return """<!doctype html>
+<html><head><meta charset="utf-8"><title>mooncake-diffusion orchestrator - API</title>
+<link rel="stylesheet" href="/docs/assets/swagger-ui.css">
+<link rel="icon" href="/docs/assets/favicon.png"></head>
+<body><div id="swagger-ui"></div>
+<script src="/docs/assets/swagger-ui-bundle.js"></script>
+<script>window.ui = SwaggerUIBundle({url: "/openapi.json", dom_id: "#swagger-ui",
+  presets: [SwaggerUIBundle.presets.apis], layout: "BaseLayout"});</script>
+</body></html>"""
+
+
+def _error_handlers(app: FastAPI) -> None:
+    """Every error the app can raise, answered in OpenAI's shape."""
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, e: ApiError) -> Response:
+        return error_response(e.status, e.code, e.message, e.param)
+
+    @app.exception_handler(RequestRejected)
+    async def _rejected(_: Request, e: RequestRejected) -> Response:
+        return error_response(_CODES.get(e.code, 400), e.code, e.reason)
+
+    @app.exception_handler(ServiceUnavailable)
+    async def _unavailable(_: Request, e: ServiceUnavailable) -> Response:
+        return error_response(503, "unavailable", str(e))
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, e: RequestValidationError) -> Response:
+        return error_response(400, "bad_value", *validation_message(e))
+
+    @app.exception_handler(ValueError)
+    async def _value(_: Request, e: ValueError) -> Response:
+        # input the checks above let through (e.g. a number too long to convert)
+        return error_response(400, "bad_value", str(e)[:500] or "invalid input")
+
+    @app.exception_handler(Exception)
+    async def _fault(request: Request, e: Exception) -> Response:
+        log.exception("%s %s failed", request.method, request.url.path)
+        return error_response(500, "internal_error", f"the server failed: {type(e).__name__}")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, e: StarletteHTTPException) -> Response:
+        code = _STATUS_CODES.get(e.status_code, "error")
+        if e.status_code == 404:
+            return error_response(404, code, f"no route {request.url.path}")
+        if e.status_code == 405:
+            allow = e.headers.get("Allow", "") if e.headers else ""
+            return error_response(405, code, f"use {allow or 'another method'} here")
+        return error_response(e.status_code, code, str(e.detail))
+
+
 # --------------------------------------------------------------------------- app
 def build_app(
     service: OrchestratorService,
@@ -145,62 +211,64 @@ def build_app(
     token: str | None = None,
     outputs: Path | None = None,
     body_timeout_s: float = BODY_TIMEOUT_S,
+    front: FrontConfig | None = None,
+    limits: HttpLimits | None = None,
+    bound_host: str = "127.0.0.1",
 ) -> FastAPI:
     """The FastAPI app for ``service``. ``outputs``: where OpenAI-style requests' files
-    are written and served from (None: those routes answer 503). ``body_timeout_s``:
-    how long a client may take to send a body before it gets 408."""
+    are served from (None: those routes answer 503). ``body_timeout_s``: how long a
+    client may take to send a body before it gets 408. ``front``: admission (Host and
+    Origin names, cost ceilings, models); ``limits``: streams and waits per client and
+    in total; ``bound_host``: the address the API listens on (the default Host names)."""
+    front = front or FrontConfig()
+    limits = limits or HttpLimits()
+    threads = thread_limiters(limits)
+    allowed = front.allowed_hosts(bound_host)
     shapes, comps = _schemas()
     app = FastAPI(
         title="mooncake-diffusion orchestrator",
         version="1",
         description="Disaggregated diffusion serving: requests, cluster state, metrics.",
+        docs_url=None,
+        redoc_url=None,
     )
     app.state.body_timeout_s = body_timeout_s
-    errors = {"4XX": {"model": ErrorBody}, "503": {"model": ErrorBody}}
+    errors = {"4XX": {"model": ErrorBody}, "5XX": {"model": ErrorBody}}
 
     def content(schema: dict[str, Any], ctype: str = "application/json") -> dict[str, Any]:
         return {"content": {ctype: {"schema": schema}}}
 
     status_doc = {**errors, "200": {"description": "the request", **content(shapes["status"])}}
-
-    @app.exception_handler(ApiError)
-    async def _api_error(_: Request, e: ApiError) -> Response:
-        return _error(e.status, e.code, e.message)
-
-    @app.exception_handler(RequestRejected)
-    async def _rejected(_: Request, e: RequestRejected) -> Response:
-        return _error(_CODES.get(e.code, 400), e.code, e.reason)
-
-    @app.exception_handler(ServiceUnavailable)
-    async def _unavailable(_: Request, e: ServiceUnavailable) -> Response:
-        return _error(503, "unavailable", str(e))
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, e: RequestValidationError) -> Response:
-        return _error(400, "bad_value", validation_message(e))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(request: Request, e: StarletteHTTPException) -> Response:
-        code = _STATUS_CODES.get(e.status_code, "error")
-        if e.status_code == 404:
-            return _error(404, code, f"no route {request.url.path}")
-        if e.status_code == 405:
-            allow = e.headers.get("Allow", "") if e.headers else ""
-            return _error(405, code, f"use {allow or 'another method'} here")
-        return _error(e.status_code, code, str(e.detail))
+    _error_handlers(app)
 
     @app.middleware("http")
     async def _guard(request: Request, call_next: Any) -> Response:
+        try:
+            front.check_origin(request.headers, allowed)
+        except ApiError as e:
+            return error_response(e.status, e.code, e.message, close=True)
         n = request.headers.get("content-length")
         if n is not None and n.isdigit() and int(n) > MAX_BODY:
-            resp = _error(413, "too_large", f"body of {n} bytes; the limit is {MAX_BODY}")
-            resp.headers["Connection"] = "close"
-            return resp
-        if token and request.url.path not in _PUBLIC:
+            msg = f"body of {n} bytes; the limit is {MAX_BODY}"
+            return error_response(413, "too_large", msg, close=True)
+        path = request.url.path
+        if token and path not in _PUBLIC and not path.startswith("/docs/assets/"):
             got = request.headers.get("authorization", "")
             if not hmac.compare_digest(got.encode(), f"Bearer {token}".encode()):
-                return _error(401, "unauthorized", "missing or wrong token")
+                return error_response(401, "unauthorized", "missing or wrong token")
         return await call_next(request)
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs() -> Response:
+        return HTMLResponse(_docs_page())
+
+    @app.get("/docs/assets/{name}", include_in_schema=False)
+    async def docs_asset(name: str) -> Response:
+        if name not in _SWAGGER:
+            raise ApiError(404, "not_found", f"no asset {name}")
+        data = resources.files("fastapi_offline").joinpath("static", name).read_bytes()
+        media = {"js": "text/javascript", "css": "text/css", "png": "image/png"}
+        return Response(data, media_type=media[name.rsplit(".", 1)[1]])
 
     @app.get("/dashboard", include_in_schema=False)
     async def dashboard() -> Response:
@@ -211,9 +279,18 @@ def build_app(
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}
 
+    @app.get("/readyz", tags=["ops"], responses=errors)
+    async def readyz() -> Response:
+        view = await anyio.to_thread.run_sync(service.cluster, limiter=threads["ops"])
+        have = {w["stage"] for w in view["workers"]}
+        missing = [s for s in _STAGES if s not in have]
+        if missing:
+            raise ApiError(503, "not_ready", f"no live worker for {', '.join(missing)}")
+        return _json({"status": "ready", "workers": len(view["workers"])})
+
     @app.get("/metrics", tags=["ops"], response_class=Response, responses=errors)
     async def metrics() -> Response:
-        text = await run_in_threadpool(service.metrics_text)
+        text = await anyio.to_thread.run_sync(service.metrics_text, limiter=threads["ops"])
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/cluster", tags=["ops"], responses=errors)
@@ -229,12 +306,17 @@ def build_app(
     )
     async def submit(request: Request) -> Response:
         body = parse(SubmitRequest, await read_json(request) or {})
+        if body.request_id is not None:
+            check_request_id(body.request_id)
+        check_params(body.params)
+        front.check_cost(body.params, body.slo_class)
         emb = None
         if body.cached_embeddings is not None:
             try:
                 emb = base64.b64decode(body.cached_embeddings, validate=True)
             except (binascii.Error, ValueError):
-                raise ApiError(400, "bad_value", "cached_embeddings must be base64") from None
+                msg = "cached_embeddings must be base64"
+                raise ApiError(400, "bad_value", msg, "cached_embeddings") from None
 
         def run() -> RequestStatus:
             rid = service.submit(
@@ -272,18 +354,20 @@ def build_app(
     )
     async def events(request_id: str, follow: str = "1") -> Response:
         stream = service.events(request_id, timeout=None if follow not in ("0", "false") else 0)
+        # each stream holds a thread of its own limiter (never one of the short calls')
+        step = threads["stream"]
         # raises RequestRejected (404) before any header is sent
-        first = await run_in_threadpool(next, stream, None)
+        first = await anyio.to_thread.run_sync(next, stream, None, limiter=step)
 
-        def lines() -> Iterator[bytes]:
-            if first is not None:
-                yield msgspec.json.encode(first) + b"\n"
-            for ev in stream:
+        async def lines() -> Any:
+            ev = first
+            while ev is not None:
                 yield msgspec.json.encode(ev) + b"\n"
+                ev = await anyio.to_thread.run_sync(next, stream, None, limiter=step)
 
-        return StreamingResponse(iterate_in_threadpool(lines()), media_type="application/x-ndjson")
+        return StreamingResponse(lines(), media_type="application/x-ndjson")
 
-    app.include_router(openai_api.router(service, outputs), tags=["openai"])
+    app.include_router(openai_api.router(service, outputs, front, threads["wait"]), tags=["openai"])
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
@@ -295,13 +379,16 @@ def build_app(
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+    app.add_middleware(RouteLimits, limits=limits)
     return app
 
 
 # --------------------------------------------------------------------------- server
 class ApiServer:
     """Serve ``service`` over HTTP on ``host:port`` (0 picks a free port) with uvicorn in a
-    thread. ``outputs``: the folder OpenAI-style requests write into and are served from.
+    thread. ``outputs``: the folder the decode workers write into (their ``MCD_OUTPUTS``)
+    and OpenAI-style requests' files are served from. ``front`` and ``limits``: see
+    ``build_app``.
 
     ``close()`` stops accepting and joins the server thread (close the service first so
     open event streams end). Raises ``OrchestratorError`` for a non-loopback host
@@ -316,6 +403,8 @@ class ApiServer:
         token: str | None = None,
         outputs: str | Path | None = None,
         body_timeout_s: float = BODY_TIMEOUT_S,
+        front: FrontConfig | None = None,
+        limits: HttpLimits | None = None,
     ) -> None:
         import uvicorn
 
@@ -328,23 +417,30 @@ class ApiServer:
         try:
             self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             self._sock.bind((host, port))
-            self._sock.listen(1024)
+            self._sock.listen(4096)
         except OSError as e:
             self._sock.close()
             raise OrchestratorError(f"cannot bind the API to {host}:{port}: {e}") from e
         self.host, self.port = self._sock.getsockname()[:2]
         self.outputs = Path(outputs) if outputs is not None else None
+        limits = limits or HttpLimits()
         self.app = build_app(
-            service, token=token, outputs=self.outputs, body_timeout_s=body_timeout_s
+            service,
+            token=token,
+            outputs=self.outputs,
+            body_timeout_s=body_timeout_s,
+            front=front,
+            limits=limits,
+            bound_host=host,
         )
         config = uvicorn.Config(
             self.app,
+            http=guarded_http(limits),
             log_level="warning",
             access_log=False,
             lifespan="off",
-            timeout_keep_alive=KEEP_ALIVE_S,
+            timeout_keep_alive=limits.keep_alive_s,
             timeout_graceful_shutdown=2,
-            limit_concurrency=MAX_CONNECTIONS,
         )
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(

@@ -146,9 +146,9 @@ class OrchestratorClient:
 
 def _raise(status: int, payload: bytes) -> None:
     try:
-        err = json.loads(payload)
-        code, message = err.get("error", str(status)), err.get("message", "")
-    except ValueError:
+        err = json.loads(payload)["error"]  # OpenAI's shape: {"error": {"message", "code", ...}}
+        code, message = str(err.get("code") or status), str(err.get("message", ""))
+    except (ValueError, TypeError, KeyError, AttributeError):
         code, message = str(status), payload.decode(errors="replace")[:200]
     if status >= 500:
         raise ServiceUnavailable(f"{status} {code}: {message}")

@@ -30,6 +30,15 @@ def _label(text: str) -> tuple[str, str]:
     return key, value
 
 
+def _cost(text: str) -> tuple[str, int]:
+    key, sep, value = text.partition("=")
+    if not sep or not key or not value.isdigit() or len(value) > 30:
+        raise argparse.ArgumentTypeError(
+            f"--max-cost is CLASS=N (N pixels x frames x steps), got {text!r}"
+        )
+    return key, int(value)
+
+
 def _load_fn(spec: str) -> Any:
     mod, sep, name = spec.partition(":")
     if not sep:
@@ -42,6 +51,7 @@ def _load_fn(spec: str) -> Any:
 
 def _run_orchestrator(args: argparse.Namespace) -> int:
     from mooncake_diffusion.orchestrator.api import ApiServer
+    from mooncake_diffusion.orchestrator.front import DEFAULT_MAX_COST, FrontConfig
     from mooncake_diffusion.orchestrator.model import OrchestratorConfig
     from mooncake_diffusion.orchestrator.service import OrchestratorService, ServiceConfig
 
@@ -62,7 +72,14 @@ def _run_orchestrator(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     service.start()
     try:
-        api = ApiServer(service, args.host, args.port, token=token, outputs=args.outputs)
+        front = FrontConfig(
+            hosts=tuple(args.allowed_host),
+            max_cost={**DEFAULT_MAX_COST, **dict(args.max_cost)},
+            cancel_on_disconnect=not args.keep_on_disconnect,
+        )
+        api = ApiServer(
+            service, args.host, args.port, token=token, outputs=args.outputs, front=front
+        )
     except BaseException:
         service.close()
         raise
@@ -85,11 +102,16 @@ def _run_orchestrator(args: argparse.Namespace) -> int:
 
 
 def _run_worker(args: argparse.Namespace) -> int:
+    from mooncake_diffusion._mooncake import bindshim
     from mooncake_diffusion.orchestrator.worker import StageWorker
     from mooncake_diffusion.settings import MooncakeSettings
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(message)s")
+    # its Transfer Engine listens on the configured host, however the worker was started
+    bindshim.reexec(MooncakeSettings.from_env(master=args.master).local_hostname)
     fn = _load_fn(args.fn)
+    if args.outputs:  # where the stage function writes files (pipeline.stages: MCD_OUTPUTS)
+        os.environ["MCD_OUTPUTS"] = args.outputs
     # a long-lived worker recycles its store clients when a store host goes away
     # (settings.store_watch_s), unless the environment says otherwise; set in the
     # environment so that every client of the process (connectors made from_env) does
@@ -145,6 +167,28 @@ def add_commands(sub: Any) -> None:
         help="folder for the OpenAI-style routes' images and videos, written by the decode "
         "workers and served from here (default: those routes answer 503)",
     )
+    o.add_argument(
+        "--allowed-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a name clients reach the API by (the Host header); repeatable; default: "
+        "the loopback names and --host",
+    )
+    o.add_argument(
+        "--max-cost",
+        type=_cost,
+        action="append",
+        default=[],
+        metavar="CLASS=N",
+        help="ceiling of height x width x frames x steps for an SLO class (class * for "
+        "any other); repeatable; above it a request gets 400 too_costly",
+    )
+    o.add_argument(
+        "--keep-on-disconnect",
+        action="store_true",
+        help="a client that hangs up while waiting for images does not cancel them",
+    )
     o.add_argument("--token", help=f"shared secret for API and workers (or ${TOKEN_ENV})")
     o.add_argument("--policy", default="affinity", help="routing policy (default affinity)")
     o.add_argument(
@@ -185,6 +229,11 @@ def add_commands(sub: Any) -> None:
     )
     w.add_argument(
         "--transfer-mode", default="store", choices=["store", "p2p", "auto"], help="default store"
+    )
+    w.add_argument(
+        "--outputs",
+        help="folder this worker saves output files into (sets MCD_OUTPUTS; requests only "
+        'say "save": true, never where)',
     )
     w.add_argument("--master", help="Mooncake master host:port (default $MOONCAKE_MASTER)")
     w.add_argument("--token", help=f"the orchestrator's token (or ${TOKEN_ENV})")

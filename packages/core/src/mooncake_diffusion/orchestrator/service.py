@@ -36,7 +36,11 @@ releases of the last ``_REDELIVER`` requests that ended before it went down agai
 each to its producer once that worker speaks to the new service (only then can it
 be routed to); a producer that is gone hands its share to whichever worker speaks
 next (in store mode any worker's cleanup removes a request's objects).
-Releasing twice is safe: nothing is left to drop.
+Releasing twice is safe: nothing is left to drop. A request that ends failed or
+cancelled after a denoise attempt also has its step checkpoints dropped (nobody will
+resume it): its last denoise item goes in a ``Release`` to the worker that ran it,
+or to another live denoise worker (``worker.Resumable``); with none alive, they
+stay (soft-pinned: evictable).
 
 Errors raised to API callers: ``RequestRejected`` (``code`` as the core's
 ``Rejected``: ``duplicate_request``, ``unknown_class``, ``bad_value``,
@@ -93,6 +97,7 @@ from mooncake_diffusion.orchestrator.model import (
     Tick,
     WorkerLost,
     WorkerRemoved,
+    WorkItem,
 )
 from mooncake_diffusion.orchestrator.policy import RoutingPolicy
 from mooncake_diffusion.orchestrator.status import (
@@ -213,6 +218,8 @@ class OrchestratorService:
         self._outstanding: dict[ItemRef, _Outstanding] = {}
         self._outstanding_of: dict[str, set[ItemRef]] = {}  # the same, by worker
         self._producers: dict[str, set[str]] = {}
+        #: live request -> (worker, item) of its last denoise dispatch (``_resumable_of``)
+        self._resumable: dict[str, tuple[str, WorkItem]] = {}
         #: releases that may have been lost in a restart (filled by the journal's replay):
         #: request -> its producers still owed one
         self._redeliver: OrderedDict[str, set[str]] = OrderedDict()
@@ -548,6 +555,7 @@ class OrchestratorService:
             self._producers.setdefault(event.request_id, set()).add(event.worker_id)
         for a in actions:
             self.table.apply(a)
+            self._resumable_of(a)
             if isinstance(a, ReleasePayloads):
                 producers = self._producers.pop(a.request_id, None)
                 if producers:  # sent before the restart; maybe lost with it
@@ -557,6 +565,9 @@ class OrchestratorService:
 
     def _execute(self, a: Action, ident: bytes | None) -> None:
         self.table.apply(a)
+        resumable = self._resumable_of(a)
+        if resumable is not None:
+            self._forget_resumable(*resumable)
         if isinstance(a, Dispatch):
             self._counters[f"dispatched:{a.item.stage}"] += 1
             self._observe_dispatch(a.item.request_id, a.item.stage)
@@ -620,6 +631,32 @@ class OrchestratorService:
             targets = set(sorted(self._core.live_workers())[:1])
         for wid in targets:
             self._send(wid.encode(), Release(rid))
+
+    def _resumable_of(self, a: Action) -> tuple[str, WorkItem] | None:
+        """Track each live request's last denoise dispatch; when the request ends
+        failed or cancelled, forget it and return it (completed: its checkpoints are
+        gone already)."""
+        if isinstance(a, Dispatch) and a.item.stage == "denoise":
+            self._resumable[a.item.request_id] = (a.worker_id, a.item)
+        elif isinstance(a, RequestCompleted | RequestFailed | RequestCancelled):
+            last = self._resumable.pop(a.request_id, None)
+            return None if isinstance(a, RequestCompleted) else last
+        return None
+
+    def _forget_resumable(self, wid: str, item: WorkItem) -> None:
+        """Have ``item``'s worker, or another live worker of its stage, drop what would
+        resume it (a ``Release`` carrying the item)."""
+        assert self._core is not None
+        live = [w.worker_id for w in self._core.snapshot().workers if w.stage == item.stage]
+        target = wid if wid in live else next(iter(live), None)
+        if target is None:
+            log.info(
+                "orchestrator: %s: no %s worker to drop its checkpoints",
+                item.request_id,
+                item.stage,
+            )
+            return
+        self._send(target.encode(), Release(item.request_id, item))
 
     def _send_work(self, d: Dispatch) -> None:
         it = d.item

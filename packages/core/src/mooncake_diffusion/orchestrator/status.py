@@ -236,7 +236,9 @@ class RequestTable:
         now = time.time()
         st.state, st.finished_at, st.worker_id = state, now, None
         st.output = output
-        if state != "completed":
+        if state == "failed":  # the core's: every failed attempt, those requeued included
+            st.reasons = list(reasons)
+        elif state != "completed":
             st.reasons.extend(reasons)
         ev = RequestEvent(rid, state, now, st.stage, st.attempt, reason="; ".join(reasons) or None)
         self._emit(rid, ev, st)

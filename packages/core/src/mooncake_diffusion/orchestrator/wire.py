@@ -20,11 +20,14 @@ Call sequence (worker W, service S; W's ZeroMQ routing id is its worker id):
     S -> W  Drop       stop an item (its request was cancelled)
     S -> W  Yield      stop a denoise item at its next step boundary (preemption)
     W -> S  Yielded    it stopped as asked; it goes back to its queue
-    S -> W  Release    the request finished: drop the payloads it published for it
+    S -> W  Release    the request finished: drop the payloads it published for it;
+                       with ``item`` (the request failed or was cancelled after that
+                       denoise attempt): also drop what would resume it (``Resumable``)
     S -> W  Refused    a message was not accepted, and why (``code`` as the core's)
     W -> S  Bye        leaving (drained); nothing it holds is lost
 
-Version history: 1 (initial).
+Version history: 1 (initial; ``Release.item`` added later, optional with a
+default, so a decoder that predates it reads such a frame and ignores it).
 """
 
 from __future__ import annotations
@@ -148,6 +151,7 @@ class Yield(msgspec.Struct, frozen=True, tag=True):
 
 class Release(msgspec.Struct, frozen=True, tag=True):
     request_id: str
+    item: WorkItem | None = None
 
 
 class Refused(msgspec.Struct, frozen=True, tag=True):

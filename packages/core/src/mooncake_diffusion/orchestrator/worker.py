@@ -26,7 +26,10 @@ again after a worker death: at least once); check ``ctx.cancelled`` at natural
 boundaries (a cancelled item's result is discarded and its publications
 withdrawn); with preemption on, check ``ctx.should_yield`` at step boundaries
 and stop (raise, or return ``None``) with its progress checkpointed; report
-``ctx.progress(step, total)`` if it likes.
+``ctx.progress(step, total)`` if it likes. A stage function that keeps state to
+resume its items (the reference denoise: step checkpoints) may offer ``forget``
+(``Resumable``): the worker calls it when the orchestrator says that an item's
+request ended failed or cancelled, so that state goes too.
 
 Shutdown: ``drain()`` (SIGTERM when ``run()`` is on the main thread)
 advertises zero credits, hands back items that arrive meanwhile (``Failed``,
@@ -48,7 +51,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import msgspec
 import zmq
@@ -82,7 +85,7 @@ from mooncake_diffusion.orchestrator.wire import (
 )
 from mooncake_diffusion.payload import StagePayload
 
-__all__ = ["StageContext", "StageFn", "StageWorker"]
+__all__ = ["Resumable", "StageContext", "StageFn", "StageWorker"]
 
 log = logging.getLogger("mooncake_diffusion.worker")
 _REMEMBER_DONE = 256
@@ -135,6 +138,21 @@ class StageContext:
 
 
 StageFn = Callable[[WorkItem, StageContext], StagePayload | bytes | None]
+
+
+@runtime_checkable
+class Resumable(Protocol):
+    """A stage function with state that resumes its items (optional capability)."""
+
+    def __call__(self, item: WorkItem, ctx: StageContext) -> StagePayload | bytes | None: ...
+
+    def forget(self, item: WorkItem, ctx: StageContext) -> None:
+        """Drop what would resume ``item``: its request ended failed or cancelled (any
+        attempt of it, on any worker, may have left that state). Runs on the worker's
+        release thread, after the request's payloads are dropped; ``ctx`` is a fresh
+        context of ``item`` (its connector, no input consumed). Must tolerate nothing
+        being there; an exception is logged."""
+        ...
 
 
 def _ref(item: WorkItem) -> ItemRef:
@@ -191,7 +209,8 @@ class StageWorker:
         self._thread: threading.Thread | None = None
         self._welcomed = threading.Event()
         self._serving: int | None = None  # the serve loop's thread id, while it runs
-        self._releases: queue.SimpleQueue[str | None] = queue.SimpleQueue()  # ``_cleanup``
+        #: ``_cleanup``'s requests: (request id, the item to ``forget`` or None)
+        self._releases: queue.SimpleQueue[tuple[str, WorkItem | None] | None] = queue.SimpleQueue()
         self.items_done = 0
         self.items_failed = 0
 
@@ -378,7 +397,7 @@ class StageWorker:
             return None
         if isinstance(msg, Release):
             if not any(r.request_id == msg.request_id for r in self._running):
-                self._cleanup(msg.request_id)
+                self._cleanup(msg.request_id, msg.item)
                 for r in [r for r in self._pubs if r.request_id == msg.request_id]:
                     del self._pubs[r]
             return None
@@ -396,17 +415,21 @@ class StageWorker:
         log.info("worker %s: %s refused (%s): %s", self.worker_id, msg.about, msg.code, msg.reason)
         return None
 
-    def _cleanup(self, request_id: str) -> None:
-        """Drop ``request_id``'s outputs (``connector.cleanup``) on the release thread:
-        in store mode that is a call to the master, which the loop (and its heartbeat)
-        must not wait for. One thread, so releases run in the order they came."""
-        self._releases.put(request_id)
+    def _cleanup(self, request_id: str, forget: WorkItem | None = None) -> None:
+        """Drop ``request_id``'s outputs (``connector.cleanup``), then, with ``forget``
+        and a ``Resumable`` stage function, what would resume that item, on the release
+        thread: in store mode these are calls to the master, which the loop (and its
+        heartbeat) must not wait for. One thread, so releases run in the order they came."""
+        self._releases.put((request_id, forget))
 
     def _clean(self) -> None:
         """The release thread: runs ``_cleanup``'s requests until ``None``."""
-        while (request_id := self._releases.get()) is not None:
+        while (job := self._releases.get()) is not None:
+            request_id, item = job
             try:
                 self.connector.cleanup(request_id)
+                if item is not None and isinstance(self.fn, Resumable):
+                    self.fn.forget(item, StageContext(self, item))
             except Exception as e:  # nothing re-sends it: say what is left
                 log.warning("worker %s: release of %s failed: %s", self.worker_id, request_id, e)
 

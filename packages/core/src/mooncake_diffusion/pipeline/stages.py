@@ -4,9 +4,12 @@
     mooncake-diffusion worker --stage denoise --fn mooncake_diffusion.pipeline.stages:denoise
     mooncake-diffusion worker --stage decode  --fn mooncake_diffusion.pipeline.stages:decode
 
-Request params (JSON): the ``GenerationParams`` fields, plus ``out_dir`` (where
-decode writes ``<request_id>.png`` or ``.gif``; default: no file) and
-``chunks`` (temporal chunks the latent moves and decodes in; default 4).
+Request params (JSON): the ``GenerationParams`` fields, plus ``save`` (true: decode
+writes ``<request_id>.png`` or ``.gif`` into the worker's own output folder,
+``MCD_OUTPUTS``; default: no file) and ``chunks`` (temporal chunks the latent moves
+and decodes in; default 4). No request chooses a path: where outputs go is the
+worker's configuration, and a request that asks to save on a worker without
+``MCD_OUTPUTS`` fails with that reason.
 ``MCD_PIPELINE_CONFIG`` (JSON of ``PipelineConfig`` fields) sizes the model;
 every worker of a deployment must use the same. ``MCD_CHECKPOINT_EVERY``
 (default 2) is the denoise checkpoint interval.
@@ -18,7 +21,9 @@ every worker of a deployment must use the same. ``MCD_CHECKPOINT_EVERY``
   worker's), checkpoints every k steps, reports progress per step, yields at a
   step boundary when preempted (``DenoisePreempted``; the job resumes from its
   checkpoint later), publishes the latent chunked along T; checkpoints are
-  removed once it is published.
+  removed once it is published, at once when the request is cancelled while it
+  runs, and when the request ends failed or cancelled later (``forget_denoise``,
+  ``denoise``'s ``Resumable.forget``: the orchestrator asks a denoise worker).
 - decode: consumes the latent chunk by chunk as chunks land, decodes each on the
   causal VAE stream (decode overlaps the transfer), writes the output file.
   Output (the request's result): JSON with ``frames``, ``sha256`` of all frame
@@ -43,16 +48,27 @@ from mooncake_diffusion.caches.embedding import EmbeddingCache
 from mooncake_diffusion.orchestrator.model import WorkItem
 from mooncake_diffusion.orchestrator.worker import StageContext
 from mooncake_diffusion.payload import StagePayload
-from mooncake_diffusion.pipeline.checkpointing import denoise_with_checkpoints
+from mooncake_diffusion.pipeline.checkpointing import checkpoint_job_of, denoise_with_checkpoints
 from mooncake_diffusion.pipeline.params import GenerationParams, PipelineConfig
-from mooncake_diffusion.pipeline.reference import ReferencePipeline
+from mooncake_diffusion.pipeline.reference import DenoisePreempted, ReferencePipeline
 from mooncake_diffusion.pipeline.writers import write_frames
 
-__all__ = ["decode", "denoise", "encode", "frames_digest", "generation_params", "pipeline"]
+__all__ = [
+    "OUTPUTS_ENV",
+    "decode",
+    "denoise",
+    "encode",
+    "forget_denoise",
+    "frames_digest",
+    "generation_params",
+    "outputs_folder",
+    "pipeline",
+]
 
 CONFIG_ENV = "MCD_PIPELINE_CONFIG"
 EVERY_ENV = "MCD_CHECKPOINT_EVERY"
-_EXTRA = ("out_dir", "chunks")
+OUTPUTS_ENV = "MCD_OUTPUTS"
+_EXTRA = ("save", "chunks")
 _lock = threading.Lock()
 _pipes: dict[str, ReferencePipeline] = {}
 _caches: dict[str, Any] = {}
@@ -122,14 +138,19 @@ def denoise(item: WorkItem, ctx: StageContext) -> StagePayload | None:
         ctx.info["in_path"] = got.path
     ctx.info["in_s"] = time.perf_counter() - t0
     cache = _cache("ckpt", ctx)
-    result = denoise_with_checkpoints(
-        pipe,
-        cache,
-        cond,
-        params,
-        on_step=lambda k, _state: ctx.progress(k, params.steps),
-        should_stop=lambda _k: ctx.cancelled or ctx.should_yield,
-    )
+    try:
+        result = denoise_with_checkpoints(
+            pipe,
+            cache,
+            cond,
+            params,
+            on_step=lambda k, _state: ctx.progress(k, params.steps),
+            should_stop=lambda _k: ctx.cancelled or ctx.should_yield,
+        )
+    except DenoisePreempted:
+        if ctx.cancelled:  # nobody resumes a cancelled job: its checkpoints go now
+            forget_denoise(item, ctx)
+        raise
     ctx.info["resumed_from"] = result.resumed_from
     ctx.info["checkpoints"] = len(result.saved)
     latent = result.latent.contiguous()
@@ -144,6 +165,18 @@ def denoise(item: WorkItem, ctx: StageContext) -> StagePayload | None:
         chunk_dim=2,
         num_chunks=chunks,
     )
+
+
+def forget_denoise(item: WorkItem, ctx: StageContext) -> None:
+    """Remove the step checkpoints of ``item``'s denoise job: its request is cancelled
+    or failed, nobody resumes it (``denoise.forget``, see ``worker.Resumable``)."""
+    params = generation_params(ctx.params)
+    pipe = pipeline()
+    cache = _cache("ckpt", ctx)
+    cache.finish(checkpoint_job_of(cache, pipe, params))
+
+
+denoise.forget = forget_denoise  # type: ignore[attr-defined]
 
 
 def decode(item: WorkItem, ctx: StageContext) -> bytes:
@@ -168,7 +201,17 @@ def decode(item: WorkItem, ctx: StageContext) -> bytes:
         "first_frame_at": first_at,
         "video": params.is_video,
     }
-    out_dir = ctx.params.get("out_dir")
-    if out_dir:
-        out["path"] = str(write_frames(frames, Path(out_dir) / item.request_id))
+    if ctx.params.get("save"):
+        out["path"] = str(write_frames(frames, outputs_folder() / item.request_id))
     return msgspec.json.encode(out)
+
+
+def outputs_folder() -> Path:
+    """The folder this worker writes outputs into (``MCD_OUTPUTS``, created if need
+    be). Raises ``ValueError`` (fails the request) when it is not configured."""
+    raw = os.environ.get(OUTPUTS_ENV)
+    if not raw:
+        raise ValueError(f"this decode worker saves no files: {OUTPUTS_ENV} is not set")
+    folder = Path(raw)
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder

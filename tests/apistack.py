@@ -1,0 +1,77 @@
+"""An in-process orchestrator stack for the HTTP API's tests (test_orchestrator_api.py,
+test_front_door.py): real sockets on loopback, toy stages, no Mooncake."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from mooncake_diffusion.connector import DiffusionConnector
+from mooncake_diffusion.orchestrator import OrchestratorConfig, toy
+from mooncake_diffusion.orchestrator.api import ApiServer
+from mooncake_diffusion.orchestrator.client import OrchestratorClient
+from mooncake_diffusion.orchestrator.service import OrchestratorService, ServiceConfig
+from mooncake_diffusion.orchestrator.worker import StageWorker
+from mooncake_diffusion.settings import MooncakeSettings
+from mooncake_diffusion.transports.memory import fabric_keys
+
+
+class Stack:
+    """A started service and its HTTP API on loopback, with StageWorkers (toy stages
+    by default) over the in-memory transport. ``api``: more ``ApiServer`` arguments
+    (``outputs``, ``body_timeout_s``, ``front``, ``limits``); ``cfg``:
+    ``OrchestratorConfig`` fields. ``close()`` checks every publication was released."""
+
+    def __init__(
+        self, token: str | None = None, api: dict[str, Any] | None = None, **cfg: object
+    ) -> None:
+        config = ServiceConfig(
+            orchestrator=OrchestratorConfig(**cfg),  # type: ignore[arg-type]
+            worker_bind="tcp://127.0.0.1:0",
+            token=token,
+        )
+        self.svc = OrchestratorService(config).start()
+        self.api = ApiServer(self.svc, "127.0.0.1", 0, token=token, **(api or {}))
+        self.client = OrchestratorClient(self.api.url, token=token)
+        self.workers: list[StageWorker] = []
+        self.connectors: list[DiffusionConnector] = []
+        self.token = token
+
+    def worker(self, stage: str, fn=None, **kw) -> StageWorker:
+        conn = DiffusionConnector(stage, "memory", MooncakeSettings())
+        self.connectors.append(conn)
+        w = StageWorker(
+            stage,
+            fn or getattr(toy, stage),
+            self.svc.worker_address,
+            connector=conn,
+            token=self.token,
+            **kw,
+        ).start()
+        self.workers.append(w)
+        return w
+
+    def pipeline(self) -> None:
+        for stage in ("encode", "denoise", "decode"):
+            self.worker(stage)
+
+    def close(self) -> None:
+        self.client.close()
+        for w in self.workers:
+            w.drain()
+        for w in self.workers:
+            w.join(10)
+        self.svc.close()
+        self.api.close()
+        for c in self.connectors:
+            assert c.stats().live_publications == 0, c.stats()
+            c.close()
+
+    def close_released(self) -> None:
+        """``close()``, once every payload is released (a release follows a request's
+        outcome, which the client may hear of first); fails if one never is."""
+        deadline = time.monotonic() + 10
+        while fabric_keys() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        self.close()
+        assert fabric_keys() == [], fabric_keys()  # every payload released
