@@ -94,6 +94,7 @@ _MAX_NAME = 1024
 _HEADER = struct.Struct("<Q")  # expires_ms, 0: never
 _LEASE = struct.Struct("<Q")  # a lease record's body starts with the ms its lease lapses at
 _REPLACE_TRIES = 8
+_READ_BACK_S = 5.0  # how long a post's read back waits for another's put in flight
 _log = logging.getLogger("mooncake_diffusion.mailbox")
 T = TypeVar("T")
 
@@ -221,16 +222,13 @@ class Mailbox:
                 old = self.take(name)
                 replaced = old if old is not None else replaced
                 continue
-            if not self._put(key, expires_ms, mine):
-                if replace:
-                    continue
-                break
-            there = self._read(key)
-            if there is None or there == (expires_ms, mine):
+            wrote = self._put(key, expires_ms, mine)
+            there = self._read(key, ready_by=time.monotonic() + _READ_BACK_S)
+            if wrote and (there is None or there == (expires_ms, mine)):
                 return replaced  # ours (None: a taker was quicker than the read back)
             # another poster's record is there (ours was never written): our marker, if
             # it differs from theirs, is all of ours in the store
-            if expires_ms and there[0] != expires_ms:
+            if expires_ms and (there is None or there[0] != expires_ms):
                 self._client.remove_many([ttl_marker(expires_ms, key)])
             if not replace:
                 break
@@ -259,9 +257,9 @@ class Mailbox:
         got = self._read(self.key_of(name))
         return None if got is None else got[1]
 
-    def _read(self, key: str) -> tuple[int, bytes] | None:
+    def _read(self, key: str, ready_by: float | None = None) -> tuple[int, bytes] | None:
         with self._in_lock:
-            n = self._client.read(key, self._in.ctypes.data, len(self._in))
+            n = self._client.read(key, self._in.ctypes.data, len(self._in), ready_by=ready_by)
             if n is None:
                 return None
             if n < _HEADER.size:
