@@ -562,6 +562,15 @@ class StoreClient:
             found.append(check(code, f"store existence check of {key!r}") == 1)
         return found
 
+    def sizes_of(self, keys: Sequence[str]) -> list[int | None]:
+        """Each key's size in bytes, ``None`` for one absent (or still being put); one
+        round trip per key (for inspection, not the data path)."""
+        out: list[int | None] = []
+        for key in keys:
+            n = self._call("get_size", key)
+            out.append(n if n >= 0 else None)
+        return out
+
     def remove_many(self, keys: Sequence[str]) -> None:
         """Remove keys with force (leases granted by reads do not block); absent keys
         are fine; transient faults are retried."""
