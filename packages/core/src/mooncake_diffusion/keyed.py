@@ -38,12 +38,18 @@ classes as Ext type 2 holding ``(tag, state)``) rides in the record when it is a
 most half of ``Mailbox.max_record``, else as one more tensor. Top-level raw bytes
 that moved are received into a bytearray and returned as ``bytes`` (one copy).
 
-Lifecycle. A record is taken once (``Mailbox.take``); its payload is
-delete-on-consume. A second ``send`` to a key whose record nobody took yet
-replaces it (the old payload is removed), as the built-in shared-memory
-connector overwrites a segment. With ``ttl_s`` set, the payload's store keys
-carry the expiry and the record an expiry marker (``leases``), so whatever
-nobody took is removed once ``ttl_s`` has passed, with no ``discard`` or
+Lifecycle. A record is taken once, under a lease (``Mailbox.claim``): the
+consumer confirms it once the bytes landed and then removes the payload (store
+payloads are written ``retained``, so a read alone removes nothing); a consumer
+that dies or stalls past ``lease_s`` before confirming leaves the record to the
+next ``receive``, which takes it over (exactly once to a live reader, at least
+once across a reader's death). A second ``send`` to a key whose record nobody
+took yet replaces it (the old payload is removed), as the built-in shared-memory
+connector overwrites a segment; two sends at the same instant: the last writer
+wins and nothing of the other stays (``Mailbox`` "Concurrent posts"). A payload
+larger than the store's whole pool fails at once (``StoreFullError``).
+With ``ttl_s`` set, the payload's store keys carry the expiry and the record an
+expiry marker (``leases``), so whatever nobody took is removed once ``ttl_s`` has passed, with no ``discard`` or
 ``close`` call from anyone, also when the producer crashed: every
 ``KeyedHandoff`` runs a ``leases.Reaper`` sweep every ``sweep_s`` (one listing
 of the master's keys, at most ``SWEEP_BUDGET`` removals a pass), as does the
