@@ -49,8 +49,9 @@ connector overwrites a segment; two sends at the same instant: the last writer
 wins and nothing of the other stays (``Mailbox`` "Concurrent posts"). A payload
 larger than the store's whole pool fails at once (``StoreFullError``).
 With ``ttl_s`` set, the payload's store keys carry the expiry and the record an
-expiry marker (``leases``), so whatever nobody took is removed once ``ttl_s`` has passed, with no ``discard`` or
-``close`` call from anyone, also when the producer crashed: every
+expiry marker (``leases``), so whatever nobody took is removed once ``ttl_s``
+has passed, with no ``discard`` or ``close`` call from anyone, also when the
+producer crashed: every
 ``KeyedHandoff`` runs a ``leases.Reaper`` sweep every ``sweep_s`` (one listing
 of the master's keys, at most ``SWEEP_BUDGET`` removals a pass), as does the
 store host of ``LocalCluster``; any one of them is enough. A consumer treats
