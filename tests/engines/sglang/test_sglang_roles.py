@@ -165,3 +165,30 @@ def test_a_killed_decoder_fails_the_request_with_its_reason(stack: ServeStack) -
     push = _records(stack, rid, ".push")["denoiser"]
     assert push["ok"] is False
     assert "decoder" not in _records(stack, rid)  # nothing reached a decoder
+
+
+def test_every_request_to_a_dead_decoder_fails_with_the_reason(stack: ServeStack) -> None:
+    """After the decoder died (the test above), five requests in a row: each fails with
+    the reason its receiver is gone, none waits for a receive slot the dead decoder
+    would have to grant (sglang's slow path, answered by nobody until
+    ``--disagg-timeout``, a day here). Before, only as many as the decoder had free
+    pre-allocated slots failed; sglang never returned them to the receiver."""
+    assert not _alive(stack.scheduler_pid("decoder")), "run after the decoder was killed"
+    for i in range(5):
+        rid = f"after-death-{i}"
+        answer: dict = {}
+        client = threading.Thread(
+            target=lambda rid=rid, answer=answer: answer.update(
+                out=stack.generate("small after", rid)
+            ),
+            name="client",
+        )
+        client.start()
+        client.join(WAIT_MAX_S)
+        assert not client.is_alive(), f"request {i} is still waiting"
+        error = answer["out"].error
+        assert error, f"request {i} did not fail"
+        assert "DiffusionServer timeout" not in error
+        assert error.startswith(f"denoiser error: mooncake-diffusion push of {rid} "), error
+        assert "unreachable" in error or "is gone" in error, error
+        assert "decoder" not in _records(stack, rid)
