@@ -400,13 +400,13 @@ def test_two_producers_putting_one_key_at_once_leave_one_payload_and_no_orphan(
         b.reap()
 
 
-def test_a_post_into_a_record_put_meanwhile_replaces_it_or_fails_and_leaves_nothing(
+def test_a_post_into_a_record_put_meanwhile_fails_and_leaves_nothing(
     mooncake_cluster,
 ):
     """The concurrent-post window held open: a poster whose existence check said
-    "absent" while another's record was already there. With ``replace`` it ends with
-    its own record and returns the other one (the caller frees it); without, it
-    raises DuplicatePublishError and leaves no marker of its own."""
+    "absent" while another's record was already there. With or without ``replace``
+    it raises DuplicatePublishError, the other record stands, and no marker of the
+    failed post is left."""
     with (
         Mailbox(mooncake_cluster.settings, max_record=4096) as first,
         Mailbox(mooncake_cluster.settings, max_record=4096) as late,
@@ -416,13 +416,9 @@ def test_a_post_into_a_record_put_meanwhile_replaces_it_or_fails_and_leaves_noth
             first.post("spot", b"first", expires_at=time.time() + 600)
             calls = iter([[False]])
             late._client.exists_many = lambda keys, calls=calls: next(calls, None) or real(keys)
-            if replace:
-                old = late.post("spot", b"late", expires_at=time.time() + 900, replace=True)
-                assert old == b"first" and late.take("spot") == b"late"
-            else:
-                with pytest.raises(DuplicatePublishError):
-                    late.post("spot", b"late", expires_at=time.time() + 900)
-                assert first.take("spot") == b"first"
+            with pytest.raises(DuplicatePublishError, match="at the same time"):
+                late.post("spot", b"late", expires_at=time.time() + 900, replace=replace)
+            assert first.take("spot") == b"first"
             late._client.exists_many = real
             assert mooncake_cluster.keys() == [], (replace, mooncake_cluster.keys())
 

@@ -32,12 +32,14 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import signal
 import threading
 import time
 
 import pytest
 from serve_stack import FAKE, ROLES, ServeStack
 
+from mooncake_diffusion.samehost import process_stopped
 from mooncake_diffusion.testing import assert_no_leaks
 
 # one deployment for the module: its start-up (minutes of sglang imports) counts
@@ -131,6 +133,38 @@ def test_a_request_crosses_every_hop_byte_identical(stack: ServeStack, size: str
     payload = produced["latents"].nbytes
     for p in pushes.values():
         assert p["size"] >= payload and p["size"] & (p["size"] - 1) == 0, p
+
+
+def test_a_stopped_same_host_receiver_fails_the_request_within_timeout_s(
+    stack: ServeStack,
+) -> None:
+    """The denoiser's scheduler SIGSTOPped: the encoder's same-host push copies into
+    its pool, but nobody reads it. The request fails with that reason once the
+    adapter's ``timeout_s`` (30 s by default) has passed, not after
+    ``--disagg-timeout`` (a day here). The denoiser runs again afterwards."""
+    rid = "stopped-1"
+    victim = stack.scheduler_pid("denoiser")
+    os.kill(victim, signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + WAIT_MAX_S
+        while not process_stopped(victim):  # a stop is delivered asynchronously
+            assert time.monotonic() < deadline, "the denoiser did not stop"
+            time.sleep(0.01)
+        answer: dict = {}
+        client = threading.Thread(
+            target=lambda: answer.update(out=stack.generate("small stopped", rid)),
+            name="client",
+        )
+        client.start()
+        client.join(WAIT_MAX_S)
+        assert not client.is_alive(), "the client is still waiting"
+    finally:
+        os.kill(victim, signal.SIGCONT)
+    error = answer["out"].error
+    assert error, "the request did not fail"
+    assert "DiffusionServer timeout" not in error
+    assert error.startswith(f"encoder error: mooncake-diffusion push of {rid} "), error
+    assert "is stopped" in error, error
 
 
 def test_a_killed_decoder_fails_the_request_with_its_reason(stack: ServeStack) -> None:

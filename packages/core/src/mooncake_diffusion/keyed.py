@@ -45,8 +45,9 @@ that dies or stalls past ``lease_s`` before confirming leaves the record to the
 next ``receive``, which takes it over (exactly once to a live reader, at least
 once across a reader's death). A second ``send`` to a key whose record nobody
 took yet replaces it (the old payload is removed), as the built-in shared-memory
-connector overwrites a segment; two sends at the same instant: the last writer
-wins and nothing of the other stays (``Mailbox`` "Concurrent posts"). A payload
+connector overwrites a segment; of two sends at the same instant one stands and
+the other may raise ``DuplicatePublishError``, nothing of it left in the store
+(``Mailbox`` "Concurrent posts"). A payload
 larger than the store's whole pool fails at once (``StoreFullError``).
 With ``ttl_s`` set, the payload's store keys carry the expiry and the record an
 expiry marker (``leases``), so whatever nobody took is removed once ``ttl_s``
@@ -463,8 +464,9 @@ class KeyedHandoff:
         take it. A record under ``key`` that nobody took yet is replaced (its payload
         removed). While the store pool is full, retries with backoff until
         ``timeout_s`` has passed, then raises ``StoreFullError``. Raises
-        ``PayloadError`` for objects that cannot travel and the connector's errors;
-        after an error nothing of ``obj`` is left in the store."""
+        ``PayloadError`` for objects that cannot travel, ``DuplicatePublishError`` when
+        another send of ``key`` landed at the same instant (that one stands), and the
+        connector's errors; after an error nothing of ``obj`` is left in the store."""
         box, conn = self._open()
         skeleton, moved = pack(obj, self.inline_bytes, to_host=self.to_host)
         tensors = {f"t{i}.{kind}": t for i, (kind, t) in enumerate(moved)}

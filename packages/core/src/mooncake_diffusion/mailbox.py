@@ -50,11 +50,11 @@ record and its lease), as a ``take`` does.
 
 Concurrent posts. A put of an existing key may report success without writing,
 so every ``post`` reads its record back: one that finds another poster's
-record there (two producers posting one name at the same instant) replaces it
-when ``replace`` is true (the last to read back wins, and the replaced record
-is returned for the caller to free, as for any replace) or raises
-``DuplicatePublishError`` otherwise. Either way nothing of the losing post
-stays in the store.
+record there (two producers posting one name at the same instant) raises
+``DuplicatePublishError``, also with ``replace`` (the caller frees what its
+record named), and the other post stands. So of two posts racing on one name
+one succeeds and at most one fails, and nothing of the failed one stays in the
+store. ``replace`` takes only a record that was there before the post began.
 
 Thread-safe: posts and takes each serialise on their own scratch; a take costs
 ~0.1 ms when the name is absent and one small read plus a remove when present.
@@ -204,9 +204,10 @@ class Mailbox:
         seconds; see the module docstring) when given. Returns the record it replaced
         (``replace=True``) or ``None``. Raises ``PayloadError`` when it exceeds
         ``max_record``, ``DuplicatePublishError`` when ``name`` holds a record and
-        ``replace`` is false (also one another poster put at the same instant), and the
-        store's errors (``StoreFullError``, ...) otherwise. Returns only once the record
-        under ``name`` was read back as this one (see "Concurrent posts")."""
+        ``replace`` is false, or another poster put one at the same instant (see
+        "Concurrent posts"), and the store's errors (``StoreFullError``, ...)
+        otherwise. Returns only once the record under ``name`` was read back as this
+        one."""
         key = self.key_of(name)
         n = len(record)
         if not 0 < n <= self.max_record:
@@ -226,12 +227,14 @@ class Mailbox:
             there = self._read(key, ready_by=time.monotonic() + _READ_BACK_S)
             if wrote and (there is None or there == (expires_ms, mine)):
                 return replaced  # ours (None: a taker was quicker than the read back)
-            # another poster's record is there (ours was never written): our marker, if
-            # it differs from theirs, is all of ours in the store
+            # another poster's record is there: ours was never written, or a replace
+            # took it (and frees what it named). Either way the other one stands; our
+            # marker, if it differs from theirs, is all of ours left in the store
             if expires_ms and (there is None or there[0] != expires_ms):
                 self._client.remove_many([ttl_marker(expires_ms, key)])
-            if not replace:
-                break
+            raise DuplicatePublishError(
+                f"mailbox name {name!r}: another record was posted there at the same time"
+            )
         raise DuplicatePublishError(f"mailbox name {name!r} already holds a record")
 
     def _put(self, key: str, expires_ms: int, body: bytes) -> bool:
