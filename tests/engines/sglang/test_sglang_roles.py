@@ -226,3 +226,5 @@ def test_every_request_to_a_dead_decoder_fails_with_the_reason(stack: ServeStack
         assert error.startswith(f"denoiser error: mooncake-diffusion push of {rid} "), error
         assert "unreachable" in error or "is gone" in error, error
         assert "decoder" not in _records(stack, rid)
+    # the server marked the decoder's session dead (the adapter's hook in its process)
+    assert "is gone; no more requests go to it" in stack.log("head")
