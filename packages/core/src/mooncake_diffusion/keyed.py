@@ -638,11 +638,11 @@ class KeyedHandoff:
             rid = self._sent.pop(key, None)
         if rid:
             conn.cleanup(rid)
-        raw = box.take(key)
-        if raw is not None:
-            record = _decode_record(raw, key)
-            if record.handle:
-                conn.drop(decode_handle(record.handle))
+        for raw in (box.take(key), box.take_claimed(key)):  # a reader's lease too
+            if raw is not None:
+                record = _decode_record(raw, key)
+                if record.handle:
+                    conn.drop(decode_handle(record.handle))
 
     def discard_matching(self, pattern: str) -> int:
         """Remove every record whose key matches the regex ``pattern`` (anchored at the

@@ -341,10 +341,17 @@ class Mailbox:
         """``claim`` polled as ``take_until`` polls ``take``."""
         return _poll(lambda: self.claim(name, lease_s, lease_if=lease_if), deadline)
 
+    def take_claimed(self, name: str) -> bytes | None:
+        """Remove the record under ``name`` that a claimer holds under a lease (and its
+        marker), returning it; ``None`` when there is none. For discarding: the
+        claimer's ``confirm`` then says ``False``."""
+        got = self._take_key(self.lease_key_of(name))
+        return None if got is None else got[1][_LEASE.size :]
+
     def discard(self, name: str) -> None:
         """Remove ``name``'s record, its lease and their expiry markers (any process)."""
         self.take(name)
-        self._take_key(self.lease_key_of(name))
+        self.take_claimed(name)
 
     def discard_matching(self, pattern: str) -> int:
         """Remove every record whose name matches the regular expression ``pattern``
