@@ -474,3 +474,27 @@ def test_a_payload_larger_than_the_whole_pool_fails_at_once_saying_it_can_never_
             assert kh.receive("fits") is not None
         assert cluster.keys() == []
         assert_no_leaks(cluster, baseline)
+
+
+def test_mailbox_claims_hold_lapse_and_are_discarded(mooncake_cluster):
+    """A claimed record is nobody else's while its lease holds; once the lease lapsed
+    exactly one later claim takes it over (the first claimer's confirm then says
+    False); a discard removes a claimed record and its marker too."""
+    with Mailbox(mooncake_cluster.settings, max_record=4096) as box:
+        box.post("held", b"one", expires_at=time.time() + 600)
+        claim = box.claim("held", 600)
+        assert claim is not None and claim.record == b"one"
+        assert box.claim("held", 600) is None and box.take("held") is None
+        box.discard("held")
+        assert mooncake_cluster.keys() == []
+        assert claim.confirm() is False
+
+        box.post("lapse", b"two", expires_at=time.time() + 600)
+        first = box.claim("lapse", 0.05)
+        hang_guard = time.monotonic() + 60
+        while (second := box.claim("lapse", 600)) is None:
+            assert time.monotonic() < hang_guard, "the lapsed lease was never taken over"
+            time.sleep(0.01)
+        assert second.record == b"two" and box.claim("lapse", 600) is None
+        assert first.confirm() is False and second.confirm() is True
+        assert mooncake_cluster.keys() == []
