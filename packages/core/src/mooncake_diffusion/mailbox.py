@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import re
 import struct
 import threading
@@ -92,7 +93,8 @@ MAILBOX_ROOT = "mcd-mbox/"
 DEFAULT_MAX_RECORD = 1 << 20
 _MAX_NAME = 1024
 _HEADER = struct.Struct("<Q")  # expires_ms, 0: never
-_LEASE = struct.Struct("<Q")  # a lease record's body starts with the ms its lease lapses at
+# a lease record's body starts with the ms its lease lapses at and its claimer's token
+_LEASE = struct.Struct("<Q16s")
 _REPLACE_TRIES = 8
 _READ_BACK_S = 5.0  # how long a post's read back waits for another's put in flight
 _log = logging.getLogger("mooncake_diffusion.mailbox")
@@ -105,7 +107,13 @@ class Claim:
     ``confirm`` or ``give_back`` once the work the record names is done or failed."""
 
     def __init__(
-        self, box: Mailbox, name: str, record: bytes, expires_ms: int, leased: bool
+        self,
+        box: Mailbox,
+        name: str,
+        record: bytes,
+        expires_ms: int,
+        leased: bool,
+        token: bytes = b"",
     ) -> None:
         self.name = name
         self.record = record
@@ -113,6 +121,7 @@ class Claim:
         self._box = box
         self._expires_ms = expires_ms
         self._leased = leased
+        self._token = token
 
     def confirm(self) -> bool:
         """Remove the lease: the record is consumed. ``False`` when the lease was no
@@ -121,7 +130,7 @@ class Claim:
         if not self._leased:
             return True
         self._leased = False
-        return self._box._take_key(self._box.lease_key_of(self.name)) is not None
+        return self._box._end_lease(self.name, self._token)
 
     def give_back(self) -> bool:
         """Post the record under its name again (a later claim retries) and remove the
@@ -136,7 +145,7 @@ class Claim:
             ok = False
         if self._leased:
             self._leased = False
-            self._box._take_key(self._box.lease_key_of(self.name))
+            self._box._end_lease(self.name, self._token)
         return ok
 
 
@@ -312,7 +321,7 @@ class Mailbox:
             held = self._read(lkey)
             if held is None or len(held[1]) < _LEASE.size:
                 return None
-            (until_ms,) = _LEASE.unpack_from(held[1])
+            until_ms, _ = _LEASE.unpack_from(held[1])
             if until_ms > time.time() * 1000 or self._take_key(lkey) is None:
                 return None
             _log.warning("the lease on %r lapsed (its taker died or stalled): taken over", name)
@@ -322,13 +331,30 @@ class Mailbox:
         if lease_if is not None and not lease_if(record):
             return Claim(self, name, record, expires_ms, leased=False)
         until_ms = int((time.time() + lease_s) * 1000)
+        token = os.urandom(16)
         try:
-            if not self._put(lkey, expires_ms, _LEASE.pack(until_ms) + record):
+            if not self._put(lkey, expires_ms, _LEASE.pack(until_ms, token) + record):
                 raise DuplicatePublishError(f"a lease on {name!r} is already there")
         except BaseException:
             Claim(self, name, record, expires_ms, leased=False).give_back()
             raise
-        return Claim(self, name, record, expires_ms, leased=True)
+        return Claim(self, name, record, expires_ms, leased=True, token=token)
+
+    def _end_lease(self, name: str, token: bytes) -> bool:
+        """Remove ``name``'s lease if it is still the one ``token`` holds; ``False`` when
+        it is not (taken over, or discarded). A takeover that lands between the check
+        and the removal is put back."""
+        lkey = self.lease_key_of(name)
+        held = self._read(lkey)
+        if held is None or held[1][_LEASE.size - 16 : _LEASE.size] != token:
+            return False
+        got = self._take_key(lkey)
+        if got is None:
+            return False
+        if got[1][_LEASE.size - 16 : _LEASE.size] != token:  # another claimer's: restore
+            self._put(lkey, got[0], got[1])
+            return False
+        return True
 
     def claim_until(
         self,
