@@ -342,16 +342,12 @@ class Mailbox:
 
     def _end_lease(self, name: str, token: bytes) -> bool:
         """Remove ``name``'s lease if it is still the one ``token`` holds; ``False`` when
-        it is not (taken over, or discarded). A takeover that lands between the check
-        and the removal is put back."""
+        it is not (taken over, or discarded), and a taken-over one is put back."""
         lkey = self.lease_key_of(name)
-        held = self._read(lkey)
-        if held is None or held[1][_LEASE.size - 16 : _LEASE.size] != token:
-            return False
         got = self._take_key(lkey)
         if got is None:
             return False
-        if got[1][_LEASE.size - 16 : _LEASE.size] != token:  # another claimer's: restore
+        if got[1][_LEASE.size - 16 : _LEASE.size] != token:  # a takeover's: put it back
             self._put(lkey, got[0], got[1])
             return False
         return True
