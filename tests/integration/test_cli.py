@@ -101,3 +101,44 @@ def test_demo_runs_the_whole_system_and_every_output_matches_colocated(tmp_path)
     assert re.search(r"^img-0\s+interactive\s+completed", out.stdout, re.M), out.stdout
     assert (tmp_path / "img-0.png").stat().st_size > 0
     assert (tmp_path / "vid-0.gif").stat().st_size > 0
+
+
+def test_store_ls_lists_our_keys_by_kind_size_and_expiry(mooncake_cluster):
+    """A keyed send with a TTL, one still untaken: ``store ls`` counts its payload, record
+    and expiry marker with their bytes; ``--keys --ttl-s`` gives each key its expiry and
+    age; after the take, it says the store is empty."""
+    import time
+
+    import torch
+
+    from mooncake_diffusion.keyed import KeyedHandoff
+
+    s = mooncake_cluster.settings
+    env = {**os.environ, "MOONCAKE_MASTER": s.master, "MOONCAKE_ADMIN": s.admin_address}
+
+    def ls(*extra: str) -> str:
+        done = subprocess.run(
+            [*CLI, "store", "ls", *extra], env=env, capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    with KeyedHandoff(s, ttl_s=600, sweep_s=0) as producer, KeyedHandoff(s, sweep_s=0) as taker:
+        producer.send("req-ls_0_0@0_1", {"t": torch.zeros(1 << 20)})  # 4 MiB
+        table = ls()
+        rows = {line.split()[0]: line.split()[1:] for line in table.splitlines()[1:]}
+        assert set(rows) == {"payload", "record", "marker"}, table
+        assert rows["payload"][:3] == ["1", "4.0", "MiB"], table
+        assert rows["record"][0] == rows["marker"][0] == "1", table
+        per_key = ls("--keys", "--ttl-s", "600")
+        line = next(x for x in per_key.splitlines() if x.startswith("payload"))
+        expires_in, age = int(line.split()[3]), int(line.split()[5])
+        assert 0 < expires_in <= 600 and 0 <= age < 600 and expires_in + age == 600, line
+        entries = json.loads(ls("--json"))
+        assert {e["kind"] for e in entries} == {"payload", "record", "marker"}
+        assert taker.receive("req-ls_0_0@0_1") is not None
+        deadline = time.monotonic() + 60
+        while mooncake_cluster.keys() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "the store holds no key" in ls()
+    assert mooncake_cluster.keys() == []

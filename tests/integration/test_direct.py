@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -27,6 +28,7 @@ from mooncake_diffusion.errors import (
     PeerGoneError,
     TransferError,
 )
+from mooncake_diffusion.samehost import process_stopped
 from mooncake_diffusion.settings import MooncakeSettings
 from mooncake_diffusion.testing import assert_no_leaks
 
@@ -173,6 +175,39 @@ def test_a_dead_receiver_of_a_mapped_pool_is_reported() -> None:
             sender.write(session, [src.data_ptr()], [addr], [N])
     finally:
         peer.close()
+    assert sender.stats().failures == 1
+    sender.unregister(src.data_ptr())
+    sender.close()
+    assert_no_leaks(None, threads)
+
+
+@pytest.mark.parametrize("pool", [True, False], ids=["shm", "vm"])
+def test_a_stopped_same_host_receiver_is_bounded_by_the_timeout(pool: bool) -> None:
+    """Same host, the receiver SIGSTOPped: the copy into its memory succeeds, but it
+    reads nothing, so the write ends with a typed timeout within ``timeout_s`` (as the
+    network path does) instead of reporting a push nobody will read. Once the receiver
+    runs again, writes succeed as before."""
+    threads = {f"{t.name}#{t.ident}" for t in threading.enumerate()}
+    sender = DirectEngine(MooncakeSettings(), retry=RetryPolicy(attempts=2, timeout_s=1.0))
+    src = torch.full((N,), 3, dtype=torch.uint8)
+    sender.register(src.data_ptr(), N)
+    with JsonLinesChild(RECEIVER, MooncakeSettings(), "direct receiver") as peer:
+        got = peer.request(op="setup", nbytes=N, pool=pool)
+        session, addr = got["session"], got["addr"]
+        path = "shm" if pool else "vm"
+        assert sender.write(session, [src.data_ptr()], [addr], [N]) == path
+        os.kill(peer.proc.pid, signal.SIGSTOP)
+        try:
+            hang_guard = time.monotonic() + 60
+            while not process_stopped(peer.proc.pid):  # the stop is delivered asynchronously
+                assert time.monotonic() < hang_guard, "the receiver never stopped"
+                time.sleep(0.005)
+            with pytest.raises(DeadlineExceededError, match="is stopped"):
+                sender.write(session, [src.data_ptr()], [addr], [N])
+        finally:
+            os.kill(peer.proc.pid, signal.SIGCONT)
+        assert sender.write(session, [src.data_ptr()], [addr], [N]) == path
+        assert peer.request(op="byte", at=N - 1)["byte"] == 3
     assert sender.stats().failures == 1
     sender.unregister(src.data_ptr())
     sender.close()

@@ -331,3 +331,170 @@ def test_mailbox_take_is_exactly_once_across_processes(mooncake_cluster):
         for child in children:
             child.close()
     assert mooncake_cluster.keys() == []
+
+
+@pytest.mark.parametrize("at", ["claimed", "landed"])
+def test_a_consumer_killed_mid_receive_leaves_the_payload_to_a_retry(pair, mooncake_cluster, at):
+    """A consumer in its own process claims a 64 MiB payload and is held at a gate,
+    before any byte was read (``claimed``) or with every byte read but not confirmed
+    (``landed``), then SIGKILLed there. While its lease holds, nobody else gets the
+    payload (exactly once to a live reader); once it lapsed, a retry gets every byte
+    (at least once across the reader's death), and nothing is left in the store."""
+    import sys
+    from pathlib import Path
+
+    from mooncake_diffusion.childproc import JsonLinesChild
+
+    producer, retry = pair(sweep_s=0), pair(sweep_s=0)
+    sent = torch.randn(16 << 20)  # 64 MiB
+    producer.send("held", {"t": sent})
+    argv = [sys.executable, str(Path(__file__).with_name("keyed_receiver.py")), "15"]
+    child = JsonLinesChild(argv, mooncake_cluster.settings, "keyed receiver")
+    try:
+        assert child.request(op="hold", key="held", at=at)["ok"]
+        assert retry.receive("held") is None  # claimed by a live reader: not ours
+    finally:
+        child.kill()
+        child.close()
+    got = retry.receive_until("held", time.monotonic() + 120)
+    assert got is not None, "the payload of a reader killed mid-receive was lost"
+    assert torch.equal(got[0]["t"], sent)
+    del got
+    assert retry.receive("held") is None  # delivered once to the live retry: gone now
+    assert mooncake_cluster.keys() == []
+
+
+def test_two_producers_putting_one_key_at_once_leave_one_payload_and_no_orphan(
+    pair, mooncake_cluster
+):
+    """Two producers (own clients) send 4 MiB under one key at the same instant, ten
+    times: each send returns or raises DuplicatePublishError, the consumer gets one of
+    the sent payloads, and once it did the store holds nothing."""
+    import threading
+
+    a, b, consumer = pair(sweep_s=0, ttl_s=600), pair(sweep_s=0, ttl_s=600), pair(sweep_s=0)
+    for trial in range(10):
+        start = threading.Barrier(2)
+        sent: dict[str, torch.Tensor] = {}
+
+        def put(kh, tag, trial=trial, start=start, sent=sent):
+            t = torch.full((1 << 20,), float(trial * 2 + (tag == "b")))
+            start.wait()
+            try:
+                kh.send("same", {"t": t, "tag": tag})
+                sent[tag] = t
+            except DuplicatePublishError:
+                pass
+
+        threads = [threading.Thread(target=put, args=(kh, tag)) for kh, tag in ((a, "a"), (b, "b"))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert sent, trial
+        obj, _ = consumer.receive("same")
+        assert obj["tag"] in sent and torch.equal(obj["t"], sent[obj["tag"]]), trial
+        assert consumer.receive("same") is None
+        assert mooncake_cluster.keys() == [], (trial, mooncake_cluster.keys())
+        a.reap()
+        b.reap()
+
+
+def test_a_post_into_a_record_put_meanwhile_fails_and_leaves_nothing(
+    mooncake_cluster,
+):
+    """The concurrent-post window held open: a poster whose existence check said
+    "absent" while another's record was already there. With or without ``replace``
+    it raises DuplicatePublishError, the other record stands, and no marker of the
+    failed post is left."""
+    with (
+        Mailbox(mooncake_cluster.settings, max_record=4096) as first,
+        Mailbox(mooncake_cluster.settings, max_record=4096) as late,
+    ):
+        real = late._client.exists_many
+        for replace in (True, False):
+            first.post("spot", b"first", expires_at=time.time() + 600)
+            calls = iter([[False]])
+            late._client.exists_many = lambda keys, calls=calls: next(calls, None) or real(keys)
+            with pytest.raises(DuplicatePublishError, match="at the same time"):
+                late.post("spot", b"late", expires_at=time.time() + 900, replace=replace)
+            assert first.take("spot") == b"first"
+            late._client.exists_many = real
+            assert mooncake_cluster.keys() == [], (replace, mooncake_cluster.keys())
+
+
+@pytest.mark.parametrize("inline_bytes", [1 << 20, 1])
+def test_numpy_arrays_of_every_shape_and_dtype_the_builtins_carry(
+    pair, mooncake_cluster, inline_bytes
+):
+    """0-d arrays keep shape (); unicode, bytes, datetime and big-endian arrays come back
+    equal, dtype and all, whether they ride inside the record or move as bytes."""
+    import numpy as np
+
+    arrays = {
+        "zero_d": np.array(5.0),
+        "zero_d_int": np.array(7, dtype=np.int32),
+        "unicode": np.array(["ab", "c", "déjà"]),
+        "bytes": np.array([b"x", b"yz"]),
+        "dates": np.array(["2026-12-03", "1999-01-01"], dtype="datetime64[D]"),
+        "big_endian": np.arange(6, dtype=">f4").reshape(2, 3),
+        "empty_unicode": np.array([], dtype="<U3").reshape(0, 2),
+        "strided": np.arange(12, dtype=np.int64).reshape(3, 4)[:, ::2],
+        "big_unicode": np.array(["q" * 100] * 1000),
+    }
+    producer, consumer = pair(inline_bytes=inline_bytes), pair()
+    producer.send("np", arrays)
+    got, _ = consumer.receive("np")
+    for name, a in arrays.items():
+        b = got[name]
+        assert isinstance(b, np.ndarray), name
+        assert (b.dtype, b.shape) == (a.dtype, a.shape), name
+        assert np.array_equal(a, b), name
+    del got
+    assert mooncake_cluster.keys() == []
+
+
+def test_a_payload_larger_than_the_whole_pool_fails_at_once_saying_it_can_never_fit():
+    """80 MiB into a 64 MiB pool: no wait for room that can never come (``full_waits``
+    stays 0 although ``timeout_s`` allows a minute), a message that says so, nothing
+    left; a payload that fits is still sent afterwards."""
+    import threading
+
+    from mooncake_diffusion._mooncake.cluster import LocalCluster
+
+    baseline = {f"{t.name}#{t.ident}" for t in threading.enumerate()}
+    with LocalCluster(pool_bytes=64 << 20, reap_interval_s=0) as cluster:
+        with KeyedHandoff(cluster.settings, timeout_s=60, sweep_s=0) as kh:
+            with pytest.raises(StoreFullError, match="can never fit") as e:
+                kh.send("huge", {"t": torch.zeros(80 << 20, dtype=torch.uint8)})
+            assert "67108864" in str(e.value)
+            assert kh.full_waits == 0
+            assert cluster.keys() == []
+            kh.send("fits", {"t": torch.zeros(1 << 20, dtype=torch.uint8)})
+            assert kh.receive("fits") is not None
+        assert cluster.keys() == []
+        assert_no_leaks(cluster, baseline)
+
+
+def test_mailbox_claims_hold_lapse_and_are_discarded(mooncake_cluster):
+    """A claimed record is nobody else's while its lease holds; once the lease lapsed
+    exactly one later claim takes it over (the first claimer's confirm then says
+    False); a discard removes a claimed record and its marker too."""
+    with Mailbox(mooncake_cluster.settings, max_record=4096) as box:
+        box.post("held", b"one", expires_at=time.time() + 600)
+        claim = box.claim("held", 600)
+        assert claim is not None and claim.record == b"one"
+        assert box.claim("held", 600) is None and box.take("held") is None
+        box.discard("held")
+        assert mooncake_cluster.keys() == []
+        assert claim.confirm() is False
+
+        box.post("lapse", b"two", expires_at=time.time() + 600)
+        first = box.claim("lapse", 0.05)
+        hang_guard = time.monotonic() + 60
+        while (second := box.claim("lapse", 600)) is None:
+            assert time.monotonic() < hang_guard, "the lapsed lease was never taken over"
+            time.sleep(0.01)
+        assert second.record == b"two" and box.claim("lapse", 600) is None
+        assert first.confirm() is False and second.confirm() is True
+        assert mooncake_cluster.keys() == []

@@ -32,12 +32,14 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import signal
 import threading
 import time
 
 import pytest
 from serve_stack import FAKE, ROLES, ServeStack
 
+from mooncake_diffusion.samehost import process_stopped
 from mooncake_diffusion.testing import assert_no_leaks
 
 # one deployment for the module: its start-up (minutes of sglang imports) counts
@@ -133,6 +135,38 @@ def test_a_request_crosses_every_hop_byte_identical(stack: ServeStack, size: str
         assert p["size"] >= payload and p["size"] & (p["size"] - 1) == 0, p
 
 
+def test_a_stopped_same_host_receiver_fails_the_request_within_timeout_s(
+    stack: ServeStack,
+) -> None:
+    """The denoiser's scheduler SIGSTOPped: the encoder's same-host push copies into
+    its pool, but nobody reads it. The request fails with that reason once the
+    adapter's ``timeout_s`` (30 s by default) has passed, not after
+    ``--disagg-timeout`` (a day here). The denoiser runs again afterwards."""
+    rid = "stopped-1"
+    victim = stack.scheduler_pid("denoiser")
+    os.kill(victim, signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + WAIT_MAX_S
+        while not process_stopped(victim):  # a stop is delivered asynchronously
+            assert time.monotonic() < deadline, "the denoiser did not stop"
+            time.sleep(0.01)
+        answer: dict = {}
+        client = threading.Thread(
+            target=lambda: answer.update(out=stack.generate("small stopped", rid)),
+            name="client",
+        )
+        client.start()
+        client.join(WAIT_MAX_S)
+        assert not client.is_alive(), "the client is still waiting"
+    finally:
+        os.kill(victim, signal.SIGCONT)
+    error = answer["out"].error
+    assert error, "the request did not fail"
+    assert "DiffusionServer timeout" not in error
+    assert error.startswith(f"encoder error: mooncake-diffusion push of {rid} "), error
+    assert "is stopped" in error, error
+
+
 def test_a_killed_decoder_fails_the_request_with_its_reason(stack: ServeStack) -> None:
     """The denoiser holds the request (gate file) while the decoder's scheduler is
     SIGKILLed; then the push to the dead decoder fails. The client must get that
@@ -165,3 +199,32 @@ def test_a_killed_decoder_fails_the_request_with_its_reason(stack: ServeStack) -
     push = _records(stack, rid, ".push")["denoiser"]
     assert push["ok"] is False
     assert "decoder" not in _records(stack, rid)  # nothing reached a decoder
+
+
+def test_every_request_to_a_dead_decoder_fails_with_the_reason(stack: ServeStack) -> None:
+    """After the decoder died (the test above), five requests in a row: each fails with
+    the reason its receiver is gone, none waits for a receive slot the dead decoder
+    would have to grant (sglang's slow path, answered by nobody until
+    ``--disagg-timeout``, a day here). Before, only as many as the decoder had free
+    pre-allocated slots failed; sglang never returned them to the receiver."""
+    assert not _alive(stack.scheduler_pid("decoder")), "run after the decoder was killed"
+    for i in range(5):
+        rid = f"after-death-{i}"
+        answer: dict = {}
+        client = threading.Thread(
+            target=lambda rid=rid, answer=answer: answer.update(
+                out=stack.generate("small after", rid)
+            ),
+            name="client",
+        )
+        client.start()
+        client.join(WAIT_MAX_S)
+        assert not client.is_alive(), f"request {i} is still waiting"
+        error = answer["out"].error
+        assert error, f"request {i} did not fail"
+        assert "DiffusionServer timeout" not in error
+        assert error.startswith(f"denoiser error: mooncake-diffusion push of {rid} "), error
+        assert "unreachable" in error or "is gone" in error, error
+        assert "decoder" not in _records(stack, rid)
+    # the server marked the decoder's session dead (the adapter's hook in its process)
+    assert "is gone; no more requests go to it" in stack.log("head")

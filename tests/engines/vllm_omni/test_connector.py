@@ -14,6 +14,7 @@ import socket
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ from mooncake_diffusion.errors import MasterUnavailableError
 pytestmark = pytest.mark.engines
 
 NAME = "MooncakeDiffusionConnector"
+HERE = Path(__file__).resolve().parent
 
 DEPLOY_YAML = """
 async_chunk: false
@@ -325,3 +327,53 @@ def test_dead_master_fails_construction_clearly(vllm_omni, make):
     finally:
         sys.unraisablehook = old
     assert unraisable == []
+
+
+def test_a_stage_killed_mid_get_leaves_its_input_to_a_retry(mooncake_cluster, extra, make):
+    """A consumer stage process (its own connector, built by vLLM-Omni's factory) claims
+    a 64 MiB payload and is SIGKILLed there, before any byte was read: its claim is a
+    lease, so a retry gets every byte once the lease lapsed (``timeout_s`` + 5 s), not
+    ``None``; nothing is left behind."""
+    from mooncake_diffusion.childproc import JsonLinesChild
+
+    producer, retry = make(extra), make({**extra, "timeout_s": 5})
+    sent = torch.randn(16 << 20)
+    assert producer.put("0", "1", "req-kill_0_0", {"latent": sent})[0]
+    child = JsonLinesChild(
+        [sys.executable, str(HERE / "vo_peer.py")], mooncake_cluster.settings, "doomed stage"
+    )
+    try:
+        assert child.request(op="ready")["ok"]
+        peer_make(child, extra, timeout_s=5)
+        assert child.request(op="hold_get", key="req-kill_0_0", **{"from": "0", "to": "1"})["ok"]
+        assert retry.get("0", "1", "req-kill_0_0") is None  # a live reader holds it
+    finally:
+        child.kill()
+        child.close()
+    got = retry.get_with_deadline("0", "1", "req-kill_0_0", deadline=time.monotonic() + 120)
+    assert got is not None, "the input of a stage killed mid-get was lost"
+    assert torch.equal(got[0]["latent"], sent)
+
+
+def test_numpy_zero_d_and_string_arrays_round_trip(extra, make):
+    """What the built-in SharedMemoryConnector carries: a 0-d array keeps shape (), and
+    unicode / bytes arrays come back equal instead of failing the get."""
+    import numpy as np
+
+    producer, consumer = make(extra), make(extra)
+    arrays = {"zero_d": np.array(2.5), "text": np.array(["a", "bc"]), "raw": np.array([b"x"])}
+    assert producer.put("0", "1", "req-np_0_0", arrays)[0]
+    got, _ = consumer.get("0", "1", "req-np_0_0")
+    for name, a in arrays.items():
+        assert (got[name].dtype, got[name].shape) == (a.dtype, a.shape), name
+        assert np.array_equal(got[name], a), name
+    assert consumer.health()["errors"] == 0
+
+
+def test_last_error_is_cleared_by_a_later_success(extra, make):
+    conn = make(extra)
+    ok, _, _ = conn.put("0", "1", "req-bad_0_0", {"x": object()})  # cannot travel
+    assert not ok and "PayloadError" in conn.health()["last_error"]
+    assert conn.put("0", "1", "req-good_0_0", {"x": 1})[0]
+    assert conn.health()["last_error"] == ""
+    assert conn.get("0", "1", "req-good_0_0") is not None

@@ -202,7 +202,7 @@ def test_get_with_deadline_returns_what_was_put(pair, peer):
 def test_only_ours_expires_what_nobody_takes(peer, extra, make, mooncake_cluster):
     """Difference kept on purpose: nothing of the shared-memory connector expires (a
     segment nobody takes stays in /dev/shm until reboot); ours removes what nobody took
-    after ``ttl_s`` (default 3600 s, longer than any stage of vLLM-Omni waits), with no
+    after ``ttl_s`` (default 600 s, the longest vLLM-Omni waits for an output), with no
     ``cleanup`` or ``close`` call, logged as a warning. Here with a TTL of 0.2 s."""
     r = peer.request(op="make", name=OURS, extra={**extra, "ttl_s": 0.2})
     assert r["ok"]

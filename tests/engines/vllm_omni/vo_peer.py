@@ -9,7 +9,12 @@ answering with digests so the test process can compare every byte.
     {"op": "make", "name": ..., "extra": {...}}  -> {"registered": [...]}
     {"op": "put", "kind": ..., "seed": ..., "key": ..., "from": "0", "to": "1", ...}
     {"op": "get", "key": ..., "from": ..., "to": ..., "deadline_s": null | float}
+    {"op": "hold_get", "key": ..., "from": ..., "to": ...}  -> once the get is held
     {"op": "cleanup", "request_id": ...} / {"op": "health"} / {"op": "close"}
+
+``hold_get`` starts a get that stops for good right after it claimed the record,
+before any byte was read, and answers once it is there (the test then kills this
+process: a stage that crashes while reading its input).
 """
 
 from __future__ import annotations
@@ -88,6 +93,29 @@ def get(cmd: dict) -> dict:
     }
 
 
+def hold_get(cmd: dict) -> dict:
+    import threading
+
+    from mooncake_diffusion import keyed
+
+    reached, forever = threading.Event(), threading.Event()
+    before = keyed._destinations
+
+    def destinations(*args: Any) -> Any:
+        reached.set()
+        forever.wait()
+        return before(*args)
+
+    keyed._destinations = destinations
+    conn = _state["conn"]
+    threading.Thread(
+        target=conn.get, args=(cmd["from"], cmd["to"], cmd["key"]), daemon=True
+    ).start()
+    if not reached.wait(120):
+        raise RuntimeError("the get never claimed the record")
+    return {"ok": True}
+
+
 def cleanup(cmd: dict) -> dict:
     _state["conn"].cleanup(cmd["request_id"])
     return {"ok": True}
@@ -123,6 +151,7 @@ if __name__ == "__main__":
                 "make": make,
                 "put": put,
                 "get": get,
+                "hold_get": hold_get,
                 "health": health,
                 "reap": reap,
                 "cleanup": cleanup,

@@ -103,6 +103,23 @@ def _handoff(args: argparse.Namespace) -> int:
     return 0 if all(r["verified"] for r in rows) else 1
 
 
+def _store_ls(args: argparse.Namespace) -> int:
+    import json
+
+    from mooncake_diffusion.inventory import inventory, render, render_keys, summarise
+    from mooncake_diffusion.settings import MooncakeSettings
+
+    over = {k: v for k, v in (("master", args.master), ("admin", args.admin)) if v}
+    entries = inventory(MooncakeSettings.from_env(**over), ttl_s=args.ttl_s)
+    if args.json:
+        print(json.dumps([e.__dict__ for e in entries], indent=1))
+    elif args.keys:
+        print(render_keys(entries))
+    else:
+        print(render(summarise(entries)))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="mooncake-diffusion",
@@ -192,6 +209,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="master's read-lease TTL in ms (default 1000)",
     )
     up.set_defaults(func=_cluster_up)
+
+    store = sub.add_parser("store", help="inspect what a Mooncake store holds")
+    ssub = store.add_subparsers(dest="action", required=True)
+    ls = ssub.add_parser(
+        "ls",
+        help="list the store's keys by kind (payload, record, claimed, marker, cache, "
+        "other) with their size and expiry",
+        description="List what the store holds: by default a table by kind (keys, bytes, "
+        "the soonest expiry); --keys one line per key. Keys carry their expiry, not their "
+        "birth: pass --ttl-s (the ttl_s that wrote them) to see their age. The master "
+        "comes from MOONCAKE_MASTER / MOONCAKE_ADMIN unless given.",
+    )
+    ls.add_argument("--master", help="the master's RPC address (default $MOONCAKE_MASTER)")
+    ls.add_argument("--admin", help="the master's admin address (default $MOONCAKE_ADMIN)")
+    ls.add_argument("--keys", action="store_true", help="one line per key")
+    ls.add_argument("--json", action="store_true", help="every key as JSON")
+    ls.add_argument("--ttl-s", type=float, help="the ttl_s the keys were written with (age)")
+    ls.set_defaults(func=_store_ls)
     add_commands(sub)
     return p
 

@@ -22,6 +22,9 @@ How bytes move (``write`` picks per call and returns the path it took):
   meanwhile is reported (``PeerGoneError``) after the copy.
 - ``"vm"``: same host, the destination lies in other registered memory of the
   receiver: ``process_vm_writev`` (one copy, pinned page by page).
+  On either same-host path a receiver that is stopped (``SIGSTOP``) is waited
+  for until the policy's ``timeout_s``, then ``DeadlineExceededError``, as the
+  network path ends for a peer that stops reading.
 - ``"net"``: Transfer Engine writes (RDMA or TCP), submitted asynchronously
   and polled, retried with backoff under ``RetryPolicy``; the policy's
   ``timeout_s`` bounds the whole write, each attempt included, so a peer that
@@ -68,6 +71,7 @@ from mooncake_diffusion.samehost import (
     SharedPool,
     host_identity,
     process_gone,
+    process_stopped,
     vm_write,
 )
 from mooncake_diffusion.settings import MooncakeSettings, split_address
@@ -336,6 +340,8 @@ class DirectEngine:
         path = "net"
         if parts and self._shm_ok and peer.pid and peer.host and peer.host == host_identity():
             path = self._write_local(peer, parts)
+        if path != "net":
+            self._wait_running(peer, timeout_s)
         if path == "net" and parts:
             self._write_net(peer, parts, timeout_s)
         nbytes = sum(p[2] for p in parts)
@@ -379,6 +385,27 @@ class DirectEngine:
             self._count_failure()
             raise PeerGoneError(f"peer process {peer.pid} ({peer.segment}) is gone")
         return "shm" if pooled and not rest else "vm"
+
+    def _wait_running(self, peer: PeerSession, timeout_s: float | None) -> None:
+        """After a same-host copy: a receiver that is stopped (``SIGSTOP``) reads nothing,
+        though the copy into its memory succeeded. Wait for it to run again within the
+        write's deadline, as a network write waits for a peer that stopped reading, and
+        raise ``DeadlineExceededError`` when it does not."""
+        if not process_stopped(peer.pid):
+            return
+        wait = timeout_s if timeout_s is not None else self.retry.timeout_s
+        deadline = time.monotonic() + wait
+        delay = 0.005
+        while process_stopped(peer.pid):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self._count_failure()
+                raise DeadlineExceededError(
+                    f"peer process {peer.pid} ({peer.segment}) is stopped and did not run "
+                    f"again within {wait}s: the bytes were copied, nobody reads them"
+                )
+            time.sleep(min(delay, left))
+            delay = min(delay * 2, 0.1)
 
     def _write_net(
         self, peer: PeerSession, parts: list[tuple[int, int, int]], timeout_s: float | None

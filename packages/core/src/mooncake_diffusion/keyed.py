@@ -38,13 +38,21 @@ classes as Ext type 2 holding ``(tag, state)``) rides in the record when it is a
 most half of ``Mailbox.max_record``, else as one more tensor. Top-level raw bytes
 that moved are received into a bytearray and returned as ``bytes`` (one copy).
 
-Lifecycle. A record is taken once (``Mailbox.take``); its payload is
-delete-on-consume. A second ``send`` to a key whose record nobody took yet
-replaces it (the old payload is removed), as the built-in shared-memory
-connector overwrites a segment. With ``ttl_s`` set, the payload's store keys
-carry the expiry and the record an expiry marker (``leases``), so whatever
-nobody took is removed once ``ttl_s`` has passed, with no ``discard`` or
-``close`` call from anyone, also when the producer crashed: every
+Lifecycle. A record is taken once, under a lease (``Mailbox.claim``): the
+consumer confirms it once the bytes landed and then removes the payload (store
+payloads are written ``retained``, so a read alone removes nothing); a consumer
+that dies or stalls past ``lease_s`` before confirming leaves the record to the
+next ``receive``, which takes it over (exactly once to a live reader, at least
+once across a reader's death). A second ``send`` to a key whose record nobody
+took yet replaces it (the old payload is removed), as the built-in shared-memory
+connector overwrites a segment; of two sends at the same instant one stands and
+the other may raise ``DuplicatePublishError``, nothing of it left in the store
+(``Mailbox`` "Concurrent posts"). A payload
+larger than the store's whole pool fails at once (``StoreFullError``).
+With ``ttl_s`` set, the payload's store keys carry the expiry and the record an
+expiry marker (``leases``), so whatever nobody took is removed once ``ttl_s``
+has passed, with no ``discard`` or ``close`` call from anyone, also when the
+producer crashed: every
 ``KeyedHandoff`` runs a ``leases.Reaper`` sweep every ``sweep_s`` (one listing
 of the master's keys, at most ``SWEEP_BUDGET`` removals a pass), as does the
 store host of ``LocalCluster``; any one of them is enough. A consumer treats
@@ -73,6 +81,7 @@ import msgspec
 import numpy as np
 
 from mooncake_diffusion import carried
+from mooncake_diffusion._mooncake.master import pool_capacity
 from mooncake_diffusion._mooncake.store import StoreClient
 from mooncake_diffusion.connector import DiffusionConnector, TransferMode
 from mooncake_diffusion.errors import (
@@ -82,10 +91,16 @@ from mooncake_diffusion.errors import (
     StoreFullError,
 )
 from mooncake_diffusion.leases import Reaper
-from mooncake_diffusion.mailbox import Mailbox
+from mooncake_diffusion.mailbox import Claim, Mailbox
 from mooncake_diffusion.payload import StagePayload
 from mooncake_diffusion.recycle import RecycledBuffers
-from mooncake_diffusion.schema import MAX_TENSORS, Envelope, PayloadHandle, decode_handle
+from mooncake_diffusion.schema import (
+    DTYPE_SIZES,
+    MAX_TENSORS,
+    Envelope,
+    PayloadHandle,
+    decode_handle,
+)
 from mooncake_diffusion.settings import MooncakeSettings
 from mooncake_diffusion.tensors import _is_torch, view_of
 from mooncake_diffusion.transports.store import KEY_ROOT
@@ -93,8 +108,9 @@ from mooncake_diffusion.transports.store import KEY_ROOT
 __all__ = ["RECORD_MAGIC", "RECORD_VERSION", "KeyedHandoff", "KeyedRecord", "pack", "unpack"]
 
 RECORD_MAGIC = "mcd-keyed"
-#: Record format history: 1 first version; 2 registered classes as Ext type 2.
-RECORD_VERSION = 2
+#: Record format history: 1 first version; 2 registered classes as Ext type 2; 3 numpy
+#: dtypes by their full str ('<U5', '>f4'), arrays of other dtypes moved as raw bytes.
+RECORD_VERSION = 3
 EXT_TENSOR = 1
 EXT_OBJECT = 2
 _SKELETON = "skeleton"
@@ -102,6 +118,7 @@ _ALIGN = 64
 _LEDGER_MAX = 65536
 _RECYCLE_MIN = 1 << 20  # host receive buffers from here up come from RecycledBuffers
 _FULL_BACKOFF_S = (0.005, 0.5)  # first and longest wait between puts into a full pool
+_LEASE_MARGIN_S = 5.0  # a receive's lease: its transfer's timeout_s plus this
 _log = logging.getLogger("mooncake_diffusion.keyed")
 
 
@@ -234,8 +251,11 @@ class _Packer:
         if isinstance(o, np.ndarray):
             if o.dtype.kind in "OV":
                 raise TypeError(f"numpy arrays of dtype {o.dtype} cannot travel")
-            a = np.ascontiguousarray(o)
-            return self.place("numpy", a, a.dtype.name, tuple(a.shape), a.nbytes)
+            a = o if o.flags.c_contiguous else np.ascontiguousarray(o)  # ndim >= 1
+            if not (a.dtype.isnative and a.dtype.name in DTYPE_SIZES):
+                a = a.reshape(-1).view(np.uint8)  # strings, dates, other byte orders
+            # the dtype by its full str ('<U5', '>f4'), the shape the caller's (0-d too)
+            return self.place("numpy", a, o.dtype.str, tuple(o.shape), o.nbytes)
         if isinstance(o, np.generic):
             return o.item()
         entry, target = (o.entry, o.obj) if isinstance(o, _Tagged) else (None, o)
@@ -293,8 +313,22 @@ class _Unpacker:
             if where not in moved:
                 raise HandleError(f"keyed record names tensor {where}, which did not arrive")
             got = moved[where]
-            return bytes(got) if kind == "bytes" and not isinstance(got, bytes) else got
+            if kind == "bytes":
+                return got if isinstance(got, bytes) else bytes(got)
+            if kind == "numpy" and (got.dtype.str != dtype or got.shape != shape):
+                return _numpy_view(got, dtype, shape)  # moved as raw bytes, or 0-d
+            return got
         return _from_raw(kind, dtype, shape, where)
+
+
+def _numpy_view(got: Any, dtype: str, shape: tuple[int, ...]) -> Any:
+    """The moved array ``got`` (raw uint8 bytes, or a same-dtype array of another
+    shape) as ``dtype`` and ``shape``; ``HandleError`` when its bytes do not fit."""
+    try:
+        ndt = np.dtype(dtype)
+        return got.reshape(-1).view(np.uint8).view(ndt).reshape(shape)
+    except (TypeError, ValueError, SyntaxError) as e:
+        raise HandleError(f"keyed record: moved numpy array {dtype}{list(shape)}: {e}") from None
 
 
 def _from_raw(kind: str, dtype: str, shape: tuple[int, ...], raw: bytes) -> Any:
@@ -355,7 +389,9 @@ class KeyedHandoff:
     ``ttl_s / 4`` within 1..60 s when a TTL is set, else no sweeps; ``0``: none).
     ``keep_on_close`` (``None``: true except in p2p mode): whether ``close`` leaves
     untaken sends for their consumers. ``timeout_s`` bounds a send, including the
-    wait for room when the store pool is full.
+    wait for room when the store pool is full, and a receive's transfer.
+    ``lease_s`` (``None``: ``timeout_s`` + 5 s): how long a receive's claim on a
+    record lasts before another consumer may take the record over (see ``receive``).
     """
 
     def __init__(
@@ -373,6 +409,7 @@ class KeyedHandoff:
         to_host: bool = False,
         receive_cache_bytes: int = 512 << 20,
         sweep_s: float | None = None,
+        lease_s: float | None = None,
     ) -> None:
         if inline_bytes < 1:
             raise PayloadError(f"inline_bytes must be >= 1, got {inline_bytes}")
@@ -387,6 +424,8 @@ class KeyedHandoff:
         if sweep_s is None:
             sweep_s = min(max(ttl_s / 4, 1.0), 60.0) if ttl_s else 0.0
         self.sweep_s = sweep_s
+        #: how long a receive's claim holds before another consumer may take it over
+        self.lease_s = timeout_s + _LEASE_MARGIN_S if lease_s is None else lease_s
         #: records this side found expired (each a payload nobody took within ttl_s)
         self.expired = 0
         #: sends that found the store pool full and waited for room (once per retry)
@@ -425,8 +464,9 @@ class KeyedHandoff:
         take it. A record under ``key`` that nobody took yet is replaced (its payload
         removed). While the store pool is full, retries with backoff until
         ``timeout_s`` has passed, then raises ``StoreFullError``. Raises
-        ``PayloadError`` for objects that cannot travel and the connector's errors;
-        after an error nothing of ``obj`` is left in the store."""
+        ``PayloadError`` for objects that cannot travel, ``DuplicatePublishError`` when
+        another send of ``key`` landed at the same instant (that one stands), and the
+        connector's errors; after an error nothing of ``obj`` is left in the store."""
         box, conn = self._open()
         skeleton, moved = pack(obj, self.inline_bytes, to_host=self.to_host)
         tensors = {f"t{i}.{kind}": t for i, (kind, t) in enumerate(moved)}
@@ -436,11 +476,19 @@ class KeyedHandoff:
         nbytes = len(skeleton) + sum(_nbytes(t) for _, t in moved)
         deadline = time.monotonic() + self.timeout_s
         delay, longest = _FULL_BACKOFF_S
+        asked = False  # the pool's size is asked once, at the first full
         while True:
             try:
                 rid = self._send_once(box, conn, key, tensors, skeleton if inline else b"", nbytes)
                 break
             except StoreFullError as e:
+                capacity = None if asked else pool_capacity(self.settings)
+                asked = True
+                if capacity is not None and nbytes > capacity:
+                    raise StoreFullError(
+                        f"{key!r} is {nbytes} bytes, more than the store's whole pool "
+                        f"({capacity} bytes): it can never fit; not sent"
+                    ) from None
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise StoreFullError(
@@ -471,7 +519,15 @@ class KeyedHandoff:
         if tensors:
             rid = f"{_safe(key)}~{uuid.uuid4().hex[:8]}"
             pub = conn.publish(
-                StagePayload(request_id=rid, kind="feature", tensors=tensors, ttl_s=self.ttl_s)
+                StagePayload(
+                    request_id=rid,
+                    kind="feature",
+                    tensors=tensors,
+                    ttl_s=self.ttl_s,
+                    # store: a read leaves the bytes; the consumer removes them once its
+                    # claim is confirmed (a reader dying mid-read leaves them for a retry)
+                    lease="delete_on_consume" if self.transfer_mode == "p2p" else "retained",
+                )
             )
         try:
             if pub is not None:
@@ -500,42 +556,71 @@ class KeyedHandoff:
     # ------------------------------------------------------------ consumer
     def receive(self, key: str, *, deadline: float | None = None) -> tuple[Any, int] | None:
         """Take ``key``'s object: ``(obj, nbytes)``, or ``None`` at once when nothing is
-        posted under ``key`` (or what is there expired). Once taken, a key is gone for
-        every other consumer. Raises ``PayloadGoneError`` when the record was there but
-        its bytes were not (producer died in p2p, removed meanwhile), ``HandleError``
-        for a foreign or corrupt record, and the connector's transfer errors. After a
-        retryable error of a store payload (e.g. ``TransferError`` for a read lease that
-        expired under load) the record is posted back, so a later receive retries;
-        after any other error the payload is removed. ``deadline``: wait for the record
-        until then (``time.monotonic()``) instead of answering ``None`` at once."""
+        posted under ``key`` (or what is there expired). The record is claimed under a
+        lease of ``lease_s`` and confirmed once the bytes have landed: once taken, a key
+        is gone for every other live consumer; a consumer that dies (or stalls past the
+        lease) before its bytes landed leaves the key to the next ``receive`` after the
+        lease lapses (at-least-once across a reader's death). Raises
+        ``PayloadGoneError`` when the record was there but its bytes were not (producer
+        died in p2p, removed meanwhile), ``HandleError`` for a foreign or corrupt
+        record, and the connector's transfer errors. After a retryable error of a store
+        payload (e.g. ``TransferError`` for a read lease that expired under load) the
+        record is posted back, so a later receive retries; after any other error the
+        payload is removed. ``deadline``: wait for the record until then
+        (``time.monotonic()``) instead of answering ``None`` at once."""
         box, conn = self._open()
-        raw = box.take(key) if deadline is None else box.take_until(key, deadline)
-        if raw is None:
+        if deadline is None:
+            claim = box.claim(key, self.lease_s, lease_if=_has_handle)
+        else:
+            claim = box.claim_until(key, deadline, self.lease_s, lease_if=_has_handle)
+        if claim is None:
             return None
-        record = _decode_record(raw, key)
+        try:
+            record = _decode_record(claim.record, key)
+        except BaseException:
+            claim.confirm()
+            raise
         if record.expires_at is not None and time.time() >= record.expires_at:
-            if record.handle:
+            if claim.confirm() and record.handle:
                 conn.drop(decode_handle(record.handle))
             self.expired += 1
             _log.warning("%r expired before anyone took it: dropped", key)
             return None
         if not record.handle:
+            claim.confirm()
             return unpack(record.skeleton, {}), record.nbytes
-        handle = decode_handle(record.handle)
-        dst, finish = _destinations(handle, self.device, self._recycled)
         try:
+            handle = decode_handle(record.handle)
+        except BaseException:
+            claim.confirm()
+            raise
+        try:
+            dst, finish = _destinations(handle, self.device, self._recycled)
             with conn.consume(handle, dst=dst) as got:
                 got.wait()
         except MooncakeDiffusionError as e:
-            if e.retryable and handle.transport == "store" and _repost(box, key, raw, record):
+            if e.retryable and handle.transport == "store" and claim.give_back():
                 raise  # the record is back: a later receive tries again
-            conn.drop(handle)  # whatever of it is still in the store
+            self._settle(claim, handle, key)  # whatever of it is still in the store
             raise
         except BaseException:
-            conn.drop(handle)
+            self._settle(claim, handle, key)
             raise
+        self._settle(claim, handle, key)
         moved, skeleton = finish()
         return unpack(record.skeleton or skeleton, moved), record.nbytes
+
+    def _settle(self, claim: Claim, handle: PayloadHandle, key: str) -> None:
+        """Confirm ``claim`` and remove its payload; a claim whose lease lapsed meanwhile
+        (another consumer took it over) leaves the payload to that consumer."""
+        if claim.confirm():
+            self._open()[1].drop(handle)
+        else:
+            _log.warning(
+                "the lease on %r lapsed before its bytes landed here; another consumer "
+                "took it over (delivered more than once)",
+                key,
+            )
 
     def receive_until(self, key: str, deadline: float) -> tuple[Any, int] | None:
         """``receive`` polled with bounded backoff until ``deadline`` (``time.monotonic``);
@@ -553,11 +638,11 @@ class KeyedHandoff:
             rid = self._sent.pop(key, None)
         if rid:
             conn.cleanup(rid)
-        raw = box.take(key)
-        if raw is not None:
-            record = _decode_record(raw, key)
-            if record.handle:
-                conn.drop(decode_handle(record.handle))
+        for raw in (box.take(key), box.take_claimed(key)):  # a reader's lease too
+            if raw is not None:
+                record = _decode_record(raw, key)
+                if record.handle:
+                    conn.drop(decode_handle(record.handle))
 
     def discard_matching(self, pattern: str) -> int:
         """Remove every record whose key matches the regex ``pattern`` (anchored at the
@@ -647,12 +732,13 @@ class KeyedHandoff:
         return self._mailbox, self._conn
 
 
-def _repost(box: Mailbox, key: str, raw: bytes, record: KeyedRecord) -> bool:
+def _has_handle(raw: bytes) -> bool:
+    """Whether a record names bytes elsewhere (so its claim needs a lease); a record
+    that does not decode gets one too (the consumer reports it)."""
     try:
-        box.post(key, raw, expires_at=record.expires_at)
-    except MooncakeDiffusionError:
-        return False
-    return True
+        return bool(_decode_record(raw, "").handle)
+    except HandleError:
+        return True
 
 
 def _raw(record: KeyedRecord) -> msgspec.Raw:

@@ -63,6 +63,16 @@ def host_identity() -> str:
     return f"{boot}/{ns}"
 
 
+def process_stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (``SIGSTOP``, a debugger): alive, reading
+    nothing. A copy into its memory succeeds all the same."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(") ", 1)[1][:1] in ("T", "t")
+    except (FileNotFoundError, IndexError, PermissionError):
+        return False
+
+
 def process_gone(pid: int) -> bool:
     """Whether process ``pid`` has exited (a zombie counts as exited). A pool
     mapped from it stays writable after its death, so writers ask after copying."""

@@ -10,9 +10,13 @@ for a role's failure is an error result on the role's result socket,
 with ``_complete_with_error``, which fails the request at once with the reason.
 
 ``report_failed_push`` sends exactly that, from the thread that pushed, on a
-socket of its own connected to the role's result endpoint. The staged slot is
-left to sglang (it keeps it on failure): after a deadline the Transfer Engine
-may still read it.
+socket of its own connected to the role's result endpoint, marked
+``_mcd_failed_push`` (and ``_mcd_peer_gone`` when the receiver is gone) for the
+server-side hooks (``server.py``: the receive slot comes back, a dead receiver
+leaves rotation). The push hook frees the staging slot (sglang frees it only
+on success) when no byte can still be read out of it: the receiver was gone or
+refused the range, or the push was never attempted. After a deadline the
+Transfer Engine may still be reading it, so then it stays with sglang.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ def _socket(endpoint: str) -> Any:
     return sock
 
 
-def report_failed_push(request_id: str, reason: str) -> bool:
+def report_failed_push(request_id: str, reason: str, *, peer_gone: bool = False) -> bool:
     """Fail ``request_id`` at the DiffusionServer with ``reason``.
 
     Called in a role's scheduler process after a push failed. Returns False
@@ -56,6 +60,9 @@ def report_failed_push(request_id: str, reason: str) -> bool:
     if not endpoint:
         logger.error("push of %s failed (%s); no result endpoint to report it", request_id, reason)
         return False
-    send_tensors(_socket(endpoint), {}, {"request_id": request_id, "_disagg_error": reason})
+    fields = {"request_id": request_id, "_disagg_error": reason, "_mcd_failed_push": True}
+    if peer_gone:
+        fields["_mcd_peer_gone"] = True
+    send_tensors(_socket(endpoint), {}, fields)
     logger.error("push of %s failed, request failed at the server: %s", request_id, reason)
     return True

@@ -19,7 +19,12 @@ all on sglang 0.5.23 targets:
     AROUND DiffusionTransferManager.push_to_peer        scheduler push thread, per request
            with our backend, a failed push fails the request at the server at
            once (``failure.report_failed_push``) instead of after
-           ``--disagg-timeout``
+           ``--disagg-timeout``, and frees the staging slot where that is safe
+    AROUND DiffusionServer._handle_role_error           server (head) process
+           our failed push's receive slot back to the receiver; a receiver that
+           is gone marked dead (``server.py``)
+    AROUND DiffusionServer._transfer_dispatch_to_receiver  server process
+           routes around a dead receiver, or fails the push at its sender
 
 Unknown targets (another sglang version) are logged by sglang and left alone.
 """
@@ -42,12 +47,15 @@ logger = logging.getLogger(__name__)
 
 _SA = "sglang.multimodal_gen.runtime.server_args"
 _TRANSPORT = "sglang.multimodal_gen.runtime.disaggregation.transport"
+_DS = "sglang.multimodal_gen.runtime.disaggregation.orchestrator.DiffusionServer"
 TARGETS = {
     "cli": f"{_SA}.disagg.DisaggServerArgsMixin.add_disagg_cli_args",
     "parsed": f"{_SA}.server_args.ServerArgs.from_cli_args",
     "factory": f"{_TRANSPORT}.engine.create_transfer_engine",
     "buffer": f"{_TRANSPORT}.buffer.TransferTensorBuffer.__init__",
     "push": f"{_TRANSPORT}.manager.DiffusionTransferManager.push_to_peer",
+    "role_error": f"{_DS}._handle_role_error",
+    "dispatch": f"{_DS}._transfer_dispatch_to_receiver",
 }
 
 
@@ -160,20 +168,42 @@ def around_buffer_init(original: Callable[..., Any], self: Any, *args: Any, **kw
 
 def around_push_to_peer(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> bool:
     """sglang's push; with our backend, a failure is reported to the DiffusionServer
-    with the engine's reason (sglang itself only logs it)."""
-    ok = original(self, *args, **kwargs)
-    if ok or not selected():
-        return ok
+    with the engine's reason (sglang itself only logs it), and the staging slot is
+    freed where no byte can still be read out of it (``failure.py``). A push the
+    server addressed to a receiver it knows is gone (``server.DEAD_SESSION``) is not
+    attempted: it fails at once with the reason the server recorded."""
+    if not selected():
+        return original(self, *args, **kwargs)
+    from mooncake_diffusion.direct import UnregisteredDestinationError
+    from mooncake_diffusion.errors import PeerGoneError
+    from mooncake_diffusion_sglang.failure import report_failed_push
+    from mooncake_diffusion_sglang.server import dead_reason
+
     request_id = kwargs.get("request_id", args[0] if args else "")
     dest = kwargs.get("dest_session_id", args[1] if len(args) > 1 else "")
-    error = getattr(getattr(self, "_engine", None), "last_error", None)
-    from mooncake_diffusion_sglang.failure import report_failed_push
-
+    gone = dead_reason(dest)
+    if gone is not None:
+        report_failed_push(
+            request_id, f"{BACKEND} push of {request_id} not sent: its receiver is gone ({gone})"
+        )
+        self.free_staged(request_id)
+        return False
+    engine = getattr(self, "_engine", None)
+    if engine is not None:
+        engine.last_error = None
+    ok = original(self, *args, **kwargs)
+    if ok:
+        return ok
+    error = getattr(engine, "last_error", None)
+    peer_gone = isinstance(error, PeerGoneError)
     report_failed_push(
         request_id,
         f"{BACKEND} push of {request_id} to {dest.split('|', 1)[0]} failed: "
         f"{error or 'see the sender log'}",
+        peer_gone=peer_gone,
     )
+    if peer_gone or isinstance(error, UnregisteredDestinationError):
+        self.free_staged(request_id)
     return ok
 
 
@@ -202,3 +232,7 @@ def register() -> None:
     HookRegistry.register(TARGETS["factory"], around_create_transfer_engine, HookType.AROUND)
     HookRegistry.register(TARGETS["buffer"], around_buffer_init, HookType.AROUND)
     HookRegistry.register(TARGETS["push"], around_push_to_peer, HookType.AROUND)
+    from mooncake_diffusion_sglang.server import around_dispatch, around_role_error
+
+    HookRegistry.register(TARGETS["role_error"], around_role_error, HookType.AROUND)
+    HookRegistry.register(TARGETS["dispatch"], around_dispatch, HookType.AROUND)

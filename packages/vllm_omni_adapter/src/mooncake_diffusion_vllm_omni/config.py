@@ -12,7 +12,7 @@ then the environment variable, then the default:
     protocol / proto    MOONCAKE_PROTOCOL                 tcp
     device_name / rdma  MOONCAKE_DEVICE, RDMA_DEVICE_NAME ""
     transfer_mode       MOONCAKE_DIFFUSION_TRANSFER_MODE  store   (store | p2p | auto)
-    ttl_s               MOONCAKE_DIFFUSION_TTL_S          3600    (0: no TTL)
+    ttl_s               MOONCAKE_DIFFUSION_TTL_S          600     (0: no TTL)
     sweep_s                                               ttl_s/4 within 1..60 (0: none)
     timeout_s                                             30
     connect_timeout_s                                     5
@@ -31,12 +31,16 @@ buffer) are accepted and left alone. Any other key is accepted too, since the
 runtime may add more, and named once in a warning so a typo does not go
 unnoticed. A value of the wrong type raises ``ConfigError``.
 
-Why a TTL of an hour. Whatever nobody takes has to go without anyone calling
+Why a TTL of 600 s. Whatever nobody takes has to go without anyone calling
 ``cleanup`` (vLLM-Omni 0.30.0 never calls it on third-party connectors, Dynamo
-never does), so there is a default; it is far above anything a stage of vLLM-Omni
-waits for a payload (stage start-up 300 s, init 600 s, a diffusion output 600 s,
-its phase lock 900 s): a request whose payload sat longer than that has already
-failed upstream, so expiry never takes data a queue still needs, only leftovers.
+never does: a request Dynamo's router fails, e.g. while stage 1 is down, leaves
+stage 0's output behind), so there is a default, and it is the longest vLLM-Omni
+itself waits for a request's output (``_ASYNC_OUTPUT_TIMEOUT_DEFAULT``, 600 s, in
+``diffusion/diffusion_engine.py``): a payload that sat longer belongs to a request
+that has already failed, so expiry takes only leftovers. Its other long waits
+(stage start-up 300 s, init 600 s, the device phase lock 900 s) come before a
+stage serves requests, so no payload waits through them. Raise ``ttl_s`` with
+``VLLM_OMNI_ASYNC_OUTPUT_TIMEOUT``.
 An expiry is logged as a warning and counted (``health()["expired"]``). Set
 ``ttl_s: 0`` to keep payloads until taken or cleaned up.
 """
@@ -118,7 +122,7 @@ class ConnectorConfig:
 
     settings: MooncakeSettings
     transfer_mode: str = "store"
-    ttl_s: float | None = 3600.0
+    ttl_s: float | None = 600.0
     timeout_s: float = 30.0
     inline_bytes: int = 64 << 10
     max_record: int = 1 << 20
@@ -171,7 +175,7 @@ class ConnectorConfig:
                 ),
             )
             ttl_env = ("MOONCAKE_DIFFUSION_TTL_S",)
-            ttl = _number(pick("ttl_s", env=ttl_env, default=3600.0), "ttl_s")
+            ttl = _number(pick("ttl_s", env=ttl_env, default=600.0), "ttl_s")
             keep = pick("keep_on_close")
             sweep = pick("sweep_s")
             return cls(

@@ -112,6 +112,7 @@ class MooncakeDiffusionConnector(OmniConnectorBase):
             self._fail(f"put {key}", e)
             return False, 0, None
         self._count(puts=1, bytes_put=n)
+        self._last_error = ""  # health() reports the state now, not a past failure
         return True, n, {"key": key, "size": n}
 
     def get(
@@ -182,6 +183,8 @@ class MooncakeDiffusionConnector(OmniConnectorBase):
             self._fail(f"cleanup {request_id}", e)
 
     def health(self) -> dict[str, Any]:
+        """Counters, the store's address and ``last_error``: the latest failure, cleared
+        by the next put or get that succeeds."""
         if self._closed or self._handoff is None:
             return {"status": "closed"}
         with self._lock:
@@ -214,6 +217,7 @@ class MooncakeDiffusionConnector(OmniConnectorBase):
             self._count(misses=1)
             return None
         self._count(gets=1, bytes_got=got[1])
+        self._last_error = ""
         return got
 
     def _count(self, **delta: int) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -20,13 +21,24 @@ from mooncake_diffusion._mooncake import mooncake_dir
 from mooncake_diffusion.errors import ConfigError, MasterUnavailableError
 from mooncake_diffusion.settings import MooncakeSettings, split_address
 
-__all__ = ["MasterProcess", "admin_get", "free_port", "probe_master"]
+__all__ = ["MasterProcess", "admin_get", "free_port", "pool_capacity", "probe_master"]
 
 
 def admin_get(admin: str, path: str, timeout: float = 2.0) -> bytes:
     """GET ``http://{admin}{path}`` from the master's admin server."""
     with urllib.request.urlopen(f"http://{admin}{path}", timeout=timeout) as r:
         return r.read()
+
+
+def pool_capacity(settings: MooncakeSettings) -> int | None:
+    """The bytes of every store segment mounted at the master (its
+    ``master_total_capacity_bytes``), or ``None`` when its admin server does not say."""
+    try:
+        text = admin_get(settings.admin_address, "/metrics").decode(errors="replace")
+    except (OSError, ValueError):
+        return None
+    m = re.search(r"^master_total_capacity_bytes\s+([0-9.e+]+)\s*$", text, re.MULTILINE)
+    return int(float(m[1])) if m else None
 
 
 def probe_master(settings: MooncakeSettings, *, require_admin: bool = False) -> None:

@@ -523,19 +523,31 @@ class StoreClient:
         return True
 
     def read(
-        self, key: str, ptr: int, capacity: int, *, deadline: float | None = None
+        self,
+        key: str,
+        ptr: int,
+        capacity: int,
+        *,
+        deadline: float | None = None,
+        ready_by: float | None = None,
     ) -> int | None:
         """Read object ``key`` of unknown size into registered memory at ``ptr`` that
         holds ``capacity`` bytes; returns its size, or ``None`` when the key is absent
-        or still being put. An object larger than ``capacity`` raises ``MooncakeError``;
-        any other failure raises as in ``get_many``. One round trip, no size query
-        (more only when a transient fault is retried, until ``deadline``)."""
-        (code,) = self._retrying(
-            1, lambda _i: [self._call("get_into", key, ptr, capacity)], deadline
-        )
-        if code in (OBJECT_NOT_FOUND, REPLICA_NOT_READY):
-            return None
-        return check(code, f"store read of {key!r}")
+        or still being put (``ready_by``, a ``time.monotonic()``: a put still in flight
+        is waited for until then). An object larger than ``capacity`` raises
+        ``MooncakeError``; any other failure raises as in ``get_many``. One round trip,
+        no size query (more only when a transient fault is retried, until
+        ``deadline``, or a put in flight waited for)."""
+        while True:
+            (code,) = self._retrying(
+                1, lambda _i: [self._call("get_into", key, ptr, capacity)], deadline
+            )
+            if code == REPLICA_NOT_READY and ready_by is not None and time.monotonic() < ready_by:
+                time.sleep(0.001)
+                continue
+            if code in (OBJECT_NOT_FOUND, REPLICA_NOT_READY):
+                return None
+            return check(code, f"store read of {key!r}")
 
     def exists_many(self, keys: Sequence[str]) -> list[bool]:
         """Whether each key is in the store (one round trip, more only to retry transient
@@ -549,6 +561,15 @@ class StoreClient:
         for key, code in zip(keys, codes, strict=True):
             found.append(check(code, f"store existence check of {key!r}") == 1)
         return found
+
+    def sizes_of(self, keys: Sequence[str]) -> list[int | None]:
+        """Each key's size in bytes, ``None`` for one absent (or still being put); one
+        round trip per key (for inspection, not the data path)."""
+        out: list[int | None] = []
+        for key in keys:
+            n = self._call("get_size", key)
+            out.append(n if n >= 0 else None)
+        return out
 
     def remove_many(self, keys: Sequence[str]) -> None:
         """Remove keys with force (leases granted by reads do not block); absent keys
