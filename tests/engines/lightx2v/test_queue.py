@@ -238,7 +238,7 @@ def test_a_preempted_batch_job_yields_at_a_step_boundary_and_the_interactive_job
     events = batch_events.all()
     st_fast, st_batch = client.status("req-fast"), client.status("req-batch")
     kinds = [(e["kind"], e.get("stage")) for e in events]
-    assert st_fast["state"] == "completed" and st_batch["state"] == "completed", kinds
+    assert st_fast["state"] == "completed" and st_batch["state"] == "completed", str(kinds)
     kinds = [e["kind"] for e in events]
     assert kinds.count("preempted") == 1 and "yielded" in kinds, kinds
     assert kinds.index("yielded") > kinds.index("preempted")
