@@ -1,6 +1,6 @@
 """LightX2V adapter tests against the real LightX2V source (``./dev engines lightx2v``
-installs it editable from the archive named in
-``packages/lightx2v_adapter/engine/archive.txt``), and a factory for role processes.
+installs it editable at the commit named in
+``packages/lightx2v_adapter/engine/source.txt``), and a factory for role processes.
 
 Each role process runs LightX2V's own server worker with the real runners; only
 the model loaders are replaced (``fakes.py``), and ``cpu_platform/`` registers a

@@ -32,7 +32,8 @@ def run_all(jobs: dict) -> dict:
 
 
 def test_the_real_lightx2v_from_the_archive_runs_on_a_cpu_platform(spawn_role, mooncake_cluster):
-    archive = (REPO / "packages/lightx2v_adapter/engine/archive.txt").read_text().split()[0]
+    spec = (REPO / "packages/lightx2v_adapter/engine/source.txt").read_text().splitlines()
+    archive = next(line.split()[1] for line in spec if line.startswith("archive "))
     src = REPO / ".venvs/src" / archive.removesuffix(".tar.gz")
     role = spawn_role("encoder", role_config("encoder", mooncake_cluster))
     info = ok(role.request(op="info"))
