@@ -4,7 +4,8 @@
 run only for a runner whose config has ``disagg_config.transfer_backend ==
 "mooncake_diffusion"``. Per runner, in the order LightX2V calls them:
 
-    init_disagg(config)              WanRunner.init_modules(), once: connector + mailbox
+    init_disagg(config)              WanRunner.init_modules(), once: connector + mailbox,
+                                     and set_config wrapped (request_config.RoleConfig)
     send_encoder_outputs(inputs, latent_shape)   Encoder, per request
     receive_encoder_outputs() -> dict            Transformer, per request
     send_transformer_outputs(latents)            Transformer with a decoder, per request
