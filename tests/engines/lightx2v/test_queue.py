@@ -235,7 +235,7 @@ def test_a_preempted_batch_job_yields_at_a_step_boundary_and_the_interactive_job
     fast_events = Follow(client, fast_rid)
     batch_events.wait("preempted")
     gate.release("req-batch")
-    events = batch_events.all()
+    events, fast_evs = batch_events.all(), fast_events.all()  # both requests have ended
     st_fast, st_batch = client.status("req-fast"), client.status("req-batch")
     kinds = [(e["kind"], e.get("stage")) for e in events]
     assert st_fast["state"] == "completed" and st_batch["state"] == "completed", str(kinds)
@@ -248,7 +248,6 @@ def test_a_preempted_batch_job_yields_at_a_step_boundary_and_the_interactive_job
 
     first = next(e["attempt"] for e in events if e["kind"] == "progress")
     stopped = max(e["t"] for e in events if e["kind"] == "progress" and e["attempt"] == first)
-    fast_evs = fast_events.all()
     fast_started, fast_done = at(fast_evs, "dispatched")[0], at(fast_evs, "done")[0]
     resumed = at(events, "dispatched")[1]
     # the interactive denoise started once the batch job's last step had ended (the
