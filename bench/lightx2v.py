@@ -13,7 +13,7 @@ file with ``--peer``) that plays the sending role; this process plays the receiv
 Schemes, each timed from the sender starting its send call (the tensors exist) to the
 receiver holding LightX2V's dict / latent tensor, checked:
 
-    lightx2v           LightX2V's scheme as documented (../shared/engines/lightx2v.md, section 3),
+    lightx2v           LightX2V's scheme at f8aee98b (lightx2v/disagg/conn.py, mooncake.py),
                        reimplemented here: the receiver's registered buffers are sized for fp32;
                        the sender copies each tensor into its own fp32-sized registered buffer,
                        writes a 4 KiB JSON meta with SHA-256 per tensor (of an fp32 copy for

@@ -1,6 +1,6 @@
 """LightX2V adapter tests against the real LightX2V source (``./dev engines lightx2v``
-installs it editable from the archive named in
-``packages/lightx2v_adapter/engine/archive.txt``), and a factory for role processes.
+installs it editable at the commit named in
+``packages/lightx2v_adapter/engine/source.txt``), and a factory for role processes.
 
 Each role process runs LightX2V's own server worker with the real runners; only
 the model loaders are replaced (``fakes.py``), and ``cpu_platform/`` registers a
@@ -275,3 +275,33 @@ def ok(reply: dict) -> dict:
 def request(image: Path, seed: int, **extra) -> dict:
     """The body a client POSTs to LightX2V's server for one i2v request."""
     return {"prompt": f"a red kite, take {seed}", "image_path": str(image), "seed": seed} | extra
+
+
+class RoleGate:
+    """The test's side of ``fakes.hold``: ``ask(rid, step)`` is the request field
+    that holds ``rid`` at denoising ``step`` in whichever role gets there first;
+    ``wait_reached`` returns what that role wrote (its queue ``worker_id``, the
+    step, its pid); ``release`` lets it go on."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+
+    def ask(self, rid: str, step: int) -> dict:
+        return {"test_gate": {"dir": str(self.root), "rid": rid, "step": step}}
+
+    def wait_reached(self, rid: str, hang_guard: float = 600.0) -> dict:
+        path = self.root / f"{rid}.reached"
+        deadline = time.monotonic() + hang_guard
+        while time.monotonic() < deadline:
+            try:
+                text = path.read_text()
+            except FileNotFoundError:
+                text = ""
+            if text.endswith("}"):  # written whole: the holder is waiting
+                return json.loads(text)
+            time.sleep(0.01)
+        raise AssertionError(f"{rid} never reached its gate")
+
+    def release(self, rid: str) -> None:
+        (self.root / f"{rid}.released").touch()

@@ -81,8 +81,9 @@ class FakeVAE:
 
     dtype = torch.bfloat16
 
-    def __init__(self, stride: tuple[int, int, int]) -> None:
+    def __init__(self, stride: tuple[int, int, int], config: Any = None) -> None:
         self.stride = stride
+        self.config = config  # the runner's: it holds the request's ``seed``
 
     def encode(self, video: torch.Tensor, **_: Any) -> torch.Tensor:
         SEEN["vae_encode_input"] = digest(video)
@@ -97,6 +98,9 @@ class FakeVAE:
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         SEEN["vae_decode_input"] = digest(latents)
+        seed = self.config.get("seed") if self.config is not None else None
+        if seed is not None:  # a queue-mode decoder serves requests in any order
+            SEEN[f"vae_decode_input@{seed}"] = SEEN["vae_decode_input"]
         st, sh, sw = self.stride
         x = latents.float()[:3].unsqueeze(0).tanh()  # [1, 3, T', h, w]
         x = x.repeat_interleave(sh, dim=3).repeat_interleave(sw, dim=4)
@@ -146,9 +150,9 @@ def hold(config: Any, step: int) -> None:
     in the runner's config, which the scheduler shares). The first arrival of
     ``rid`` at ``step`` in any role writes ``<dir>/<rid>.reached`` (the role's
     queue ``worker_id``) and waits for ``<dir>/<rid>.released``; later arrivals
-    (the item re-run elsewhere after a fault, or a stale key left in the config
-    by an earlier request) pass straight through. ``tests/gated.py``'s ``Gate``
-    is the test's side."""
+    (the item re-run elsewhere after a fault, or resumed after a yield) pass
+    straight through. ``RoleGate`` in
+    ``conftest.py`` is the test's side."""
     gate = config.get("test_gate") if config is not None else None
     if not gate or int(gate["step"]) != step:
         return
@@ -211,7 +215,7 @@ def install(model_cls: str = "wan2.1") -> None:
     from lightx2v.models.runners.wan.wan_runner import WanRunner
 
     def vae(self: Any) -> FakeVAE:
-        return FakeVAE(tuple(self.config["vae_stride"]))
+        return FakeVAE(tuple(self.config["vae_stride"]), self.config)
 
     WanRunner.load_transformer = lambda self: FakeDiT()
     WanRunner.load_text_encoder = lambda self: [FakeT5(int(self.config["text_encoder_dim"]))]

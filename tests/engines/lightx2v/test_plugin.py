@@ -32,6 +32,9 @@ def test_verification_script_passes_on_the_real_checkout():
     assert "ok    lightx2v.utils.input_info.init_empty_input_info(" in out.stdout
     assert "ok    lightx2v.utils.input_info.update_input_info_from_dict(" in out.stdout
     assert "FAIL" not in out.stdout
+    line = next(x for x in out.stdout.splitlines() if "checkout commit:" in x)
+    # the source's own commit (a git checkout of it) or none (an unpacked archive)
+    assert line.endswith(("(the targeted commit)", "(the source is not a git checkout)")), line
 
 
 def test_a_role_selecting_the_adapter_fails_at_start_when_the_adapter_cannot_load(
@@ -94,3 +97,39 @@ def test_patch_refuses_an_unknown_runner_surface():
     with pytest.raises(AttributeError, match="send_encoder_outputs"):
         plugin.patch(Older)
     assert plugin.patched(Older) == []
+
+
+def test_the_check_reports_the_lightx2v_sources_own_commit_never_its_surroundings(tmp_path):
+    """The engine tier unpacks LightX2V inside this repository (``.venvs/src``): the
+    check said ``checkout commit: <this repository's> (differs from f8aee98b)``."""
+    from mooncake_diffusion_lightx2v.check import source_commit
+
+    def git(where, *args):
+        run = subprocess.run(["git", "-C", str(where), *args], capture_output=True, text=True)
+        assert run.returncode == 0, run.stderr
+        return run.stdout.strip()
+
+    outer = tmp_path / "project"
+    unpacked = outer / "src" / "lightx2v-f8aee98b" / "lightx2v"
+    unpacked.mkdir(parents=True)
+    (unpacked / "__init__.py").write_text("")
+    git(outer, "init", "-q")
+    git(
+        outer,
+        "-c",
+        "user.name=t",
+        "-c",
+        "user.email=t@t",
+        "commit",
+        "-q",
+        "--allow-empty",
+        "-m",
+        "x",
+    )
+    assert source_commit(unpacked) is None  # not the project's commit
+    checkout = unpacked.parent
+    git(checkout, "init", "-q")
+    git(checkout, "add", ".")
+    git(checkout, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "src")
+    assert source_commit(unpacked) == git(checkout, "rev-parse", "HEAD")
+    assert source_commit(unpacked) != git(outer, "rev-parse", "HEAD")

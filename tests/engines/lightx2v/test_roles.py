@@ -32,7 +32,8 @@ def run_all(jobs: dict) -> dict:
 
 
 def test_the_real_lightx2v_from_the_archive_runs_on_a_cpu_platform(spawn_role, mooncake_cluster):
-    archive = (REPO / "packages/lightx2v_adapter/engine/archive.txt").read_text().split()[0]
+    spec = (REPO / "packages/lightx2v_adapter/engine/source.txt").read_text().splitlines()
+    archive = next(line.split()[1] for line in spec if line.startswith("archive "))
     src = REPO / ".venvs/src" / archive.removesuffix(".tar.gz")
     role = spawn_role("encoder", role_config("encoder", mooncake_cluster))
     info = ok(role.request(op="info"))
@@ -137,3 +138,27 @@ def test_a_dead_master_in_the_json_fails_the_role_at_start(spawn_role, mooncake_
     role = spawn_role("encoder", config)
     with pytest.raises(Exception, match="exited with code 1"):
         role.request(op="info")
+
+
+def test_a_request_without_a_room_never_takes_the_previous_requests_room(
+    spawn_role, mooncake_cluster, image, tmp_path
+):
+    """Two rooms in flight with requests without a room between them; the
+    transformer is asked in another order than the encoder (clients POST to each
+    role on their own). A request's ``data_bootstrap_room`` is its own: before,
+    LightX2V's ``set_config`` kept it in the role's config, the next request
+    without a room inherited it, and seeds 2 and 4 got each other's embeddings."""
+    store = {"transfer_mode": "store"}  # sends return at once: all four are in flight
+    enc = spawn_role("encoder", role_config("encoder", mooncake_cluster, **store))
+    tra = spawn_role("transformer", role_config("transformer", mooncake_cluster, **store))
+    rooms = {1: 7, 2: None, 3: 8, 4: None}
+    bodies = {}
+    for seed, room in rooms.items():
+        body = request(image, seed, save_result_path=str(tmp_path / f"{seed}.mp4"))
+        bodies[seed] = body if room is None else {**body, "data_bootstrap_room": room}
+    sent = {seed: ok(enc.request(op="run", seed=seed, task=bodies[seed])) for seed in rooms}
+    for seed in (3, 2, 1, 4):
+        got = ok(tra.request(op="run", seed=seed, task=bodies[seed]))
+        assert got["status"] == "success", got
+        want = sent[seed]["inputs"]["text_encoder_output"]["context"]
+        assert got["seen"]["dit_inputs"]["context"] == want, seed

@@ -76,6 +76,19 @@ def test_events_and_actions_cross_a_wire_as_a_tagged_union():
         msgspec.msgpack.decode(msgspec.msgpack.encode({"type": "Heartbeat", "x": 1}), type=Event)
 
 
+def test_a_worker_progress_with_a_fractional_step_decodes_as_it_was_sent():
+    """LightX2V reports ``progress_callback(33.33.., 100)``: a float step was encoded
+    as such and refused on decode (``Expected int, got float - at $.step``)."""
+    from mooncake_diffusion.orchestrator.wire import ItemRef, Progress, decode_from_worker, encode
+
+    sent = Progress("den-0", ItemRef("r", "denoise", 1), 100 / 3, 100.0)
+    got = decode_from_worker(encode(sent))
+    assert got == sent and (got.step, got.total) == (33, 100)
+    assert type(got.step) is int and type(got.total) is int
+    with pytest.raises((TypeError, ValueError)):
+        Progress("den-0", ItemRef("r", "denoise", 1), "a third", 100)
+
+
 def test_clocks():
     assert isinstance(VirtualClock(), Clock) and isinstance(MonotonicClock(), Clock)
     c = VirtualClock(5.0)

@@ -10,6 +10,7 @@ Decoder) payloads through core's ``DiffusionConnector``; any other
     plugin.py    the entry point and the DisaggMixin routing
     runner.py    the six routed methods
     queue_mode.py  ``disagg_config.queue``: the role as an orchestrator StageWorker
+    request_config.py  a request's settings end with the request (``RoleConfig``)
     payloads.py  LightX2V's dicts <-> named tensors and meta
     config.py    disagg_config -> AdapterConfig
     check.py     ``python -m mooncake_diffusion_lightx2v.check``: verify a LightX2V checkout

@@ -9,8 +9,9 @@ the Wan and Qwen runners inherit them; for queue mode, that the runners have
 ``set_config`` and ``run_pipeline(input_info)`` and that
 ``lightx2v.utils.input_info`` has ``init_empty_input_info(task, ...)`` and
 ``update_input_info_from_dict(input_info, data)`` (how LightX2V's server builds
-a request's input info); which git commit the checkout is at
-(``f8aee98b`` is the one the adapter targets). Prints one line per check and
+a request's input info); LightX2V's version and source folder, and which git
+commit that source is at when it is a git checkout of its own (``f8aee98b`` is
+the one the adapter targets; an unpacked archive has none). Prints one line per check and
 exits 1 if any failed.
 """
 
@@ -27,7 +28,7 @@ from pathlib import Path
 from mooncake_diffusion_lightx2v import TARGET_COMMIT
 from mooncake_diffusion_lightx2v.plugin import MIXIN_MODULE, PATCHED, patched
 
-__all__ = ["EXPECTED_PARAMS", "main", "run_checks"]
+__all__ = ["EXPECTED_PARAMS", "main", "run_checks", "source_commit"]
 
 #: The parameters of each routed method at f8aee98b (``self`` first).
 EXPECTED_PARAMS = {
@@ -44,17 +45,34 @@ _RUNNERS = (
 )
 
 
-def _commit(package_dir: Path) -> str | None:
+def _git(where: Path, *args: str) -> str | None:
     try:
         out = subprocess.run(
-            ["git", "-C", str(package_dir), "rev-parse", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=10,
+            ["git", "-C", str(where), *args], capture_output=True, text=True, timeout=10
         )
     except (OSError, subprocess.TimeoutExpired):
         return None
     return out.stdout.strip() if out.returncode == 0 else None
+
+
+def source_commit(package_dir: Path) -> str | None:
+    """The git commit of the LightX2V source that holds ``package_dir`` (its
+    ``lightx2v`` package): only when the source's root, the folder above it, is
+    the top of a git checkout. An unpacked archive has none of its own, and the
+    repository around it (a project that unpacked it in an ignored folder) is not
+    LightX2V's: its commit is never reported as the source's."""
+    root = package_dir.resolve().parent
+    top = _git(root, "rev-parse", "--show-toplevel")
+    if top is None or Path(top).resolve() != root:
+        return None
+    return _git(root, "rev-parse", "HEAD")
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("lightx2v")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (no installed distribution)"
 
 
 #: What queue mode calls to build a request's input info (as LightX2V's server
@@ -133,9 +151,11 @@ def run_checks() -> list[tuple[bool, str]]:
             )
         )
     results.extend(_input_info_checks())
-    commit = _commit(Path(lightx2v.__file__).resolve().parent)
+    package_dir = Path(lightx2v.__file__).resolve().parent
+    results.append((True, f"lightx2v version {_version()}, source {package_dir.parent}"))
+    commit = source_commit(package_dir)
     if commit is None:
-        results.append((True, "checkout commit: unknown (not a git checkout)"))
+        results.append((True, "checkout commit: unknown (the source is not a git checkout)"))
     else:
         same = commit.startswith(TARGET_COMMIT[:8]) or TARGET_COMMIT.startswith(commit)
         note = "the targeted commit" if same else f"differs from {TARGET_COMMIT[:8]}"

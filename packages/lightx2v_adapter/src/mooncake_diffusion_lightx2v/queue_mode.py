@@ -13,12 +13,22 @@ module only runs the runner for an item:
       as LightX2V's server worker (server/services/inference/worker.py) does per request:
       task = params, "task" forced to the role's own, "negative_prompt" defaulted
       input_info = init_empty_input_info(task); update_input_info_from_dict(input_info, task)
-      runner.set_reuse(False); runner.set_config(task)
-      (afterwards the role's own values of the keys it overrode are set back)
+      runner.set_reuse(False); runner.set_config(task)    on the role's own config
       runner.run_pipeline(input_info)                     LightX2V's own role flow
-        receive_*_outputs()  -> consume item.input          (the upstream stage's output)
+        receive_*_outputs()  -> consume item.input          (the upstream stage's output,
+                                                             through ctx.connector)
         send_*_outputs(...)  -> the item's output payload   (lease "retained")
+      afterwards the role's own config is put back whole (``RoleConfig``)
     StageWorker publishes the output through core's connector, then acknowledges.
+
+Inputs are consumed through the item's ``ctx.connector``: an input whose
+producer or store host died is reported as lost, and the orchestrator re-runs
+the stage that produced it. Preemption: after each denoising step the progress
+callback checks ``ctx.should_yield`` (and ``ctx.cancelled``) and raises
+LightX2V's own ``stop_signal``; ``run_segment`` checks it before the next step
+and stops, and the item goes back to its queue (it restarts from step 0: a
+LightX2V runner keeps no step checkpoint). Runners that do not check
+``stop_signal`` (multi-segment ones) run the item to its end.
 
 The routed ``send_*`` / ``receive_*`` methods find the item they belong to
 through ``QueueRole.current()`` (a thread-local set around ``run_pipeline``).
@@ -30,9 +40,7 @@ and a description of what ``run_pipeline`` returned (dtype, shape, and with
 
 Obligations and limits: a LightX2V runner is not thread-safe, so items run one
 at a time; with ``credits`` > 1 the next items' inputs are received (copied to
-``AI_DEVICE``) while the runner is busy, so transfer overlaps compute; the runner cannot stop
-mid-item, so a cancel drops an item before it starts or its output after it ends,
-and preemption (``ctx.should_yield``) is not honoured; one process
+``AI_DEVICE``) while the runner is busy, so transfer overlaps compute; one process
 per role (``WORLD_SIZE`` > 1 is refused: every rank would pull its own items).
 """
 
@@ -128,12 +136,17 @@ def _input_info(task: TaskData) -> Any:
     return info
 
 
-def _progress(ctx: StageContext) -> Any:
-    """LightX2V's ``progress_callback(percent, 100)`` (``percent`` a float) as the
-    orchestrator's whole-number progress."""
+def _progress(ctx: StageContext, runner: Any) -> Any:
+    """LightX2V's ``progress_callback(percent, 100)`` (``percent`` a float, after each
+    denoising step) as the orchestrator's progress; when the orchestrator asked the
+    item to yield (preemption) or dropped it, raises LightX2V's own ``stop_signal``,
+    which ``run_segment`` checks before the next step (``check_stop``: it ends the
+    run and raises), so the item stops at that step boundary."""
 
     def report(step: float, total: float) -> None:
-        ctx.progress(int(step), int(total))
+        ctx.progress(step, total)
+        if ctx.should_yield or ctx.cancelled:
+            runner.stop_signal = True
 
     return report
 
@@ -204,6 +217,7 @@ class QueueRole:
             if self._closing.wait(0.05):
                 return
         self._loading = None  # do not keep init_modules' locals alive
+        self.state.role_config.remember()  # the role's own config, before any item
         try:
             self.worker.run(install_signal_handlers=False)
         except BaseException as e:  # a refused Hello, an orchestrator that never answered
@@ -236,35 +250,37 @@ class QueueRole:
         task["return_result_tensor"] = bool(task.get("return_result_tensor", False))
         return task
 
-    def serve(self, item: WorkItem, ctx: StageContext) -> StagePayload | bytes:
+    def serve(self, item: WorkItem, ctx: StageContext) -> StagePayload | bytes | None:
         """The stage function: run the runner's own pipeline for ``item``."""
         task = self.task_data(ctx.params)
         current = QueueItem(item, ctx)
-        # the input moves while the runner may still be busy with the previous item
+        # the input moves while the runner may still be busy with the previous item;
+        # through the item's watched connector: a lost input reruns its stage
         if self.stage == "denoise" and item.input:
-            current.prefetched = self.state.fetch_phase1(self.runner.config, item.input)
+            config = self.state.role_config.for_request(task)  # the runner may be busy
+            current.prefetched = self.state.fetch_phase1(config, item.input, ctx.connector)
         elif self.stage == "decode" and item.input:
-            current.prefetched = self.state.fetch_phase2(item.input)
+            current.prefetched = self.state.fetch_phase2(item.input, ctx.connector)
         with self._run_lock:
             if ctx.cancelled:
                 raise RuntimeError("cancelled before it ran")
+            if ctx.should_yield:
+                return None  # asked to yield before it started: back to its queue
             self._local.item = current
             runner = self.runner
-            config = runner.config
-            # the role's own values of what this request overrides, put back after it
-            before = {k: config[k] for k in task if k in config and config[k] != task[k]}
             try:
                 input_info = _input_info(task)
                 if callable(getattr(runner, "set_reuse", None)):
                     runner.set_reuse(False)
-                runner.set_config(task)
+                runner.set_config(task)  # on the role's own config (RoleConfig)
+                runner.stop_signal = False
                 if callable(getattr(runner, "set_progress_callback", None)):
-                    runner.set_progress_callback(_progress(ctx))
+                    runner.set_progress_callback(_progress(ctx, runner))
                 result = runner.run_pipeline(input_info)
             finally:
                 self._local.item = None
-                if before:
-                    runner.set_config(before)
+                runner.stop_signal = False
+                self.state.role_config.restore()  # nothing of the request outlives it
         if self.stage == "decode":
             out = {
                 "request_id": item.request_id,

@@ -4,7 +4,8 @@
 run only for a runner whose config has ``disagg_config.transfer_backend ==
 "mooncake_diffusion"``. Per runner, in the order LightX2V calls them:
 
-    init_disagg(config)              WanRunner.init_modules(), once: connector + mailbox
+    init_disagg(config)              WanRunner.init_modules(), once: connector + mailbox,
+                                     and set_config wrapped (request_config.RoleConfig)
     send_encoder_outputs(inputs, latent_shape)   Encoder, per request
     receive_encoder_outputs() -> dict            Transformer, per request
     send_transformer_outputs(latents)            Transformer with a decoder, per request
@@ -52,6 +53,7 @@ from mooncake_diffusion.errors import DeadlineExceededError
 from mooncake_diffusion.mailbox import Mailbox
 from mooncake_diffusion_lightx2v import payloads
 from mooncake_diffusion_lightx2v.config import AdapterConfig
+from mooncake_diffusion_lightx2v.request_config import RoleConfig
 
 __all__ = ["AdapterState", "lightx2v_device", "lightx2v_dtype"]
 
@@ -137,6 +139,8 @@ class AdapterState:
         self._closed = False
         #: queue mode: the role's StageWorker (``queue_mode.QueueRole``), else ``None``
         self.queue: Any = None
+        #: the runner's own config, put back around each request (set by ``init_disagg``)
+        self.role_config: RoleConfig | None = None
         # LightX2V (f8aee98b) never calls release_disagg: close at exit instead
         atexit.register(self.close)
 
@@ -203,20 +207,22 @@ class AdapterState:
             "nbytes": sum(t.nbytes for t in got.handle.tensors),
         }
 
-    def fetch_phase1(self, config: Any, handle: bytes) -> dict:
-        """Consume a Phase 1 payload into LightX2V's dict (tensors copied to ``AI_DEVICE``)."""
+    def fetch_phase1(self, config: Any, handle: bytes, connector: Any = None) -> dict:
+        """Consume a Phase 1 payload into LightX2V's dict (tensors copied to ``AI_DEVICE``),
+        through ``connector`` (default this role's; queue mode: the item's watched one,
+        so a lost input is reported as lost)."""
         dtype = lightx2v_dtype() or torch.bfloat16
-        with self.connector.consume(handle) as got:
+        with (connector or self.connector).consume(handle) as got:
             meta = got.meta
             if "crc32" in meta:
                 payloads.verify(got.tensors, meta["crc32"])
             self.received(got)
             return payloads.unpack_phase1(config, got.tensors, meta, dtype, lightx2v_device())
 
-    def fetch_phase2(self, handle: bytes) -> tuple[torch.Tensor, dict]:
+    def fetch_phase2(self, handle: bytes, connector: Any = None) -> tuple[torch.Tensor, dict]:
         """Consume a Phase 2 payload: the latents on ``AI_DEVICE`` (each temporal chunk
-        copied there as it lands) and their meta."""
-        with self.connector.consume(handle) as got:
+        copied there as it lands) and their meta; ``connector`` as in ``fetch_phase1``."""
+        with (connector or self.connector).consume(handle) as got:
             spec = got.handle.tensors[0]
             out = torch.empty(
                 spec.shape, dtype=getattr(torch, spec.dtype), device=lightx2v_device()
@@ -266,6 +272,7 @@ def init_disagg(self: Any, config: Any) -> None:
     ``MasterUnavailableError`` when it is not there) and set LightX2V's attributes."""
     cfg = AdapterConfig.from_runner_config(config)
     state = AdapterState(cfg)
+    state.role_config = RoleConfig(self)
     if cfg.queue is not None:
         from mooncake_diffusion_lightx2v.queue_mode import QueueRole
 
@@ -275,6 +282,8 @@ def init_disagg(self: Any, config: Any) -> None:
             state.close()
             raise
     self._mcd = state
+    # a request's settings (and rooms) end with the request: RoleConfig's docstring
+    state.role_config.install()
     self._disagg_mode = cfg.disagg_mode
     self._disagg_cfg = config.get("disagg_config", {})
     self._disagg_decentralized = False
@@ -346,7 +355,9 @@ def receive_encoder_outputs(self: Any) -> dict:
     if state.queue is not None:
         current = state.queue.current("receive_encoder_outputs")
         if current.prefetched is None:
-            current.prefetched = state.fetch_phase1(self.config, _item_input(current))
+            current.prefetched = state.fetch_phase1(
+                self.config, _item_input(current), current.ctx.connector
+            )
         got, current.prefetched = current.prefetched, None
         return got
     return state.fetch_phase1(self.config, state.take(1, state.cfg.room(self.config, 1)))
@@ -400,7 +411,7 @@ def receive_transformer_outputs(self: Any) -> torch.Tensor:
     if state.queue is not None:
         current = state.queue.current("receive_transformer_outputs")
         if current.prefetched is None:
-            current.prefetched = state.fetch_phase2(_item_input(current))
+            current.prefetched = state.fetch_phase2(_item_input(current), current.ctx.connector)
         (out, meta), current.prefetched = current.prefetched, None
     else:
         out, meta = state.fetch_phase2(state.take(2, state.cfg.room(self.config, 2)))

@@ -96,10 +96,20 @@ class Beat(msgspec.Struct, frozen=True, tag=True):
 
 
 class Progress(msgspec.Struct, frozen=True, tag=True):
+    """``step`` of ``total``, whole numbers on the wire: a fractional step (an engine
+    that reports a percentage, as LightX2V's ``progress_callback(33.3, 100)`` does) is
+    rounded down when made, so what is encoded always decodes."""
+
     worker_id: str
     item: ItemRef
     step: int
     total: int
+
+    def __post_init__(self) -> None:
+        for name in ("step", "total"):
+            value = getattr(self, name)
+            if type(value) is not int:
+                msgspec.structs.force_setattr(self, name, int(value))
 
 
 class Done(msgspec.Struct, frozen=True, tag=True):

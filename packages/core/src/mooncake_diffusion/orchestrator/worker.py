@@ -132,9 +132,10 @@ class StageContext:
         ``None``: the item goes back to its queue (not a failure) and resumes later."""
         return self._yield.is_set()
 
-    def progress(self, step: int, total: int) -> None:
-        """Report progress (thread-safe, cheap; sent on the worker's next loop turn)."""
-        self._worker._post(("progress", _ref(self.item), step, total))
+    def progress(self, step: float, total: float) -> None:
+        """Report progress (thread-safe, cheap; sent on the worker's next loop turn).
+        Whole steps on the wire: a fraction is rounded down; a non-number raises here."""
+        self._worker._post(("progress", _ref(self.item), int(step), int(total)))
 
 
 StageFn = Callable[[WorkItem, StageContext], StagePayload | bytes | None]
