@@ -362,7 +362,7 @@ def build_app(
     )
     async def cancel(request_id: str, request: Request) -> Response:
         body = parse(CancelRequest, await read_json(request, required=False) or {})
-        return _json(await run_in_threadpool(service.cancel, request_id, body.reason))
+        return _json(await service.cancel_async(request_id, body.reason))
 
     @app.get(
         "/v1/requests/{request_id}/events",

@@ -373,14 +373,18 @@ class OrchestratorService:
     def cancel(self, request_id: str, reason: str = "cancelled by client") -> RequestStatus:
         """Cancel a queued or running request. Raises ``RequestRejected``
         (``unknown_request``, ``already_finished``)."""
+        return self._call(lambda: self._cancelled(request_id, reason))
 
-        def run() -> RequestStatus:
-            self._feed(Cancel(request_id, reason), None)
-            st = self.table.status(request_id)
-            assert st is not None
-            return msgspec.structs.replace(st, events=list(st.events))
+    async def cancel_async(
+        self, request_id: str, reason: str = "cancelled by client"
+    ) -> RequestStatus:
+        """``cancel`` for a caller on an asyncio loop (no thread held while waiting)."""
+        return await self._call_async(lambda: self._cancelled(request_id, reason))
 
-        return self._call(run)
+    def _cancelled(self, request_id: str, reason: str) -> RequestStatus:
+        """On the driver: cancel, then a copy of the request's status."""
+        self._feed(Cancel(request_id, reason), None)
+        return self._status_copy(request_id)
 
     def status(self, request_id: str) -> RequestStatus:
         """A copy of the request's status. Raises ``RequestRejected("unknown_request")``."""
