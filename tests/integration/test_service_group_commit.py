@@ -5,6 +5,9 @@ the wire protocol on a real DEALER socket, and the journal's commits logged."""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+import threading
 import time
 
 import pytest
@@ -13,6 +16,7 @@ import zmq
 from mooncake_diffusion.orchestrator import JournalError, OrchestratorConfig
 from mooncake_diffusion.orchestrator.service import (
     OrchestratorService,
+    RequestRejected,
     ServiceConfig,
     ServiceUnavailable,
 )
@@ -121,3 +125,56 @@ def test_a_failed_commit_sends_nothing_of_its_turn_and_stops_the_driver(service)
         svc.submit({"prompt": "a fox"})
     assert svc.stopped.wait(10) and isinstance(svc.failure, JournalError)
     assert not sock.poll(300), "a frame of the failed turn reached the worker"
+
+
+def test_an_awaited_submit_is_one_driver_call_answered_with_its_status(service):
+    """The HTTP route's submit: one call to the driver (not a submit, then a status),
+    answered with the accepted request's status once the turn has committed."""
+    svc, sock = service
+    sock.send(encode(Hello("enc", "encode", credits=2)))
+    _next(sock, Welcome)
+    posted, post = [], svc._post
+    log: list[str] = []
+    journal = svc._core.journal  # type: ignore[union-attr]
+    commit = journal.commit
+
+    def counted_post(fn):  # type: ignore[no-untyped-def]
+        posted.append(fn)
+        return post(fn)
+
+    def logged_commit():  # type: ignore[no-untyped-def]
+        log.append("commit")
+        commit()
+
+    svc._post, journal.commit = counted_post, logged_commit  # type: ignore[method-assign]
+    st = asyncio.run(svc.submit_async({"prompt": "a fox"}, request_id="fox-1"))
+    assert len(posted) == 1 and "commit" in log
+    assert st.request_id == "fox-1" and "submitted" in [e.kind for e in st.events]
+    assert _next(sock, Work).item.request_id == "fox-1"  # type: ignore[attr-defined]
+    with pytest.raises(RequestRejected):
+        asyncio.run(svc.status_async("no-such-request"))
+
+
+def test_an_awaited_call_past_its_timeout_is_unavailable_and_never_runs(service):
+    """A submit the driver did not start within ``call_timeout_s`` is withdrawn: the
+    caller gets ``ServiceUnavailable`` and the request is never accepted. The driver
+    is held on a gate, so the timeout cannot race it."""
+    svc, _ = service
+    gate, held = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        held.set()
+        gate.wait(30)
+
+    svc._post(hold)
+    assert held.wait(10)
+    patient = svc.config
+    svc.config = dataclasses.replace(patient, call_timeout_s=0.2)  # type: ignore[misc]
+    try:
+        with pytest.raises(ServiceUnavailable, match="did not answer"):
+            asyncio.run(svc.submit_async({"prompt": "late"}, request_id="late-1"))
+    finally:
+        gate.set()
+        svc.config = patient  # type: ignore[misc]
+    with pytest.raises(RequestRejected, match="no request"):
+        svc.status("late-1")

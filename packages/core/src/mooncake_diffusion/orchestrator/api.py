@@ -53,7 +53,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from mooncake_diffusion.orchestrator import openai_api
 from mooncake_diffusion.orchestrator.bodies import (
@@ -204,6 +206,41 @@ def _error_handlers(app: FastAPI) -> None:
         return error_response(e.status_code, code, str(e.detail))
 
 
+class _Guard:
+    """The front door's checks before any route, as plain ASGI (Starlette's
+    ``BaseHTTPMiddleware`` costs a task and two streams per request): the Host and
+    Origin names (421 / 403), a declared body over ``MAX_BODY`` (413), then the bearer
+    token on every path but the public ones (401). Other scopes pass untouched."""
+
+    def __init__(
+        self, app: ASGIApp, *, front: FrontConfig, allowed: frozenset[str] | None, token: str | None
+    ) -> None:
+        self.app, self.front, self.allowed, self.token = app, front, allowed, token
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            refused = self._refusal(Headers(scope=scope), scope["path"])
+            if refused is not None:
+                await refused(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def _refusal(self, headers: Headers, path: str) -> Response | None:
+        try:
+            self.front.check_origin(headers, self.allowed)
+        except ApiError as e:
+            return error_response(e.status, e.code, e.message, close=True)
+        n = headers.get("content-length")
+        if n is not None and n.isdigit() and int(n) > MAX_BODY:
+            msg = f"body of {n} bytes; the limit is {MAX_BODY}"
+            return error_response(413, "too_large", msg, close=True)
+        if self.token and path not in _PUBLIC and not path.startswith("/docs/assets/"):
+            got = headers.get("authorization", "")
+            if not hmac.compare_digest(got.encode(), f"Bearer {self.token}".encode()):
+                return error_response(401, "unauthorized", "missing or wrong token")
+        return None
+
+
 # --------------------------------------------------------------------------- app
 def build_app(
     service: OrchestratorService,
@@ -241,22 +278,7 @@ def build_app(
     status_doc = {**errors, "200": {"description": "the request", **content(shapes["status"])}}
     _error_handlers(app)
 
-    @app.middleware("http")
-    async def _guard(request: Request, call_next: Any) -> Response:
-        try:
-            front.check_origin(request.headers, allowed)
-        except ApiError as e:
-            return error_response(e.status, e.code, e.message, close=True)
-        n = request.headers.get("content-length")
-        if n is not None and n.isdigit() and int(n) > MAX_BODY:
-            msg = f"body of {n} bytes; the limit is {MAX_BODY}"
-            return error_response(413, "too_large", msg, close=True)
-        path = request.url.path
-        if token and path not in _PUBLIC and not path.startswith("/docs/assets/"):
-            got = request.headers.get("authorization", "")
-            if not hmac.compare_digest(got.encode(), f"Bearer {token}".encode()):
-                return error_response(401, "unauthorized", "missing or wrong token")
-        return await call_next(request)
+    app.add_middleware(_Guard, front=front, allowed=allowed, token=token)
 
     @app.get("/docs", include_in_schema=False)
     async def docs() -> Response:
@@ -318,21 +340,19 @@ def build_app(
                 msg = "cached_embeddings must be base64"
                 raise ApiError(400, "bad_value", msg, "cached_embeddings") from None
 
-        def run() -> RequestStatus:
-            rid = service.submit(
-                body.params,
-                request_id=body.request_id,
-                slo_class=body.slo_class,
-                cached_embeddings=emb,
-                deadline_s=body.deadline_s,
-            )
-            return service.status(rid)
-
-        return _json(await run_in_threadpool(run), 201)
+        # one driver call, awaited on this loop: the submit answers its own status
+        st = await service.submit_async(
+            body.params,
+            request_id=body.request_id,
+            slo_class=body.slo_class,
+            cached_embeddings=emb,
+            deadline_s=body.deadline_s,
+        )
+        return _json(st, 201)
 
     @app.get("/v1/requests/{request_id}", tags=["requests"], responses=status_doc)
     async def status(request_id: str) -> Response:
-        return _json(await run_in_threadpool(service.status, request_id))
+        return _json(await service.status_async(request_id))
 
     @app.post(
         "/v1/requests/{request_id}/cancel",
@@ -342,7 +362,7 @@ def build_app(
     )
     async def cancel(request_id: str, request: Request) -> Response:
         body = parse(CancelRequest, await read_json(request, required=False) or {})
-        return _json(await run_in_threadpool(service.cancel, request_id, body.reason))
+        return _json(await service.cancel_async(request_id, body.reason))
 
     @app.get(
         "/v1/requests/{request_id}/events",

@@ -50,6 +50,7 @@ not answering). Bad worker frames are logged and answered with ``Refused``.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import logging
@@ -323,6 +324,35 @@ class OrchestratorService:
         JSON-able dict (encoded as JSON) or bytes, at most ``MAX_PARAMS_BYTES``;
         every stage's worker receives it. ``deadline_s``: seconds from now (default:
         the class deadline). Raises ``RequestRejected``."""
+        accept = self._accepting(params, request_id, slo_class, cached_embeddings, deadline_s)
+        return self._call(accept)
+
+    async def submit_async(
+        self,
+        params: dict[str, Any] | bytes = b"",
+        *,
+        request_id: str | None = None,
+        slo_class: str | None = None,
+        cached_embeddings: bytes | None = None,
+        deadline_s: float | None = None,
+    ) -> RequestStatus:
+        """``submit`` for a caller on an asyncio loop (the HTTP API): awaits the driver
+        without holding a thread, and answers with the accepted request's status from
+        the same driver call (no second call for it). Raises ``RequestRejected``,
+        ``ServiceUnavailable``."""
+        accept = self._accepting(params, request_id, slo_class, cached_embeddings, deadline_s)
+        return await self._call_async(lambda: self._status_copy(accept()))
+
+    def _accepting(
+        self,
+        params: dict[str, Any] | bytes,
+        request_id: str | None,
+        slo_class: str | None,
+        cached_embeddings: bytes | None,
+        deadline_s: float | None,
+    ) -> Callable[[], str]:
+        """Check a submission on the caller's thread; returns the function the driver
+        runs to accept it (it answers the request's id)."""
         blob = params if isinstance(params, bytes) else msgspec.json.encode(params)
         if len(blob) > MAX_PARAMS_BYTES:
             raise RequestRejected(
@@ -338,30 +368,40 @@ class OrchestratorService:
             self._feed(ev, None)
             return rid
 
-        return self._call(run)
+        return run
 
     def cancel(self, request_id: str, reason: str = "cancelled by client") -> RequestStatus:
         """Cancel a queued or running request. Raises ``RequestRejected``
         (``unknown_request``, ``already_finished``)."""
+        return self._call(lambda: self._cancelled(request_id, reason))
 
-        def run() -> RequestStatus:
-            self._feed(Cancel(request_id, reason), None)
-            st = self.table.status(request_id)
-            assert st is not None
-            return msgspec.structs.replace(st, events=list(st.events))
+    async def cancel_async(
+        self, request_id: str, reason: str = "cancelled by client"
+    ) -> RequestStatus:
+        """``cancel`` for a caller on an asyncio loop (no thread held while waiting)."""
+        return await self._call_async(lambda: self._cancelled(request_id, reason))
 
-        return self._call(run)
+    def _cancelled(self, request_id: str, reason: str) -> RequestStatus:
+        """On the driver: cancel, then a copy of the request's status."""
+        self._feed(Cancel(request_id, reason), None)
+        return self._status_copy(request_id)
 
     def status(self, request_id: str) -> RequestStatus:
         """A copy of the request's status. Raises ``RequestRejected("unknown_request")``."""
 
-        def run() -> RequestStatus:
-            st = self.table.status(request_id)
-            if st is None:
-                raise RequestRejected("unknown_request", f"no request {request_id!r}")
-            return msgspec.structs.replace(st, events=list(st.events), reasons=list(st.reasons))
+        return self._call(lambda: self._status_copy(request_id))
 
-        return self._call(run)
+    async def status_async(self, request_id: str) -> RequestStatus:
+        """``status`` for a caller on an asyncio loop (no thread held while waiting)."""
+        return await self._call_async(lambda: self._status_copy(request_id))
+
+    def _status_copy(self, request_id: str) -> RequestStatus:
+        """On the driver: a copy of the request's status (its lists copied, so the
+        caller's thread never reads what the driver goes on changing)."""
+        st = self.table.status(request_id)
+        if st is None:
+            raise RequestRejected("unknown_request", f"no request {request_id!r}")
+        return msgspec.structs.replace(st, events=list(st.events), reasons=list(st.reasons))
 
     def events(self, request_id: str, timeout: float | None = None) -> Iterator[RequestEvent]:
         """The request's events so far, then each new one until it finishes (or the
@@ -395,17 +435,36 @@ class OrchestratorService:
         return self._call(self._metrics)
 
     # ------------------------------------------------------------------ driver plumbing
-    def _call(self, fn: Callable[[], Any]) -> Any:
+    def _post(self, fn: Callable[[], Any]) -> Future:
+        """Hand ``fn`` to the driver (its mailbox wakes the loop at once); the future
+        is answered after the turn's journal commit."""
         if self._closed or self._thread is None or self.stopped.is_set():
             raise ServiceUnavailable(f"the orchestrator service is not running ({self.failure})")
         fut: Future = Future()
         self._mail.put((fn, fut))
+        return fut
+
+    def _late(self) -> ServiceUnavailable:
+        return ServiceUnavailable(
+            f"the orchestrator did not answer within {self.config.call_timeout_s} s"
+        )
+
+    def _call(self, fn: Callable[[], Any]) -> Any:
+        fut = self._post(fn)
         try:
             return fut.result(timeout=self.config.call_timeout_s)
         except FutureTimeout:
-            raise ServiceUnavailable(
-                f"the orchestrator did not answer within {self.config.call_timeout_s} s"
-            ) from None
+            raise self._late() from None
+
+    async def _call_async(self, fn: Callable[[], Any]) -> Any:
+        """``_call`` awaited on the running asyncio loop: the driver's answer comes back
+        through the loop (``asyncio.wrap_future``), no thread pool in between. On the
+        timeout the call is cancelled if the driver has not started it."""
+        fut = asyncio.wrap_future(self._post(fn))
+        try:
+            return await asyncio.wait_for(fut, self.config.call_timeout_s)
+        except TimeoutError:
+            raise self._late() from None
 
     def _now(self) -> float:
         assert self._core is not None
