@@ -78,7 +78,7 @@ from mooncake_diffusion._mooncake.master import probe_master
 from mooncake_diffusion.errors import MasterUnavailableError
 from mooncake_diffusion.registration import Registrations
 from mooncake_diffusion.samehost import listener_pid, vm_read
-from mooncake_diffusion.settings import MooncakeSettings
+from mooncake_diffusion.settings import MooncakeSettings, is_etcd_master
 
 __all__ = ["StoreClient"]
 
@@ -331,12 +331,15 @@ class StoreClient:
 
     def _probe_master(self, code: int) -> None:
         """After a failed master RPC (``code``): return if the master answers, else
-        raise ``MasterUnavailableError`` saying so."""
+        raise ``MasterUnavailableError`` saying so. Under master HA (``etcd://``) it
+        returns either way: a standby takes over, so the call is retried."""
         self.master_probes += 1
         try:
             probe_master(self._probe_settings)
         except MasterUnavailableError as e:
             self.master_down += 1
+            if is_etcd_master(self._settings.master):
+                return  # HA: a standby takes over (lease + warm-up); retried to the deadline
             raise MasterUnavailableError(
                 f"{error_for(code, 'a store call')}; the master does not answer, so it is "
                 f"not retried: {e}"
