@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from mooncake_diffusion._mooncake.cluster import LocalCluster
-from mooncake_diffusion._mooncake.ha import leader_rpc_address, master_view_key
+from mooncake_diffusion._mooncake.master_view import leader_rpc_address, master_view_key
 from mooncake_diffusion._mooncake.store import StoreClient
 from mooncake_diffusion.errors import StoreFullError
 from mooncake_diffusion.etcd import EtcdCluster

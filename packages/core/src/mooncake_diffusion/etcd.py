@@ -29,7 +29,7 @@ import weakref
 from dataclasses import dataclass
 from typing import ClassVar
 
-from mooncake_diffusion._mooncake.master import free_port, terminate
+from mooncake_diffusion.childproc import free_port, terminate
 from mooncake_diffusion.errors import ConfigError
 
 __all__ = ["EtcdClient", "EtcdCluster", "EtcdUnavailableError", "etcd_binary", "prefix_end"]

@@ -6,7 +6,7 @@ Each master runs with ``-enable_ha -ha_backend_type=etcd -etcd_endpoints=...``
 5 s lease, warms up 5 s, then opens its RPC port; the others stand by. Clients
 (our ``StoreClient``, the store host) are given ``etcd://h1:p1;h2:p2`` as their
 master and Mooncake's client follows the leader itself (it re-mounts its
-segments on the new one). ``leader_rpc_address`` reads the key for our probe.
+segments on the new one). ``master_view.leader_rpc_address`` reads the key for our probe.
 
 One etcd per process: Mooncake's client library keeps one process-wide etcd
 connection, so a second ``setup()`` naming another etcd fails (-1, "Etcd client
@@ -33,35 +33,11 @@ import subprocess
 import time
 
 from mooncake_diffusion._mooncake.master import MasterProcess, admin_get
+from mooncake_diffusion._mooncake.master_view import DEFAULT_CLUSTER_ID
 from mooncake_diffusion.errors import MasterUnavailableError
-from mooncake_diffusion.etcd import EtcdClient
-from mooncake_diffusion.settings import MooncakeSettings, is_etcd_master
+from mooncake_diffusion.settings import MooncakeSettings
 
-__all__ = ["DEFAULT_CLUSTER_ID", "HaMasters", "leader_rpc_address", "master_view_key"]
-
-#: Mooncake's default ``-cluster_id`` (clients: ``MC_STORE_CLUSTER_ID``)
-DEFAULT_CLUSTER_ID = "mooncake_cluster"
-
-
-def master_view_key(cluster_id: str = DEFAULT_CLUSTER_ID) -> str:
-    """The etcd key the leading master holds (Mooncake 0.3.13)."""
-    return f"mooncake-store/{cluster_id}/master_view"
-
-
-def etcd_endpoints(master: str) -> list[str]:
-    """The ``host:port`` endpoints of an ``etcd://a;b`` master address."""
-    if not is_etcd_master(master):
-        raise ValueError(f"not an etcd:// master address: {master!r}")
-    return master.removeprefix("etcd://").split(";")
-
-
-def leader_rpc_address(master: str, cluster_id: str | None = None) -> str | None:
-    """The RPC address of the master that leads now, or ``None`` while none does.
-    ``cluster_id`` defaults to ``MC_STORE_CLUSTER_ID``, else Mooncake's default.
-    Raises ``EtcdUnavailableError`` (an ``OSError``) when no etcd member answers."""
-    cid = cluster_id or os.environ.get("MC_STORE_CLUSTER_ID") or DEFAULT_CLUSTER_ID
-    value = EtcdClient(etcd_endpoints(master)).get(master_view_key(cid), timeout=1.0)
-    return value.decode() if value else None
+__all__ = ["HaMasters"]
 
 
 class HaMasters:

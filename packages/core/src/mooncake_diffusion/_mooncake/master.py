@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import time
@@ -17,10 +16,14 @@ import urllib.error
 import urllib.request
 
 from mooncake_diffusion._mooncake import mooncake_dir
+from mooncake_diffusion._mooncake.master_view import leader_rpc_address
+from mooncake_diffusion.childproc import free_port, terminate
 from mooncake_diffusion.errors import ConfigError, MasterUnavailableError
 from mooncake_diffusion.settings import MooncakeSettings, is_etcd_master, split_address
 
 __all__ = ["MasterProcess", "admin_get", "free_port", "probe_master", "terminate"]
+
+# free_port and terminate live in childproc (etcd.py uses them too); re-exported here
 
 
 def admin_get(admin: str, path: str, timeout: float = 2.0) -> bytes:
@@ -74,31 +77,10 @@ def _rpc_address(master: str) -> str:
     (``OSError`` while there is none)."""
     if not is_etcd_master(master):
         return master
-    from mooncake_diffusion._mooncake.ha import leader_rpc_address  # etcd only when HA
-
     leader = leader_rpc_address(master)
     if leader is None:
         raise OSError("no Mooncake master holds the leader key in etcd yet")
     return leader
-
-
-def terminate(proc: subprocess.Popen[bytes] | None, grace_s: float) -> None:
-    """SIGTERM ``proc`` and wait, SIGKILL after ``grace_s``; nothing if it is gone."""
-    if proc is None or proc.poll() is not None:
-        return
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(grace_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """An ephemeral TCP port that is free right now (outside Mooncake's own ranges)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 class MasterProcess:
