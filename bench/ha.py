@@ -10,10 +10,15 @@ master is SIGKILLed, and the bench measures ``leader_s`` (kill to a standby
 serving as leader), ``failover_s`` (kill to the same client's first successful
 put: what a caller waits) and how many of the objects the new leader still
 serves (``kept``). Then ``etcd_write_s``: a three-member etcd whose Raft leader
-is SIGKILLed, kill to the next accepted write. ``--quick`` runs the same rows,
-once each instead of three times.
+is SIGKILLed, kill to the next accepted write. And the orchestrator election
+(``orchestrator/leader.py``, lease ``ORCH_TTL_S``): the leader stops renewing,
+``orchestrator_failover_s`` is its last renewal to the standby leading, and
+``fenced_actions`` counts the deposed leader's journal appends that went through
+afterwards (3 tried). ``--quick`` runs the same rows, once each instead of three
+times.
 Summary: master_failover_s (median, OpLog on), master_failover_s_no_oplog,
 objects_kept_oplog / objects_kept_no_oplog (of ``--objects``), etcd_write_s,
+orchestrator_failover_s (median) against orchestrator_lease_s, fenced_actions,
 leaked_keys (store keys left after each row's clean-up), mooncake_lease_s (the
 master's etcd lease, Mooncake's constant) and mooncake_warmup_s (measured here:
 start to serving of a lone HA master).
@@ -36,11 +41,14 @@ from mooncake_diffusion._mooncake.cluster import LocalCluster
 from mooncake_diffusion._mooncake.store import StoreClient
 from mooncake_diffusion.errors import StoreFullError
 from mooncake_diffusion.etcd import EtcdCluster
+from mooncake_diffusion.orchestrator.leader import Candidate
 from mooncake_diffusion.tensors import describe
 
 MIB = 1 << 20
 #: Mooncake 0.3.13's master-view lease in etcd (its source and HA docs; not a flag)
 MOONCAKE_LEASE_S = 5.0
+#: the orchestrator election's lease (etcd 3.4 rounds shorter ones up to 2 s)
+ORCH_TTL_S = 2
 
 
 def _until(ok: Any, limit_s: float) -> float:
@@ -111,6 +119,29 @@ def etcd_row() -> dict[str, Any]:
         return {"part": "etcd leader kill", "etcd_write_s": round(time.monotonic() - start, 3)}
 
 
+def orchestrator_row(etcd: EtcdCluster, run: int) -> dict[str, Any]:
+    """The orchestrator election: the leader stops renewing at t0 (its host cut off),
+    the standby campaigns (polling every 50 ms); then the old leader tries to append."""
+    prefix = f"/bench/orch/{run}/{time.monotonic_ns()}"
+    client = etcd.client()
+    with (
+        Candidate(client, prefix, "old", ttl_s=ORCH_TTL_S) as old,
+        Candidate(client, prefix, "new", ttl_s=ORCH_TTL_S) as new,
+    ):
+        old.campaign(timeout=30)
+        old.renew()
+        cut = time.monotonic()  # old's last renewal: from here it is cut off
+        new.campaign(timeout=120, poll_s=0.05)
+        took = time.monotonic() - cut
+        fenced = sum(old.append([f"late-{i}".encode()]) for i in range(3))
+    return {
+        "part": "orchestrator election",
+        "lease_s": ORCH_TTL_S,
+        "orchestrator_failover_s": round(took, 3),
+        "fenced_actions": fenced,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="each row once (else 3 times)")
@@ -125,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
             for oplog in (True, False):
                 rows.append(failover_row(etcd, oplog, a.objects, run))
                 print(json.dumps(rows[-1]), flush=True)
+            rows.append(orchestrator_row(etcd, run))
+            print(json.dumps(rows[-1]), flush=True)
     for _ in range(repeats):
         rows.append(etcd_row())
         print(json.dumps(rows[-1]), flush=True)
@@ -140,6 +173,9 @@ def main(argv: list[str] | None = None) -> int:
         "objects_kept_no_oplog": max(r["kept"] for r in rows if r.get("oplog") is False),
         "objects": a.objects,
         "etcd_write_s": med("etcd_write_s"),
+        "orchestrator_failover_s": med("orchestrator_failover_s"),
+        "orchestrator_lease_s": ORCH_TTL_S,
+        "fenced_actions": sum(r.get("fenced_actions", 0) for r in rows),
         "leaked_keys": sum(r.get("leaked_keys", 0) for r in rows),
         "leaked_etcd_members": len(EtcdCluster.live()),
         "mooncake_lease_s": MOONCAKE_LEASE_S,
