@@ -29,6 +29,7 @@ import urllib.request
 
 from mooncake_diffusion._mooncake.ha import HaMasters
 from mooncake_diffusion._mooncake.master import MasterProcess, admin_get
+from mooncake_diffusion._mooncake.spill import SPILL_MASTER_FLAGS
 from mooncake_diffusion.errors import MasterUnavailableError
 from mooncake_diffusion.settings import MooncakeSettings
 
@@ -51,6 +52,7 @@ class LocalCluster:
         masters: int = 1,
         etcd_endpoints: list[str] | None = None,
         oplog: bool = True,
+        spill_dir: str | None = None,
     ) -> None:
         self.pool_bytes = pool_bytes
         #: fault the store host's pool in before it says ready (``store_host --prefault``)
@@ -65,6 +67,8 @@ class LocalCluster:
         self.log_dir = log_dir
         self._master: MasterProcess | HaMasters
         if etcd_endpoints:  # Mooncake master HA: `masters` masters, one leads
+            if spill_dir:
+                raise ValueError("spill with HA masters is not wired yet")
             self._master = HaMasters(
                 etcd_endpoints, masters, host=host, lease_ttl_ms=lease_ttl_ms, oplog=oplog,
                 log_dir=log_dir,
@@ -77,7 +81,10 @@ class LocalCluster:
                 host,
                 lease_ttl_ms=lease_ttl_ms,
                 log_path=os.path.join(log_dir, "master.log") if log_dir else None,
+                extra_args=SPILL_MASTER_FLAGS if spill_dir else (),
             )
+        #: the store host spills a full pool to files here (``_mooncake/spill.py``)
+        self.spill_dir = spill_dir
         self._store_host: subprocess.Popen[bytes] | None = None
         self.settings: MooncakeSettings | None = None
 
@@ -110,6 +117,7 @@ class LocalCluster:
                 f"--reap-interval={self.reap_interval_s}",
                 "--exit-on-stdin-eof",
                 *(["--prefault"] if self.prefault else []),
+                *([f"--spill-dir={self.spill_dir}"] if self.spill_dir else []),
             ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,

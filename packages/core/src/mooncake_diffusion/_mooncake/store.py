@@ -75,6 +75,7 @@ from mooncake_diffusion._mooncake.codes import (
 )
 from mooncake_diffusion._mooncake.engine import Engine, Read
 from mooncake_diffusion._mooncake.master import probe_master
+from mooncake_diffusion._mooncake.spill import spill_store_kwargs
 from mooncake_diffusion.errors import MasterUnavailableError
 from mooncake_diffusion.registration import Registrations
 from mooncake_diffusion.samehost import listener_pid, vm_read
@@ -127,8 +128,11 @@ class StoreClient:
         *,
         segment_bytes: int = 0,
         clock: Callable[[], float] = time.monotonic,
+        spill_dir: str | None = None,
     ) -> None:
         self._mod = import_mooncake("store")
+        #: a segment owner's disk tier (``_mooncake/spill.py``); ``None``: DRAM only
+        self._spill = spill_store_kwargs(spill_dir) if spill_dir else {}
         self._settings = settings
         self._segment_bytes = segment_bytes
         probe_master(settings)
@@ -181,6 +185,7 @@ class StoreClient:
             s.protocol,
             s.device,
             s.master,
+            **self._spill,
         )
         if rc != 0:
             raise MasterUnavailableError(
@@ -459,9 +464,12 @@ class StoreClient:
         reads: list[Read] = []
         read_idx: list[int] = []
         for i, key in enumerate(keys):
-            desc = _memory_replica(where.get(key, ()))
+            replicas = where.get(key, ())
+            desc = _memory_replica(replicas)
             if desc is None:
-                continue  # absent or not complete: OBJECT_NOT_FOUND, as set above
+                if replicas:  # only on disk (spilled), or not complete: Mooncake's get says
+                    fallback.append(i)
+                continue  # absent: OBJECT_NOT_FOUND, as set above
             if desc.size != sum(sizes[i]):
                 fallback.append(i)  # Mooncake's get says what is wrong
                 continue
