@@ -14,11 +14,15 @@ is SIGKILLed, kill to the next accepted write. And the orchestrator election
 (``orchestrator/leader.py``, lease ``ORCH_TTL_S``): the leader stops renewing,
 ``orchestrator_failover_s`` is its last renewal to the standby leading, and
 ``fenced_actions`` counts the deposed leader's journal appends that went through
-afterwards (3 tried). ``--quick`` runs the same rows, once each instead of three
-times.
+afterwards (3 tried). And spill: bursts of soft-pinned 8 MiB objects 2x, 4x and 8x a
+64 MiB pool, the store host spilling to disk (``_mooncake/spill.py``) or not;
+``intact`` counts objects read back whole. ``--quick`` runs the same rows, the
+failover and election ones once each instead of three times.
 Summary: master_failover_s (median, OpLog on), master_failover_s_no_oplog,
 objects_kept_oplog / objects_kept_no_oplog (of ``--objects``), etcd_write_s,
 orchestrator_failover_s (median) against orchestrator_lease_s, fenced_actions,
+spill_burst_completed (objects of the largest burst that read back whole with
+spill; spill_burst_completed_without_spill the same without),
 leaked_keys (store keys left after each row's clean-up), mooncake_lease_s (the
 master's etcd lease, Mooncake's constant) and mooncake_warmup_s (measured here:
 start to serving of a lone HA master).
@@ -27,12 +31,15 @@ start to serving of a lone HA master).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -42,11 +49,14 @@ from mooncake_diffusion._mooncake.store import StoreClient
 from mooncake_diffusion.errors import StoreFullError
 from mooncake_diffusion.etcd import EtcdCluster
 from mooncake_diffusion.orchestrator.leader import Candidate
+from mooncake_diffusion.settings import MooncakeSettings
 from mooncake_diffusion.tensors import describe
 
 MIB = 1 << 20
 #: Mooncake 0.3.13's master-view lease in etcd (its source and HA docs; not a flag)
 MOONCAKE_LEASE_S = 5.0
+#: spill bursts, in multiples of the 64 MiB pool (the same in --quick)
+SPILL_MULTIPLES = (2, 4, 8)
 #: the orchestrator election's lease (etcd 3.4 rounds shorter ones up to 2 s)
 ORCH_TTL_S = 2
 
@@ -61,6 +71,19 @@ def _until(ok: Any, limit_s: float) -> float:
     return time.monotonic() - start
 
 
+@contextlib.contextmanager
+def _client(settings: MooncakeSettings, nbytes: int) -> Iterator[tuple[StoreClient, torch.Tensor]]:
+    """A pure store client with a registered zeroed buffer of ``nbytes``; closed after."""
+    client = StoreClient(settings)
+    buf = torch.zeros(nbytes, dtype=torch.uint8)
+    client.regs.pin(describe("b", buf)[1])
+    try:
+        yield client, buf
+    finally:
+        client.regs.unpin(describe("b", buf)[1])
+        client.close()
+
+
 def failover_row(etcd: EtcdCluster, oplog: bool, objects: int, run: int) -> dict[str, Any]:
     """One master failover with ``objects`` stored (see the module docstring)."""
     os.environ["MC_STORE_CLUSTER_ID"] = f"mcd_bench_{int(oplog)}_{run}_{time.monotonic_ns()}"
@@ -68,13 +91,11 @@ def failover_row(etcd: EtcdCluster, oplog: bool, objects: int, run: int) -> dict
     with LocalCluster(64 * MIB, masters=2, etcd_endpoints=etcd.endpoints, oplog=oplog) as c:
         warmup_s = time.monotonic() - started
         assert c.masters is not None and c.settings is not None
-        client = StoreClient(c.settings)
-        buf = torch.arange(objects * MIB, dtype=torch.int64).to(torch.uint8)
-        client.regs.pin(describe("b", buf)[1])
-        keys = [f"bench-{i}" for i in range(objects)]
-        ptrs = [[buf.data_ptr() + i * MIB] for i in range(objects)]
-        sizes = [[MIB]] * objects
-        try:
+        with _client(c.settings, objects * MIB) as (client, buf):
+            buf.copy_(torch.arange(objects * MIB, dtype=torch.int64).to(torch.uint8))
+            keys = [f"bench-{i}" for i in range(objects)]
+            ptrs = [[buf.data_ptr() + i * MIB] for i in range(objects)]
+            sizes = [[MIB]] * objects
             client.put_many(keys, ptrs, sizes, pin="hard")
             c.masters.kill_leader()
             killed = time.monotonic()
@@ -95,9 +116,6 @@ def failover_row(etcd: EtcdCluster, oplog: bool, objects: int, run: int) -> dict
                 kept = sum(client.get_many(keys, ptrs, sizes))
             client.remove_many(["bench-after", *keys])
             leaked = len(c.keys())
-        finally:
-            client.regs.unpin(describe("b", buf)[1])
-            client.close()
     return {
         "part": "master failover",
         "oplog": oplog,
@@ -142,6 +160,55 @@ def orchestrator_row(etcd: EtcdCluster, run: int) -> dict[str, Any]:
     }
 
 
+def spill_row(spill: bool, multiple: int) -> dict[str, Any]:
+    """A burst of soft-pinned 8 MiB objects ``multiple`` times a 64 MiB pool, with the
+    store host spilling to disk or not: how many were put, and read back intact."""
+    pool, obj = 64 * MIB, 8 * MIB
+    count = multiple * pool // obj
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        LocalCluster(pool, spill_dir=os.path.join(tmp, "spill") if spill else None) as c,
+    ):
+        assert c.settings is not None
+        with _client(c.settings, obj) as (client, buf):
+            start = time.monotonic()
+            stored = []
+            for i in range(count):
+                buf.fill_(i % 251)
+                key = f"spill-{i}"
+
+                def put(key: str = key) -> bool:
+                    try:
+                        client.put_many([key], [[buf.data_ptr()]], [[obj]], pin="soft")
+                        return True
+                    except StoreFullError:
+                        return False
+
+                try:
+                    _until(put, 60.0)
+                except TimeoutError:
+                    break
+                stored.append(key)
+            put_s = time.monotonic() - start
+            intact = 0
+            for i, key in enumerate(stored):
+                buf.zero_()
+                ok = client.get_many([key], [[buf.data_ptr()]], [[obj]]) == [True]
+                intact += ok and bool((buf == i % 251).all())
+            client.remove_many(stored)
+            leaked = len(c.keys())
+    return {
+        "part": "spill burst",
+        "spill": spill,
+        "burst_x_pool": multiple,
+        "objects": count,
+        "put": len(stored),
+        "intact": intact,
+        "put_s": round(put_s, 3),
+        "leaked_keys": leaked,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="each row once (else 3 times)")
@@ -161,6 +228,17 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(repeats):
         rows.append(etcd_row())
         print(json.dumps(rows[-1]), flush=True)
+    for multiple in SPILL_MULTIPLES:
+        for spill in (True, False):
+            rows.append(spill_row(spill, multiple))
+            print(json.dumps(rows[-1]), flush=True)
+
+    def largest(spill: bool) -> int:
+        """Objects of the largest burst that read back whole (0: none did)."""
+        done = [
+            r["objects"] for r in rows if r.get("spill") is spill and r["intact"] == r["objects"]
+        ]
+        return max(done, default=0)
 
     def med(key: str, oplog: bool | None = None) -> float:
         vals = [r[key] for r in rows if key in r and (oplog is None or r["oplog"] is oplog)]
@@ -176,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
         "orchestrator_failover_s": med("orchestrator_failover_s"),
         "orchestrator_lease_s": ORCH_TTL_S,
         "fenced_actions": sum(r.get("fenced_actions", 0) for r in rows),
+        "spill_burst_completed": largest(True),
+        "spill_burst_completed_without_spill": largest(False),
         "leaked_keys": sum(r.get("leaked_keys", 0) for r in rows),
         "leaked_etcd_members": len(EtcdCluster.live()),
         "mooncake_lease_s": MOONCAKE_LEASE_S,
