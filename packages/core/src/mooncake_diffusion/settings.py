@@ -175,13 +175,14 @@ class MooncakeSettings:
         default)."""
         env = {
             "MOONCAKE_MASTER": self.master,
-            "MOONCAKE_ADMIN": self.admin_address,
             "MOONCAKE_LOCAL_HOSTNAME": self.local_hostname,
             "MOONCAKE_PROTOCOL": self.protocol,
             "MOONCAKE_DIFFUSION_STORE_PART_BYTES": str(self.store_part_bytes),
             "MOONCAKE_DIFFUSION_STORE_RETRY_S": str(self.store_retry_s),
             "MOONCAKE_DIFFUSION_STORE_LEASE_S": str(self.store_lease_s),
         }
+        if self.admin is not None or not is_etcd_master(self.master):
+            env["MOONCAKE_ADMIN"] = self.admin_address  # an HA master has no default one
         if self.store_watch_s:
             env["MOONCAKE_DIFFUSION_STORE_WATCH_S"] = str(self.store_watch_s)
         if not self.store_direct_reads:
