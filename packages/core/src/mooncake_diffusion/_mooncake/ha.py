@@ -8,6 +8,8 @@ Each master runs with ``-enable_ha -ha_backend_type=etcd -etcd_endpoints=...``
 master and Mooncake's client follows the leader itself (it re-mounts its
 segments on the new one). ``master_view.leader_rpc_address`` reads the key for our probe.
 
+Closing a native client of an HA master takes about 30 s (measured, 0.3.13.post1).
+
 One etcd per process: Mooncake's client library keeps one process-wide etcd
 connection, so a second ``setup()`` naming another etcd fails (-1, "Etcd client
 already connected"). Clusters that share a process share an etcd and tell
