@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import socket
 import subprocess
 from collections.abc import Callable, Mapping
 from typing import Any, TextIO
@@ -25,7 +27,7 @@ from mooncake_diffusion._mooncake import bindshim
 from mooncake_diffusion.errors import MooncakeDiffusionError
 from mooncake_diffusion.settings import MooncakeSettings
 
-__all__ = ["JsonLinesChild", "serve_json_lines"]
+__all__ = ["JsonLinesChild", "free_port", "serve_json_lines", "terminate"]
 
 
 class JsonLinesChild:
@@ -103,3 +105,22 @@ def serve_json_lines(
             reply = {"ok": False, "error": type(e).__name__, "message": str(e)}
         stdout.write(json.dumps(reply) + "\n")
         stdout.flush()
+
+
+def terminate(proc: subprocess.Popen[bytes] | None, grace_s: float) -> None:
+    """SIGTERM ``proc`` and wait, SIGKILL after ``grace_s``; nothing if it is gone."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """An ephemeral TCP port that is free right now (outside Mooncake's own ranges)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])

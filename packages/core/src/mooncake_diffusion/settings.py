@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 
 from mooncake_diffusion.errors import ConfigError
 
-__all__ = ["MooncakeSettings", "expand_env", "split_address"]
+__all__ = ["MooncakeSettings", "expand_env", "is_etcd_master", "split_address"]
 
 _VAR = re.compile(r"\$(?:\{([^}]*)\}|([A-Za-z_][A-Za-z0-9_]*))")
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -40,6 +40,12 @@ def split_address(addr: str, what: str = "address") -> tuple[str, int]:
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ConfigError(f"{what} must be 'host:port', got {addr!r}")
     return host, int(port)
+
+
+def is_etcd_master(master: str) -> bool:
+    """Whether ``master`` is Mooncake's HA form ``etcd://h1:p1;h2:p2``: clients find
+    the leading master through etcd (``_mooncake/ha.py``)."""
+    return master.startswith("etcd://")
 
 
 @dataclass(frozen=True)
@@ -92,7 +98,11 @@ class MooncakeSettings:
     gpu_path: str = "auto"
 
     def __post_init__(self) -> None:
-        split_address(self.master, "master")
+        if is_etcd_master(self.master):
+            for ep in self.master.removeprefix("etcd://").split(";"):
+                split_address(ep, "etcd endpoint of master")
+        else:
+            split_address(self.master, "master")
         if self.admin is not None:
             split_address(self.admin, "admin")
         if self.connect_timeout_s <= 0:
@@ -114,6 +124,8 @@ class MooncakeSettings:
     def admin_address(self) -> str:
         if self.admin is not None:
             return self.admin
+        if is_etcd_master(self.master):
+            raise ConfigError("an etcd:// master has no default admin address: set admin")
         return f"{split_address(self.master)[0]}:9003"
 
     @classmethod
@@ -163,13 +175,14 @@ class MooncakeSettings:
         default)."""
         env = {
             "MOONCAKE_MASTER": self.master,
-            "MOONCAKE_ADMIN": self.admin_address,
             "MOONCAKE_LOCAL_HOSTNAME": self.local_hostname,
             "MOONCAKE_PROTOCOL": self.protocol,
             "MOONCAKE_DIFFUSION_STORE_PART_BYTES": str(self.store_part_bytes),
             "MOONCAKE_DIFFUSION_STORE_RETRY_S": str(self.store_retry_s),
             "MOONCAKE_DIFFUSION_STORE_LEASE_S": str(self.store_lease_s),
         }
+        if self.admin is not None or not is_etcd_master(self.master):
+            env["MOONCAKE_ADMIN"] = self.admin_address  # an HA master has no default one
         if self.store_watch_s:
             env["MOONCAKE_DIFFUSION_STORE_WATCH_S"] = str(self.store_watch_s)
         if not self.store_direct_reads:

@@ -7,6 +7,10 @@
         cluster.clear()       # remove every key (a test's leftovers, after reporting them)
         cluster.healthy()     # both processes up and the master ready; else restart()
 
+``LocalCluster(masters=2, etcd_endpoints=etcd.endpoints)`` runs Mooncake master
+HA instead of one master (``_mooncake/ha.py``): clients get ``etcd://...`` as
+their master and ``cluster.masters.kill_leader()`` is the fault.
+
 Start-up takes about 1.5 s; ``close()`` stops the store host, then the master.
 Children run in their own sessions and the store host exits when this process
 dies (its stdin closes), so nothing outlives a crashed parent for long.
@@ -24,7 +28,9 @@ import time
 import urllib.request
 
 from mooncake_diffusion._mooncake import bindshim
+from mooncake_diffusion._mooncake.ha import HaMasters
 from mooncake_diffusion._mooncake.master import MasterProcess, admin_get
+from mooncake_diffusion._mooncake.spill import SPILL_MASTER_FLAGS
 from mooncake_diffusion.errors import MasterUnavailableError
 from mooncake_diffusion.settings import MooncakeSettings
 
@@ -44,6 +50,10 @@ class LocalCluster:
         reap_interval_s: float = 1.0,
         store_port: int | None = None,
         prefault: bool = False,
+        masters: int = 1,
+        etcd_endpoints: list[str] | None = None,
+        oplog: bool = True,
+        spill_dir: str | None = None,
     ) -> None:
         self.pool_bytes = pool_bytes
         #: fault the store host's pool in before it says ready (``store_host --prefault``)
@@ -56,11 +66,26 @@ class LocalCluster:
         self.reap_interval_s = reap_interval_s
         self.host = host
         self.log_dir = log_dir
-        self._master = MasterProcess(
-            host,
-            lease_ttl_ms=lease_ttl_ms,
-            log_path=os.path.join(log_dir, "master.log") if log_dir else None,
-        )
+        self._master: MasterProcess | HaMasters
+        if etcd_endpoints:  # Mooncake master HA: `masters` masters, one leads
+            if spill_dir:
+                raise ValueError("spill with HA masters is not wired yet")
+            self._master = HaMasters(
+                etcd_endpoints, masters, host=host, lease_ttl_ms=lease_ttl_ms, oplog=oplog,
+                log_dir=log_dir,
+            )  # fmt: skip
+            self.reap_interval_s = 0.0  # the reaper lists keys on one admin address
+        else:
+            if masters != 1:
+                raise ValueError("more than one master needs etcd_endpoints (HA)")
+            self._master = MasterProcess(
+                host,
+                lease_ttl_ms=lease_ttl_ms,
+                log_path=os.path.join(log_dir, "master.log") if log_dir else None,
+                extra_args=SPILL_MASTER_FLAGS if spill_dir else (),
+            )
+        #: the store host spills a full pool to files here (``_mooncake/spill.py``)
+        self.spill_dir = spill_dir
         self._store_host: subprocess.Popen[bytes] | None = None
         self.settings: MooncakeSettings | None = None
 
@@ -87,12 +112,13 @@ class LocalCluster:
                 "-m",
                 "mooncake_diffusion._mooncake.store_host",
                 f"--master={settings.master}",
-                f"--admin={settings.admin_address}",
+                *([f"--admin={settings.admin}"] if settings.admin else []),
                 f"--host={self.host}",
                 f"--pool-bytes={self.pool_bytes}",
                 f"--reap-interval={self.reap_interval_s}",
                 "--exit-on-stdin-eof",
                 *(["--prefault"] if self.prefault else []),
+                *([f"--spill-dir={self.spill_dir}"] if self.spill_dir else []),
             ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -125,18 +151,28 @@ class LocalCluster:
     def keys(self) -> list[str]:
         """Every key the store holds now, from the master's admin API."""
         assert self.settings is not None, "cluster not started"
-        text = admin_get(self.settings.admin_address, "/get_all_keys").decode()
+        text = admin_get(self._admin(), "/get_all_keys").decode()
         return [k for k in text.splitlines() if k]
 
     def clear(self) -> int:
         """Remove every key in the store, pinned or leased (the master's admin
         ``remove_all``); returns how many. For test isolation, not for serving."""
         assert self.settings is not None, "cluster not started"
-        req = urllib.request.Request(
-            f"http://{self.settings.admin_address}/api/v1/remove_all", method="POST"
-        )
+        req = urllib.request.Request(f"http://{self._admin()}/api/v1/remove_all", method="POST")
         with urllib.request.urlopen(req, timeout=10) as r:
             return int(json.loads(r.read()).get("removed_count", 0))
+
+    @property
+    def masters(self) -> HaMasters | None:
+        """The HA masters (``kill_leader``, ``wait_leader``...), ``None`` without HA."""
+        return self._master if isinstance(self._master, HaMasters) else None
+
+    def _admin(self) -> str:
+        """The admin address of the master that serves now (the leader under HA)."""
+        assert self.settings is not None, "cluster not started"
+        if isinstance(self._master, HaMasters):
+            return self._master.admin_address
+        return self.settings.admin_address
 
     def healthy(self) -> bool:
         """Whether the master and the store host are both running and the master
@@ -145,8 +181,8 @@ class LocalCluster:
         if self.settings is None or any(p is None or p.poll() is not None for p in procs):
             return False
         try:
-            health = json.loads(admin_get(self.settings.admin_address, "/health", 2.0))
-        except (OSError, ValueError):
+            health = json.loads(admin_get(self._admin(), "/health", 2.0))
+        except (OSError, ValueError, MasterUnavailableError):
             return False
         return bool(health.get("service_ready"))
 
@@ -214,7 +250,7 @@ class LocalCluster:
         assert self.settings is not None
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            text = admin_get(self.settings.admin_address, "/get_all_segments").decode()
+            text = admin_get(self._admin(), "/get_all_segments").decode()
             if len([s for s in text.splitlines() if s.strip()]) >= count:
                 return
             time.sleep(0.05)

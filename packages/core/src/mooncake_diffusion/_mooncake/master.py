@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import socket
 import subprocess
 import time
@@ -18,10 +17,14 @@ import urllib.error
 import urllib.request
 
 from mooncake_diffusion._mooncake import mooncake_dir
+from mooncake_diffusion._mooncake.master_view import leader_rpc_address
+from mooncake_diffusion.childproc import free_port, terminate
 from mooncake_diffusion.errors import ConfigError, MasterUnavailableError
-from mooncake_diffusion.settings import MooncakeSettings, split_address
+from mooncake_diffusion.settings import MooncakeSettings, is_etcd_master, split_address
 
-__all__ = ["MasterProcess", "admin_get", "free_port", "pool_capacity", "probe_master"]
+__all__ = ["MasterProcess", "admin_get", "free_port", "pool_capacity", "probe_master", "terminate"]
+
+# free_port and terminate live in childproc (etcd.py uses them too); re-exported here
 
 
 def admin_get(admin: str, path: str, timeout: float = 2.0) -> bytes:
@@ -46,14 +49,15 @@ def probe_master(settings: MooncakeSettings, *, require_admin: bool = False) -> 
     address within ``settings.connect_timeout_s`` otherwise.
 
     The admin ``/health`` check is skipped when nothing listens on the admin
-    address, unless ``require_admin``.
+    address, unless ``require_admin``. An HA master (``etcd://...``) is the leader
+    that etcd names now, probed on its RPC port only.
     """
     deadline = time.monotonic() + settings.connect_timeout_s
-    host, port = split_address(settings.master, "master")
     last = "no answer"
     while True:
         left = deadline - time.monotonic()
         try:
+            host, port = split_address(_rpc_address(settings.master), "master")
             with socket.create_connection((host, port), timeout=max(min(left, 1.0), 0.05)):
                 break
         except OSError as e:
@@ -65,6 +69,8 @@ def probe_master(settings: MooncakeSettings, *, require_admin: bool = False) -> 
                 " or set MOONCAKE_MASTER"
             )
         time.sleep(0.1)
+    if is_etcd_master(settings.master):
+        return  # the leader's RPC port opens only once it serves (it warms up first)
     try:
         left = max(deadline - time.monotonic(), 0.2)
         health = json.loads(admin_get(settings.admin_address, "/health", timeout=left))
@@ -78,11 +84,15 @@ def probe_master(settings: MooncakeSettings, *, require_admin: bool = False) -> 
         raise MasterUnavailableError(f"Mooncake master at {settings.master} is not ready: {health}")
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """An ephemeral TCP port that is free right now (outside Mooncake's own ranges)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+def _rpc_address(master: str) -> str:
+    """``master`` itself, or for an HA ``etcd://`` address the leader it names now
+    (``OSError`` while there is none)."""
+    if not is_etcd_master(master):
+        return master
+    leader = leader_rpc_address(master)
+    if leader is None:
+        raise OSError("no Mooncake master holds the leader key in etcd yet")
+    return leader
 
 
 class MasterProcess:
@@ -99,8 +109,11 @@ class MasterProcess:
         lease_ttl_ms: int = 1000,
         client_ttl_s: int = 3,
         log_path: str | None = None,
+        extra_args: tuple[str, ...] = (),
     ) -> None:
         self.host = host
+        #: more ``mooncake_master`` flags (HA: ``_mooncake/ha.py``)
+        self.extra_args = extra_args
         self.lease_ttl_ms = lease_ttl_ms
         self.client_ttl_s = client_ttl_s
         self.log_path = log_path
@@ -118,6 +131,12 @@ class MasterProcess:
                 return settings
             self.stop()
         raise MasterUnavailableError("mooncake_master did not become ready after 3 attempts")
+
+    def spawn_only(self) -> MooncakeSettings:
+        """Start the process on free ports without waiting for it to serve (an HA
+        standby never does before it leads); ``settings`` name it."""
+        self.settings = self._spawn(free_port(self.host), free_port(self.host))
+        return self.settings
 
     def restart_killed(self, timeout: float = 20.0) -> None:
         """SIGKILL the master and start a fresh one on the same ports (fault tests: a
@@ -146,6 +165,7 @@ class MasterProcess:
                 f"-metrics_host={self.host}",
                 f"-default_kv_lease_ttl={self.lease_ttl_ms}",
                 f"-client_ttl={self.client_ttl_s}",
+                *self.extra_args,
             ],
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -174,11 +194,4 @@ class MasterProcess:
 
     def stop(self) -> None:
         proc, self.proc = self.proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        terminate(proc, 10.0)

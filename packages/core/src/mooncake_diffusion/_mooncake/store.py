@@ -75,10 +75,11 @@ from mooncake_diffusion._mooncake.codes import (
 )
 from mooncake_diffusion._mooncake.engine import Engine, Read
 from mooncake_diffusion._mooncake.master import probe_master
+from mooncake_diffusion._mooncake.spill import spill_store_kwargs
 from mooncake_diffusion.errors import MasterUnavailableError
 from mooncake_diffusion.registration import Registrations
 from mooncake_diffusion.samehost import listener_pid, vm_read
-from mooncake_diffusion.settings import MooncakeSettings
+from mooncake_diffusion.settings import MooncakeSettings, is_etcd_master
 
 __all__ = ["StoreClient"]
 
@@ -127,8 +128,11 @@ class StoreClient:
         *,
         segment_bytes: int = 0,
         clock: Callable[[], float] = time.monotonic,
+        spill_dir: str | None = None,
     ) -> None:
         self._mod = import_mooncake("store")
+        #: a segment owner's disk tier (``_mooncake/spill.py``); ``None``: DRAM only
+        self._spill = spill_store_kwargs(spill_dir) if spill_dir else {}
         self._settings = settings
         self._segment_bytes = segment_bytes
         probe_master(settings)
@@ -181,6 +185,7 @@ class StoreClient:
             s.protocol,
             s.device,
             s.master,
+            **self._spill,
         )
         if rc != 0:
             raise MasterUnavailableError(
@@ -331,12 +336,15 @@ class StoreClient:
 
     def _probe_master(self, code: int) -> None:
         """After a failed master RPC (``code``): return if the master answers, else
-        raise ``MasterUnavailableError`` saying so."""
+        raise ``MasterUnavailableError`` saying so. Under master HA (``etcd://``) it
+        returns either way: a standby takes over, so the call is retried."""
         self.master_probes += 1
         try:
             probe_master(self._probe_settings)
         except MasterUnavailableError as e:
             self.master_down += 1
+            if is_etcd_master(self._settings.master):
+                return  # HA: a standby takes over (lease + warm-up); retried to the deadline
             raise MasterUnavailableError(
                 f"{error_for(code, 'a store call')}; the master does not answer, so it is "
                 f"not retried: {e}"
@@ -456,9 +464,12 @@ class StoreClient:
         reads: list[Read] = []
         read_idx: list[int] = []
         for i, key in enumerate(keys):
-            desc = _memory_replica(where.get(key, ()))
+            replicas = where.get(key, ())
+            desc = _memory_replica(replicas)
             if desc is None:
-                continue  # absent or not complete: OBJECT_NOT_FOUND, as set above
+                if replicas:  # only on disk (spilled), or not complete: Mooncake's get says
+                    fallback.append(i)
+                continue  # absent: OBJECT_NOT_FOUND, as set above
             if desc.size != sum(sizes[i]):
                 fallback.append(i)  # Mooncake's get says what is wrong
                 continue

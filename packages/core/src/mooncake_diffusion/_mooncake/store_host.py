@@ -81,6 +81,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="fault the whole pool in before saying ready (see the module docstring)",
     )
+    p.add_argument(
+        "--spill-dir",
+        help="spill a full pool to files in this directory (_mooncake/spill.py); "
+        "the master needs -enable_offload",
+    )
     a = p.parse_args(argv)
     bindshim.reexec(a.host)  # its Transfer Engine listens on --host, however started
     settings = MooncakeSettings(master=a.master, admin=a.admin, local_hostname=a.host)
@@ -91,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     # the pool is one mapping of at least its size, or a few large ones
     min_bytes = min(a.pool_bytes, 64 << 20)
     before = _anonymous_mappings(min_bytes) if a.prefault else set()
-    client = StoreClient(settings, segment_bytes=a.pool_bytes)
+    client = StoreClient(settings, segment_bytes=a.pool_bytes, spill_dir=a.spill_dir)
     faulted = 0
     if a.prefault:
         try:

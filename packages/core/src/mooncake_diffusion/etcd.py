@@ -1,0 +1,263 @@
+"""A real etcd (one or three members) on loopback, and the few v3 calls we need.
+
+    with EtcdCluster(members=3) as etcd:
+        etcd.endpoints            # ["127.0.0.1:C1", ...], for clients
+        etcd.put("k", "v"); etcd.get_prefix("mooncake-store/")
+        etcd.kill(etcd.leader())  # SIGKILL the Raft leader (fault tests)
+
+Members are Debian's ``etcd`` (``etcd-server`` 3.4; ``./dev`` installs it), each
+with its own data directory and free loopback client and peer ports, in their
+own sessions. ``close()`` stops every member and removes the data directories;
+``EtcdCluster.live()`` lists the members of every cluster of this process still
+running, for leak checks. Calls go to etcd's v3 JSON gateway (``/v3/kv/range``,
+``/v3/kv/put``, ``/v3/maintenance/status``) over ``urllib``: keys and values
+travel base64-encoded, as the gateway wants.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+import weakref
+from dataclasses import dataclass
+from typing import ClassVar
+
+from mooncake_diffusion.childproc import free_port, terminate
+from mooncake_diffusion.errors import ConfigError
+
+__all__ = ["EtcdClient", "EtcdCluster", "EtcdUnavailableError", "etcd_binary", "prefix_end"]
+
+#: where Debian's etcd-server puts the binary; ``MCD_ETCD`` overrides it
+_DEFAULT_BINARY = "/usr/bin/etcd"
+
+
+class EtcdUnavailableError(ConnectionError):
+    """etcd did not start or does not answer within the time given (an ``OSError``,
+    as a refused connection is)."""
+
+
+def etcd_binary() -> str:
+    """The etcd server binary (``$MCD_ETCD``, else Debian's ``/usr/bin/etcd``); raises
+    ``ConfigError`` saying how to install it when it is not there."""
+    path = os.environ.get("MCD_ETCD") or shutil.which("etcd") or _DEFAULT_BINARY
+    if not os.access(path, os.X_OK):
+        raise ConfigError(
+            f"etcd not found at {path}; install Debian's etcd-server "
+            "(`./dev sync` does as root; else `sudo apt-get install -y etcd-server`)"
+        )
+    return path
+
+
+def _b64(text: str | bytes) -> str:
+    raw = text.encode() if isinstance(text, str) else text
+    return base64.b64encode(raw).decode()
+
+
+def prefix_end(prefix: str) -> bytes:
+    """The smallest key after every key that starts with ``prefix`` (etcd's
+    ``range_end`` for a prefix read)."""
+    raw = bytearray(prefix.encode())
+    while raw and raw[-1] == 0xFF:
+        raw.pop()
+    if not raw:
+        return b"\0"
+    raw[-1] += 1
+    return bytes(raw)
+
+
+class EtcdClient:
+    """etcd's v3 JSON gateway over ``urllib``: each call goes to the first endpoint
+    that answers (``host:port``, tried in order)."""
+
+    def __init__(self, endpoints: list[str]) -> None:
+        if not endpoints:
+            raise ConfigError("an etcd client needs at least one endpoint")
+        self.endpoints = list(endpoints)
+
+    def call(self, path: str, body: dict[str, object], timeout: float = 2.0) -> dict[str, object]:
+        """POST ``body`` to ``/v3/{path}``; ``EtcdUnavailableError`` if no endpoint answers."""
+        last = "no endpoint"
+        for ep in self.endpoints:
+            req = urllib.request.Request(
+                f"http://{ep}/v3/{path}",
+                data=json.dumps(body).encode(),
+                headers={"Content-Type": "application/json"},
+                method="POST",
+            )
+            try:
+                with urllib.request.urlopen(req, timeout=timeout) as r:
+                    return json.loads(r.read() or b"{}")
+            except (OSError, ValueError, urllib.error.URLError) as e:
+                last = f"{ep}: {e}"
+        raise EtcdUnavailableError(last)
+
+    def put(self, key: str, value: str, timeout: float = 2.0) -> None:
+        self.call("kv/put", {"key": _b64(key), "value": _b64(value)}, timeout)
+
+    def get(self, key: str, timeout: float = 2.0) -> bytes | None:
+        """The value of ``key``, ``None`` when absent."""
+        kvs = self.call("kv/range", {"key": _b64(key)}, timeout).get("kvs") or []
+        assert isinstance(kvs, list)
+        return base64.b64decode(kvs[0].get("value", "")) if kvs else None
+
+    def get_prefix(self, prefix: str, timeout: float = 2.0) -> dict[str, bytes]:
+        """Every key under ``prefix`` with its value (a linearizable read)."""
+        body = {"key": _b64(prefix), "range_end": _b64(prefix_end(prefix))}
+        kvs = self.call("kv/range", body, timeout).get("kvs") or []
+        assert isinstance(kvs, list)
+        return {
+            base64.b64decode(kv["key"]).decode(): base64.b64decode(kv.get("value", ""))
+            for kv in kvs
+        }
+
+
+@dataclass
+class _Member:
+    name: str
+    client_port: int
+    peer_port: int
+    data_dir: str
+    proc: subprocess.Popen[bytes] | None = None
+
+
+class EtcdCluster:
+    """``members`` etcd processes forming one cluster on ``host``'s free ports."""
+
+    _all: ClassVar[weakref.WeakSet[EtcdCluster]] = weakref.WeakSet()
+
+    def __init__(self, members: int = 1, *, host: str = "127.0.0.1", log_dir: str | None = None):
+        if members < 1:
+            raise ConfigError("an etcd cluster needs at least one member")
+        self.host = host
+        self.log_dir = log_dir
+        self._root = tempfile.mkdtemp(prefix="mcd-etcd-")
+        self.members = [
+            _Member(f"m{i}", free_port(host), free_port(host), os.path.join(self._root, f"m{i}"))
+            for i in range(members)
+        ]
+        EtcdCluster._all.add(self)
+
+    @property
+    def endpoints(self) -> list[str]:
+        """``host:port`` of every member's client URL (running or not)."""
+        return [f"{self.host}:{m.client_port}" for m in self.members]
+
+    def start(self, timeout: float = 30.0) -> EtcdCluster:
+        """Start every member; returns once one of them answers a read."""
+        try:
+            for m in self.members:
+                self._spawn(m)
+            self.wait_ready(timeout)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _spawn(self, m: _Member) -> None:
+        cluster = ",".join(f"{x.name}=http://{self.host}:{x.peer_port}" for x in self.members)
+        log_path = os.path.join(self.log_dir, f"etcd-{m.name}.log") if self.log_dir else os.devnull
+        with open(log_path, "ab") as log:
+            m.proc = subprocess.Popen(
+                [
+                    etcd_binary(),
+                    f"--name={m.name}",
+                    f"--data-dir={m.data_dir}",
+                    f"--listen-client-urls=http://{self.host}:{m.client_port}",
+                    f"--advertise-client-urls=http://{self.host}:{m.client_port}",
+                    f"--listen-peer-urls=http://{self.host}:{m.peer_port}",
+                    f"--initial-advertise-peer-urls=http://{self.host}:{m.peer_port}",
+                    f"--initial-cluster={cluster}",
+                    "--initial-cluster-state=new",
+                    f"--initial-cluster-token={os.path.basename(self._root)}",
+                    "--logger=zap",
+                    "--log-level=error",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        """Block until a write goes through (a leader is elected)."""
+        deadline = time.monotonic() + timeout
+        last: Exception | None = None
+        while time.monotonic() < deadline:
+            try:
+                self.put("mcd-etcd-ready", "1", timeout=1.0)
+                return
+            except EtcdUnavailableError as e:
+                last = e
+            time.sleep(0.05)
+        raise EtcdUnavailableError(f"etcd did not accept a write within {timeout:.0f}s: {last}")
+
+    def client(self) -> EtcdClient:
+        """A gateway client over every member's endpoint."""
+        return EtcdClient(self.endpoints)
+
+    def put(self, key: str, value: str, timeout: float = 2.0) -> None:
+        self.client().put(key, value, timeout)
+
+    def get_prefix(self, prefix: str) -> dict[str, bytes]:
+        return self.client().get_prefix(prefix)
+
+    def leader(self) -> int:
+        """Index of the member that is the Raft leader now."""
+        for i, m in enumerate(self.members):
+            if m.proc is None or m.proc.poll() is not None:
+                continue
+            try:
+                status = self._status(m)
+            except EtcdUnavailableError:
+                continue
+            header = status.get("header") or {}
+            assert isinstance(header, dict)
+            if str(status.get("leader")) == str(header.get("member_id")):
+                return i
+        raise EtcdUnavailableError("no member says it leads")
+
+    def _status(self, m: _Member) -> dict[str, object]:
+        """One member's ``/v3/maintenance/status`` (its own view of the leader)."""
+        return EtcdClient([f"{self.host}:{m.client_port}"]).call("maintenance/status", {})
+
+    # ---- faults and teardown ---------------------------------------------------------
+
+    def kill(self, index: int) -> None:
+        """SIGKILL member ``index`` (its data directory stays: ``restart`` brings it back)."""
+        proc = self.members[index].proc
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+    def restart(self, index: int) -> None:
+        """Start member ``index`` again on its ports and data (after ``kill``)."""
+        self.kill(index)
+        self._spawn(self.members[index])  # the data dir exists: it rejoins as itself
+
+    def pids(self) -> list[int]:
+        return [m.proc.pid for m in self.members if m.proc is not None and m.proc.poll() is None]
+
+    @classmethod
+    def live(cls) -> list[int]:
+        """PIDs of every etcd member started by this process and still running."""
+        return [pid for c in list(cls._all) for pid in c.pids()]
+
+    def close(self) -> None:
+        """SIGTERM every member (SIGKILL after 5 s) and remove the data. Idempotent."""
+        for m in self.members:
+            proc, m.proc = m.proc, None
+            terminate(proc, 5.0)
+        shutil.rmtree(self._root, ignore_errors=True)
+
+    def __enter__(self) -> EtcdCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
