@@ -13,6 +13,7 @@ import threading
 import time
 from pathlib import Path
 
+from mooncake_diffusion._mooncake import bindshim
 from mooncake_diffusion.orchestrator.client import OrchestratorClient
 
 #: Bounds on waiting for a child to come up or to exit after SIGTERM. They are
@@ -200,7 +201,9 @@ class ServiceStack:
             "--label",
             "node=n0",
         ]
-        p = Proc(argv, {**self.env, **(env or {})})
+        # its Transfer Engine on the configured host, as the demo starts its workers
+        host = self.env.get("MOONCAKE_LOCAL_HOSTNAME", "127.0.0.1")
+        p = Proc(argv, {**self.env, **bindshim.env(host), **(env or {})})
         self.workers[worker_id] = p  # close() stops it even if it never gets ready
         if wait:
             p.started(WORKER_READY)

@@ -26,7 +26,7 @@ from typing import Any
 from gated import Gate
 from hosts import Hosts, Spawned
 
-from mooncake_diffusion._mooncake import mooncake_dir
+from mooncake_diffusion._mooncake import bindshim, mooncake_dir
 from mooncake_diffusion.orchestrator.client import OrchestratorClient
 
 HOSTS = ("master", "store", "orch", "enc", "den0", "den1", "dec0", "dec1")
@@ -80,6 +80,8 @@ class Deployment:
             "MOONCAKE_MASTER": self.master,
             "MOONCAKE_ADMIN": self.admin,
             "MOONCAKE_LOCAL_HOSTNAME": self.net.ip(host),
+            # its Transfer Engine's listeners on this host's address only
+            **bindshim.env(self.net.ip(host)),
             "MOONCAKE_PROTOCOL": "tcp",
             "MOONCAKE_DIFFUSION_SAME_HOST": "0",
             "MCD_ORCHESTRATOR_TOKEN": TOKEN,

@@ -1,8 +1,8 @@
 """Every Mooncake listener on the configured host (loopback by default): the store host
-that ``LocalCluster`` starts and worker processes started as a user would (nothing of
-the bind shim in their environment: the worker command re-executes itself under it)
-listen on loopback only, Transfer Engine included, and a request still moves its bytes
-through every stage over those listeners. Listeners are read from ``/proc``."""
+that ``LocalCluster`` starts and ``mooncake-diffusion worker`` processes started the way
+the demo starts them (``bindshim.env``, here through ``tests/servicestack.py``) listen
+on loopback only, Transfer Engine included, and a request still moves its bytes through
+every stage over those listeners. Listeners are read from ``/proc``."""
 
 from __future__ import annotations
 

@@ -69,3 +69,21 @@ def test_any_address_stream_binds_go_to_the_configured_host(monkeypatch):
 def test_the_shim_can_be_turned_off(monkeypatch):
     monkeypatch.setenv(bindshim.OFF_ENV, "0")
     assert bindshim.env("127.0.0.1") == {}
+
+
+def test_check_says_whether_this_process_runs_under_it(caplog):
+    env = bindshim.env("127.0.0.1")
+    if not env:
+        pytest.skip("no C compiler: the shim cannot be built (a warning says so)")
+    assert bindshim.check("127.0.0.1") is False  # pytest was not started under it
+    assert "start it with LD_PRELOAD=" in caplog.text
+    code = "from mooncake_diffusion._mooncake import bindshim; print(bindshim.check('127.0.0.1'))"
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
+    assert out.stdout.strip() == "True"

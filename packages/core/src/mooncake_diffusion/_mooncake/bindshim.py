@@ -12,14 +12,17 @@ of its source, and can only work when loaded at exec time:
 
     env = bindshim.env(settings.local_hostname)    # {} without a compiler
     subprocess.Popen(argv, env={**os.environ, **env})   # a child that runs a TE
-    bindshim.reexec(settings.local_hostname)       # an entry point (worker, store
-                                                   # host): run again under it, once
+    bindshim.check(settings.local_hostname)        # in an entry point: warns if not
 
-Who calls it: ``LocalCluster`` (the store host), the demo's workers,
-``childproc.JsonLinesChild``; ``reexec`` in the ``worker`` command and the store
-host's ``main``, for processes started by anyone else. Without a compiler, or
-with ``MCD_BIND_SHIM=0``, nothing is preloaded and one warning per process says
-that the Transfer Engine listens on every interface and what to do.
+Who calls it: ``LocalCluster`` (the store host), the demo's workers and
+``childproc.JsonLinesChild`` (and the tests' stacks) start their children with
+``env``; the ``worker`` command and the store host's ``main`` call ``check``, so
+one started by hand says how to start it under the shim. (A worker re-executing
+itself under the shim was tried: so re-executed, it never recycled its store
+client once its store host was replaced, the recycle stalled; the cause was not
+found, so the processes are started under it instead.) Without a compiler, or with
+``MCD_BIND_SHIM=0``, nothing is preloaded and one warning per process says that
+the Transfer Engine listens on every interface and what to do.
 """
 
 from __future__ import annotations
@@ -33,16 +36,14 @@ import platform
 import shutil
 import socket
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-__all__ = ["HOST_ENV", "OFF_ENV", "env", "library", "reexec"]
+__all__ = ["HOST_ENV", "OFF_ENV", "check", "env", "library"]
 
 HOST_ENV = "MCD_BIND_HOST"
 OFF_ENV = "MCD_BIND_SHIM"
 _SOURCE = Path(__file__).with_name("bindshim.c")
-_MARK = "MCD_BIND_SHIM_REEXEC"  # set across our own re-exec: never twice
 log = logging.getLogger("mooncake_diffusion.bindshim")
 _EVERYWHERE = (
     "Mooncake's Transfer Engine listens on every interface of this host (ports "
@@ -134,21 +135,15 @@ def _loaded(lib: str) -> bool:
         return False
 
 
-def reexec(host: str) -> None:
-    """Make sure this process runs under the shim for ``host``: return at once if it
-    does (or cannot: see ``env``), else exec this same command line again with
-    ``env(host)`` added. Call it first thing in an entry point, before any thread or
-    Mooncake object exists; nothing runs after a successful exec."""
+def check(host: str) -> bool:
+    """Whether this process runs under the shim for ``host``; if not (and the shim
+    could be had), one warning says how to start it so. For entry points (the
+    ``worker`` command, the store host) that someone else may have started."""
     extra = env(host)
     if not extra:
-        return
-    lib = str(library())
-    if _loaded(lib) and os.environ.get(HOST_ENV) == extra[HOST_ENV]:
-        os.environ.pop(_MARK, None)  # this process's children start afresh
-        return
-    if os.environ.get(_MARK):  # exec'd once already and still not under it: go on
-        _warn_once("the bind shim did not load (the dynamic loader refused LD_PRELOAD)")
-        return
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execve(sys.executable, sys.orig_argv, {**os.environ, **extra, _MARK: "1"})
+        return False
+    if _loaded(str(library())) and os.environ.get(HOST_ENV) == extra[HOST_ENV]:
+        return True
+    how = " ".join(f"{k}={v!r}" for k, v in extra.items())
+    _warn_once(f"this process was not started under the bind shim: start it with {how}")
+    return False

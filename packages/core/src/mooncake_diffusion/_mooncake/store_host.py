@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         "the master needs -enable_offload",
     )
     a = p.parse_args(argv)
-    bindshim.reexec(a.host)  # its Transfer Engine listens on --host, however started
+    bindshim.check(a.host)  # its Transfer Engine listens on --host only under the shim
     settings = MooncakeSettings(master=a.master, admin=a.admin, local_hostname=a.host)
     probe_master(settings)
     stop = threading.Event()

@@ -107,8 +107,8 @@ def _run_worker(args: argparse.Namespace) -> int:
     from mooncake_diffusion.settings import MooncakeSettings
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(message)s")
-    # its Transfer Engine listens on the configured host, however the worker was started
-    bindshim.reexec(MooncakeSettings.from_env(master=args.master).local_hostname)
+    # its Transfer Engine listens on the configured host only under the bind shim
+    bindshim.check(MooncakeSettings.from_env(master=args.master).local_hostname)
     fn = _load_fn(args.fn)
     if args.outputs:  # where the stage function writes files (pipeline.stages: MCD_OUTPUTS)
         os.environ["MCD_OUTPUTS"] = args.outputs
