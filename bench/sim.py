@@ -224,6 +224,30 @@ def latencies(w, lay, mech, rate, seed, plan, base) -> dict[str, float]:
 CELL_STATE: dict[str, dict[str, Any]] = {}
 
 
+def memory_report(w: Workload, lay: Layout) -> dict[str, Any]:
+    """Which GPU holds which weights for the whole mix, and whether it fits its usable
+    memory (an untiled decode peak counts once: one decode runs at a time). The
+    simulator does not model switching models: a GPU is assumed to hold every model
+    of the mix; ``fits`` says whether that assumption is physical."""
+    ks = kinds_of(w)
+    enc = sum(k.encoder_gb for k in ks)
+    dit = sum(k.dit_gb for k in ks)
+    vae = max(k.vae_peak_gb for k in ks)
+    roles: dict[str, tuple[float, GpuType]] = {}
+    if lay.mode == "colocated":
+        roles["colocated"] = (enc + dit + vae, lay.gpu)
+    elif lay.aux == 0:
+        roles["E+V+DiT host"] = (enc + dit + vae, lay.gpu)
+        roles["denoise"] = (dit, lay.gpu)
+    else:
+        roles["denoise"] = (dit, lay.gpu)
+        roles["encode+decode"] = (enc + vae, lay.aux_type)
+    return {
+        role: {"needs_gb": need, "usable_gb": gpu.usable_gb, "fits": need <= gpu.usable_gb}
+        for role, (need, gpu) in roles.items()
+    }
+
+
 def side(c: list, slos) -> dict[str, Any]:
     out: dict[str, Any] = {"price_per_hour": c[0].price_per_hour}
     for slo in slos:
@@ -272,6 +296,7 @@ def capacity_cell(w: Workload, gpu: GpuType, n: int, plan: Plan) -> dict[str, An
         "slo_base_s": base,
         "best_split": best.split,
         "sizing_rule_split": rule.split,
+        "memory": {"colocated": memory_report(w, colo), "disaggregated": memory_report(w, best)},
         "selection": {k: v[0] for k, v in sel.items()},
         "colocated": side(c, SLOS),
         "disaggregated": side(b, SLOS),
@@ -548,6 +573,23 @@ def markdown(rows: list[dict], sched: Scheduler, plan: Plan, smoke: bool) -> str
         )
     out += [
         "",
+        "### Memory: what each GPU must hold for the whole mix (every model resident; "
+        "switching models is not modelled)",
+        "",
+        "| cell | side | GPU role | needs GB | usable GB | fits untiled | cannot fit (no measured "
+        "offload time) |",
+        "|---|---|---|---:|---:|---|---|",
+    ]
+    for r in (x for x in rows if x["part"] == "capacity"):
+        for sd in ("colocated", "disaggregated"):
+            for role, m in r["memory"][sd].items():
+                out.append(
+                    f"| {r['cell']} | {sd} | {role} | {m['needs_gb']:.1f} | {m['usable_gb']:.1f} "
+                    f"| {'yes' if m['fits'] else '**no**'} "
+                    f"| {', '.join(r[sd]['cannot_fit']) or '-'} |"
+                )
+    out += [
+        "",
         "### Single-request parity and calibration (one request alone, H100)",
         "",
         "| kind | colocated s | disaggregated s | D/C | measured E2E s | shares E/D/V "
@@ -704,6 +746,10 @@ def summarize_rows(rows: list[dict], sched: Scheduler, plan: Plan, smoke: bool) 
         "capacity_per_cost_ratio_best": best_cost["capacity_per_cost_ratio"] if best_cost else None,
         "capacity_per_cost_best_layout": best_cost["layout"] if best_cost else None,
         "mechanisms": {r["switch"]: r["capacity_change"] for r in rows if r["part"] == "ablation"},
+        "memory_all_models_fit": {
+            k: {sd: all(m["fits"] for m in r["memory"][sd].values()) for sd in r["memory"]}
+            for k, r in cap.items()
+        },
         "arrivals": {
             f"{r['cell']} {r['arrivals']}": r["capacity_ratio"]
             for r in rows

@@ -53,7 +53,7 @@ with ``Layout.price_per_hour``. A mix that shifts during the run
 
 Assumptions not modelled (so no gain is claimed for them): larger denoise
 batches from the memory freed by moving the VAE off the DiT GPUs (no public
-measurement of batch scaling for these DiTs in workloads.md), network
+measurement of batch scaling for these DiTs in docs/sources.md), network
 contention, sequence parallelism (every denoise worker is one GPU), failures,
 re-sizing pools during a run.
 """
@@ -172,7 +172,7 @@ class Mechanisms:
 class Workload:
     """A request mix: ``(kind, share of arrivals)``. ``prompt_repeat``: the share of
     requests whose positive prompt was seen before (0.25: DiffusionDB 2M has 1.5M
-    unique prompts in 2M requests, workloads.md §12). ``later``: a second mix that
+    unique prompts in 2M requests, docs/sources.md). ``later``: a second mix that
     replaces ``kinds`` from ``shift_at`` x the horizon on (a shifting mix).
     ``cache_negative``: every instance keeps the shared negative prompt's embedding
     (both layouts; off to reproduce an engine run without any cache)."""
