@@ -91,7 +91,7 @@ CELLS: tuple[tuple[Workload, GpuType, int], ...] = tuple(
 HEADLINE = Slo(1.5, 0.9)
 SLOS = (HEADLINE, Slo(1.5, 0.99), Slo(1.0, 0.9), Slo(1.25, 0.9), Slo(3.0, 0.9))
 SELECT_SEEDS = (1000, 1001, 1002)  # choose the best split on these, judge on others
-ARRIVALS_N = 1000  # arrivals per probe in the measuring window, after the warm-up
+ARRIVALS_N = 1500  # arrivals per probe in the measuring window, after the warm-up
 REL_TOL = 0.01  # bisection stops when the rate bracket is < 1 % of the upper bound
 ARRIVAL_CELLS = (("mixed", "h100", 8), ("image", "h100", 64))
 COST_CELLS = (("mixed", "h100", 64), ("image", "h100", 64))
@@ -394,13 +394,7 @@ def arrivals_part(plan: Plan) -> list[dict[str, Any]]:
         st = CELL_STATE.get(f"{w_name}-{n}x{gpu_name}")
         if st is None:
             continue
-        w = st["w"]
-        cap = statistics.fmean(x.rate[HEADLINE] for x in st["colo"])
-        procs = (
-            Bursty(burst_s=10 * w.mean_gpu_seconds()),
-            Diurnal(period_s=plan.arrivals_n / max(cap, 1e-9) / 4),
-        )
-        for proc in procs:
+        for proc in (Bursty(), Diurnal()):
             log(f"arrivals: {w_name} {n} {proc.name}")
             colo = Layout("colocated", n, gpu=st["gpu"])
             c, _ = headline_pair(st, colo, None, plan, proc)
@@ -756,6 +750,11 @@ def summarize_rows(rows: list[dict], sched: Scheduler, plan: Plan, smoke: bool) 
             if r["part"] == "arrivals"
         },
     }
+    summary["verdict_sentence"] = ("Smoke run, not verdicts: " if smoke else "") + (
+        f"Verdicts over {len(cap)} cells at {HEADLINE.scale:g}x / {HEADLINE.target:.0%} "
+        f"({len(plan.seeds)} seeds): {own['win']} win, {own['tie']} tie, {own['lose']} lose."
+    )
+    summary["verdict_lines"] = verdict_lines(rows)
     if smoke:
         summary["smoke_verdicts"] = own
         full = full_verdicts(
