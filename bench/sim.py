@@ -229,7 +229,7 @@ def memory_report(w: Workload, lay: Layout) -> dict[str, Any]:
     memory (an untiled decode peak counts once: one decode runs at a time). The
     simulator does not model switching models: a GPU is assumed to hold every model
     of the mix; ``fits`` says whether that assumption is physical."""
-    ks = kinds_of(w)
+    ks = list({k.name: k for k in kinds_of(w)}.values())  # each model once
     enc = sum(k.encoder_gb for k in ks)
     dit = sum(k.dit_gb for k in ks)
     vae = max(k.vae_peak_gb for k in ks)
