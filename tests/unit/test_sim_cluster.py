@@ -268,6 +268,10 @@ def test_bench_smoke_writes_the_summary(tmp_path):
         assert isinstance(s["capacity_ratio"][c]["per_gpu"], float)
         assert isinstance(s["capacity_ratio"][c]["per_cost"], float)
     assert sum(s["smoke_verdicts"].values()) == len(cells)
+    # a smoke run's verdicts are the committed full run's, never its own
+    full = json.loads((ROOT / "docs" / "results" / "sim.json").read_text())["summary"]
+    assert s["verdicts"] == full["verdicts"] and s["verdict"] == full["verdict"]
+    assert s["verdict_sentence"].startswith("Smoke run, not verdicts")
     lx = next(r for r in doc["rows"] if r.get("cell") == "qwen-4090-8xrtx4090")
     assert s["lightx2v_setting_capacity_ratio"] == lx["capacity_ratio"]["1.5x@90%"]
     for key in ("no_memory_limit_ratio", "lightx2v_setting_qps_ratio"):
