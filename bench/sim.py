@@ -1,31 +1,33 @@
-"""Cluster simulator: colocated vs disaggregated serving under one scheduler, in virtual time.
+"""Cluster simulator: capacity at SLO, colocated vs disaggregated at its best split, one scheduler.
 
-Run ``uv run python bench/sim.py [--quick] [--json PATH] [--plots DIR] [--seeds N]``.
-Virtual time, no processes: ``mooncake_diffusion.simulate`` registers one worker per
-GPU (or per aux GPU role) with the real ``Orchestrator`` under a ``VirtualClock`` and
-plays every dispatch for the stage service times, memory sizes and GPU prices cited in
-workloads.md (``simulate/costs.py``). Both layouts run the same ``OrchestratorConfig``
-(priorities, step-boundary preemption, the shipped ``max_preemptions``); the summary's
-``same_scheduler`` is computed by comparing the configurations every run used.
+Run ``uv run python bench/sim.py [--quick] [--json PATH] [--plots DIR]``. Virtual time, no
+processes: ``mooncake_diffusion.simulate`` registers one worker per GPU (or per aux GPU
+role) with the real ``Orchestrator`` under a ``VirtualClock`` and plays every dispatch for
+the stage service times, memory sizes and GPU prices cited in ``docs/sources.md``. Both
+layouts run the same ``OrchestratorConfig``; the summary's ``same_scheduler`` compares
+the configurations every run used.
 
-    parity       one request alone per kind: colocated vs disaggregated latency.
-    calibration  single-request latency and stage shares against the cited
-                 measurements; LightX2V's 8 x RTX 4090 setting (100 requests, closed
-                 loop) at 8 and 50 denoise steps (its blog does not state the step
-                 count), 8:0 colocated vs 7:1, against its measured 0.18 / 0.34 QPS.
-    matrix       workloads (image, video, mixed, shifting: the mixed mix turning
-                 video-heavy halfway) x 8 / 64 GPUs x loads 50 / 80 / 95 % of the
-                 isolated capacity; goodput (completions within the SLO per second)
-                 with a 95 % confidence interval over seeds, and a verdict: win / tie
-                 / lose for disaggregation.
-    cost         the mixed workload, 64 GPUs, 95 % load, heterogeneous pools: Encode +
-                 Decode on H100 or L40S, aux pool of the default size or twice it;
-                 goodput per GPU-hour price vs colocated.
-    ablation     the mixed workload, 64 GPUs, 95 % load: each mechanism off for the
-                 disaggregated side, and the cross-instance cache on for colocated.
+    parity       one request alone per kind: colocated vs disaggregated latency, against
+                 the measured single-request times.
+    lightx2v     LightX2V's 8 x RTX 4090 Qwen-Image setting (closed loop, 100 requests)
+                 at every split the blog measured (8:0, 4:4, 5:3, 6:2, 7:1, and 4:0, 2:2,
+                 3:1 on 4 GPUs), 8 and 50 steps; and both sides with no memory limit.
+    capacity     the headline: per cell (workload x GPU type x cluster size), capacity at
+                 SLO (``simulate.capacity_at_slo``: the highest Poisson rate at which
+                 90 % / 99 % of requests finish within scale x their base latency, SLO
+                 scale 1.0 / 1.25 / 1.5 and 3.0 for contrast), colocated against
+                 disaggregated at its best split (aux GPUs swept, fractional E+V on
+                 DiT GPUs included, chosen on separate seeds) and at the shipped sizing
+                 rule's split; paired per-seed ratios with 95 % intervals; P50 / P99 TTFF
+                 and end-to-end latency of both at a common rate.
+    arrivals     two cells under bursty (two-state MMPP) and diurnal arrivals.
+    cost         Encode + Decode on L40S instead of H100: capacity per GPU-hour price.
+    ablation     mixed, 64 H100: each disaggregation mechanism off; sharing the decode
+                 pool compared at the same aux GPU count.
 
-``--quick`` runs the same settings with fewer seeds (3 instead of 8). Every number is
-simulated time from cited costs; the wall time of the run says nothing.
+``--quick`` runs every configuration with fewer seeds and is a smoke run: its summary
+says ``smoke_run: true`` and ``verdicts_from_full: true`` (the verdicts are the full
+run's, committed in ``docs/results/sim.json``). Every number is simulated time.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ import platform
 import statistics
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 from mooncake_diffusion.simulate import (
@@ -51,14 +53,21 @@ from mooncake_diffusion.simulate import (
     QWEN_4090_50,
     RTX_4090,
     WAN_720P,
+    Bursty,
+    Diurnal,
+    GpuType,
     Layout,
     Mechanisms,
     Scheduler,
+    Slo,
     Workload,
+    capacity_at_slo,
     default_aux,
     simulate,
-    summarize,
+    slo_base,
 )
+from mooncake_diffusion.simulate.capacity import steady_horizon
+from mooncake_diffusion.simulate.metrics import quantile
 
 IMAGE = Workload("image", ((QWEN_1024, 0.5), (FLUX_1024, 0.5)))
 VIDEO = Workload("video", ((WAN_720P, 1.0),))
@@ -66,17 +75,44 @@ MIXED = Workload("mixed", ((QWEN_1024, 0.45), (FLUX_1024, 0.45), (WAN_720P, 0.10
 SHIFTING = Workload(
     "shifting", MIXED.kinds, later=((QWEN_1024, 0.35), (FLUX_1024, 0.35), (WAN_720P, 0.30))
 )
-WORKLOADS = (IMAGE, VIDEO, MIXED, SHIFTING)
-SCALES = (8, 64)
-LOADS = (0.5, 0.8, 0.95)
-TARGET_REQUESTS = 1000
-HEADLINE = ("mixed", 8, 0.8)  # goodput / TTFF ratios at equal GPU count
-ABLATION_AT = (64, 0.95)  # near saturation, where a saved second shows in goodput
-MECHS = ("fit_memory", "decode_off_dit", "shared_decode", "cross_instance_cache")
-# workloads.md §7.1 (M): LightX2V blog, 8 x RTX 4090, 100 requests
-LIGHTX2V_MEASURED = {"8:0": {"qps": 0.18, "p50_s": 22.0}, "7:1": {"qps": 0.34, "p50_s": 17.0}}
-# workloads.md §2.2 / §0.1 (M): single-request end-to-end seconds on one H100, and the
-# measured stage shares (encode, denoise, decode) where a source gives them
+# LightX2V's Qwen-Image on RTX 4090: no embedding cache in that engine
+QWEN4090 = Workload("qwen-4090", ((QWEN_4090, 1.0),), prompt_repeat=0.0, cache_negative=False)
+CELLS: tuple[tuple[Workload, GpuType, int], ...] = tuple(
+    (w, g, n)
+    for w, g in (
+        (IMAGE, H100),
+        (VIDEO, H100),
+        (MIXED, H100),
+        (SHIFTING, H100),
+        (QWEN4090, RTX_4090),
+    )
+    for n in (8, 64)
+)
+HEADLINE = Slo(1.5, 0.9)
+SLOS = (HEADLINE, Slo(1.5, 0.99), Slo(1.0, 0.9), Slo(1.25, 0.9), Slo(3.0, 0.9))
+SELECT_SEEDS = (1000, 1001, 1002)  # choose the best split on these, judge on others
+ARRIVALS_N = 1500  # arrivals per probe in the measuring window, after the warm-up
+REL_TOL = 0.01  # bisection stops when the rate bracket is < 1 % of the upper bound
+ARRIVAL_CELLS = (("mixed", "h100", 8), ("image", "h100", 64))
+COST_CELLS = (("mixed", "h100", 64), ("image", "h100", 64))
+ABLATION_CELL = ("mixed", "h100", 64)
+MECHS = ("fit_memory", "decode_off_dit", "cross_instance_cache")
+# LightX2V blog (docs/sources.md): Qwen-Image-2512 T2I, 100 requests, 8 x RTX 4090.
+# (dit GPUs, aux GPUs): measured QPS; the 4-GPU runs and "7:1 centralized" used the
+# centralized three-stage queue, the rest the decentralized one.
+LIGHTX2V_SPLITS = {
+    "8:0": (8, 0, 0.18),
+    "4:4": (4, 4, 0.20),
+    "5:3": (5, 3, 0.25),
+    "6:2": (6, 2, 0.30),
+    "7:1": (7, 1, 0.34),
+    "7:1 centralized": (7, 1, 0.24),
+    "4:0": (4, 0, 0.092),
+    "2:2": (2, 2, 0.096),
+    "3:1": (3, 1, 0.15),
+}
+LIGHTX2V_P50 = {"8:0": 22.0, "7:1": 17.0}
+# single-request end-to-end seconds on one H100 and Qwen-Image's measured stage shares
 MEASURED_E2E = {"qwen-1024": (12.77, 13.10), "flux-1024": (4.30, 6.71), "wan-720p": (1041.5,)}
 MEASURED_SHARES = {"qwen-1024": (0.010, 0.962, 0.012)}
 T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}
@@ -86,67 +122,18 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def horizon_for(w: Workload, gpus: int, load: float) -> float:
-    """Enough virtual time for TARGET_REQUESTS arrivals and 8 of the longest request."""
-    rate = load * gpus / w.mean_gpu_seconds()
-    kinds = w.kinds + (w.later or ())
-    return max(TARGET_REQUESTS / rate, 8 * max(k.isolated_s for k, _ in kinds))
-
-
 def mean_ci(xs: list[float]) -> tuple[float, float]:
     """Mean and the half-width of its 95 % confidence interval (Student t)."""
+    if not xs:
+        return float("nan"), float("nan")
     m = statistics.fmean(xs)
     if len(xs) < 2:
         return m, float("nan")
     return m, T95.get(len(xs) - 1, 1.96) * statistics.stdev(xs) / math.sqrt(len(xs))
 
 
-CONFIGS: list[Any] = []  # every OrchestratorConfig a run used (same_scheduler)
-
-
-def one(w: Workload, lay: Layout, mech: Mechanisms, load: float, seed: int) -> dict[str, Any]:
-    r = simulate(w, lay, mech, load=load, horizon=horizon_for(w, lay.gpus, load), seed=seed)
-    CONFIGS.append(r.config)
-    s = summarize(r)
-    return {
-        "goodput_rps": s.goodput,
-        "goodput_per_gpu": s.goodput / lay.gpus,
-        "goodput_per_usd_hour": s.goodput * 3600 / r.price_per_hour,
-        "throughput_rps": s.throughput,
-        "slo_met": s.slo_met,
-        "p99_ttff_s": s.p99_ttff,
-        "p99_batch_latency_s": s.p99_latency_batch,
-        "preemptions": s.preemptions,
-        "encodes_skipped": s.encodes_skipped,
-        "utilisation": s.utilisation,
-        "price_per_hour": r.price_per_hour,
-    }
-
-
-def over_seeds(
-    w: Workload, lay: Layout, mech: Mechanisms, load: float, seeds: list[int]
-) -> dict[str, Any]:
-    """Per-seed runs folded into means, with a CI for goodput and P99 TTFF."""
-    runs = [one(w, lay, mech, load, s) for s in seeds]
-    out: dict[str, Any] = {"seeds": len(seeds), "per_seed": runs}
-    for key in ("goodput_rps", "goodput_per_gpu", "goodput_per_usd_hour", "p99_ttff_s"):
-        out[key], out[key + "_ci95"] = mean_ci([r[key] for r in runs])
-    for key in ("throughput_rps", "slo_met", "p99_batch_latency_s", "price_per_hour"):
-        out[key] = statistics.fmean(r[key] for r in runs)
-    out["preemptions"] = sum(r["preemptions"] for r in runs)
-    pools = runs[0]["utilisation"]
-    out["utilisation"] = {k: statistics.fmean(r["utilisation"][k] for r in runs) for k in pools}
-    return out
-
-
-def paired_ratio(a: dict, b: dict, key: str) -> tuple[float, float]:
-    """Mean of per-seed ratios b/a (same seed, same arrivals) and its CI half-width."""
-    xs = [y[key] / x[key] for x, y in zip(a["per_seed"], b["per_seed"], strict=True) if x[key]]
-    return mean_ci(xs) if xs else (float("nan"), float("nan"))
-
-
 def verdict(ratio: float, half: float) -> str:
-    """win / lose when the 95 % CI of the goodput ratio excludes 1 (and 2 %), else tie."""
+    """win / lose when the 95 % CI of the ratio lies above 1.02 / below 0.98, else tie."""
     if math.isnan(ratio):
         return "n/a"
     half = 0.0 if math.isnan(half) else half
@@ -157,7 +144,215 @@ def verdict(ratio: float, half: float) -> str:
     return "tie"
 
 
-# --------------------------------------------------------------------------- parts
+CONFIGS: list[Any] = []  # every OrchestratorConfig a run used (same_scheduler)
+
+
+class Plan:
+    """How much each search runs: seeds that judge, seeds that choose the split,
+    arrivals per probe, bisection tolerance."""
+
+    def __init__(self, seeds: int, select: int, arrivals_n: int, rel_tol: float) -> None:
+        self.seeds = list(range(seeds))
+        self.select = list(SELECT_SEEDS[:select])
+        self.arrivals_n = arrivals_n
+        self.rel_tol = rel_tol
+        self.probes: list[int] = []
+
+
+def cell_name(w: Workload, gpu: GpuType, n: int) -> str:
+    return f"{w.name}-{n}x{gpu.name}"
+
+
+def kinds_of(w: Workload) -> list:
+    return [k for k, _ in w.kinds + (w.later or ())]
+
+
+def caps(w, lay, mech, base, slos, seeds, plan, arrivals=None) -> list:
+    out = []
+    for s in seeds:
+        c = capacity_at_slo(
+            w,
+            lay,
+            mech,
+            base=base,
+            slos=slos,
+            seed=s,
+            arrivals=arrivals,
+            arrivals_n=plan.arrivals_n,
+            rel_tol=plan.rel_tol,
+        )
+        CONFIGS.extend(c.configs)
+        plan.probes.append(len(c.probes))
+        out.append(c)
+    return out
+
+
+def paired(a: list, b: list, key) -> tuple[float, float]:
+    """Mean of per-seed ratios key(b) / key(a) and its CI half-width (zero bases skipped)."""
+    xs = [key(y) / key(x) for x, y in zip(a, b, strict=True) if key(x) > 0]
+    return mean_ci(xs)
+
+
+def candidates(w: Workload, gpu: GpuType, n: int) -> list[Layout]:
+    """Every split swept: E+V on 1..4 DiT GPUs (fractional), 1..n/2 aux GPUs."""
+    auxes = sorted({1, 2, 3, 4, 6, 8, 12, 16, default_aux(w, n)} & set(range(1, n // 2 + 1)))
+    hosts = (1, 2) if n <= 8 else (1, 2, 4)
+    return [Layout("disaggregated", n, aux=0, hosts=h, gpu=gpu) for h in hosts] + [
+        Layout("disaggregated", n, aux=a, gpu=gpu) for a in auxes
+    ]
+
+
+def latencies(w, lay, mech, rate, seed, plan, base) -> dict[str, float]:
+    """P50 / P99 time to first frame (interactive requests; every request when the mix
+    has none) and end-to-end latency (every request) at ``rate``."""
+    warm_min = 2 * max(base[k.name] for k in kinds_of(w))
+    horizon, warm = steady_horizon(rate, plan.arrivals_n, 0.25, warm_min)
+    r = simulate(w, lay, mech, rate=rate, horizon=horizon, warmup=warm, seed=seed)
+    CONFIGS.append(r.config)
+    arrived = [x for x in r.records if warm <= x.submitted < horizon]
+    inter = [x for x in arrived if x.kind.slo_class == "interactive"] or arrived
+    ttff = [x.ttff - x.submitted for x in inter if x.ttff is not None]
+    e2e = [x.done - x.submitted for x in arrived if x.done is not None]
+    return {
+        "p50_ttff_s": quantile(ttff, 0.5),
+        "p99_ttff_s": quantile(ttff, 0.99),
+        "p50_latency_s": quantile(e2e, 0.5),
+        "p99_latency_s": quantile(e2e, 0.99),
+    }
+
+
+CELL_STATE: dict[str, dict[str, Any]] = {}
+
+
+def memory_report(w: Workload, lay: Layout) -> dict[str, Any]:
+    """Which GPU holds which weights for the whole mix, and whether it fits its usable
+    memory (an untiled decode peak counts once: one decode runs at a time). The
+    simulator does not model switching models: a GPU is assumed to hold every model
+    of the mix; ``fits`` says whether that assumption is physical."""
+    ks = list({k.name: k for k in kinds_of(w)}.values())  # each model once
+    enc = sum(k.encoder_gb for k in ks)
+    dit = sum(k.dit_gb for k in ks)
+    vae = max(k.vae_peak_gb for k in ks)
+    roles: dict[str, tuple[float, GpuType]] = {}
+    if lay.mode == "colocated":
+        roles["colocated"] = (enc + dit + vae, lay.gpu)
+    elif lay.aux == 0:
+        roles["E+V+DiT host"] = (enc + dit + vae, lay.gpu)
+        roles["denoise"] = (dit, lay.gpu)
+    else:
+        roles["denoise"] = (dit, lay.gpu)
+        roles["encode+decode"] = (enc + vae, lay.aux_type)
+    return {
+        role: {"needs_gb": need, "usable_gb": gpu.usable_gb, "fits": need <= gpu.usable_gb}
+        for role, (need, gpu) in roles.items()
+    }
+
+
+def side(c: list, slos) -> dict[str, Any]:
+    out: dict[str, Any] = {"price_per_hour": c[0].price_per_hour}
+    for slo in slos:
+        m, h = mean_ci([x.per_gpu(slo) for x in c])
+        out[f"per_gpu_{slo.label}"], out[f"per_gpu_{slo.label}_ci95"] = m, h
+    out["cannot_fit"] = sorted({u for x in c for u in x.cannot_fit})
+    return out
+
+
+def capacity_cell(w: Workload, gpu: GpuType, n: int, plan: Plan) -> dict[str, Any]:
+    name = cell_name(w, gpu, n)
+    base = slo_base(kinds_of(w), gpu)
+    colo = Layout("colocated", n, gpu=gpu)
+    sel = {}
+    for lay in candidates(w, gpu, n):
+        got = caps(w, lay, None, base, (HEADLINE,), plan.select, plan)
+        sel[lay.split] = (statistics.fmean(c.rate[HEADLINE] for c in got) / n, lay)
+    best = max(sel.values(), key=lambda v: v[0])[1]
+    rule = Layout("disaggregated", n, aux=default_aux(w, n), gpu=gpu)
+    log(f"capacity: {name}: best split {best.split} (sizing rule {rule.split})")
+    c = caps(w, colo, None, base, SLOS, plan.seeds, plan)
+    b = caps(w, best, None, base, SLOS, plan.seeds, plan)
+    rl = b if rule.split == best.split else caps(w, rule, None, base, (HEADLINE,), plan.seeds, plan)
+    ratio = {s.label: paired(c, b, lambda x, s=s: x.per_gpu(s)) for s in SLOS}
+    per_cost = paired(c, b, lambda x: x.per_usd_hour(HEADLINE))
+    rule_ratio = paired(c, rl, lambda x: x.per_gpu(HEADLINE))
+    lat_c, lat_b = [], []
+    for i, s in enumerate(plan.seeds):
+        rate = min(c[i].rate[HEADLINE], b[i].rate[HEADLINE])
+        if rate > 0:
+            lat_c.append(latencies(w, colo, None, rate, s, plan, base))
+            lat_b.append(latencies(w, best, None, rate, s, plan, base))
+    lat = {}
+    for key in ("p50_ttff_s", "p99_ttff_s", "p50_latency_s", "p99_latency_s"):
+        lat[key + "_colocated"] = statistics.fmean(x[key] for x in lat_c) if lat_c else None
+        lat[key + "_disaggregated"] = statistics.fmean(x[key] for x in lat_b) if lat_b else None
+        lat[key.replace("_s", "_ratio")] = paired(lat_c, lat_b, lambda x, k=key: x[k])
+    CELL_STATE[name] = {"w": w, "gpu": gpu, "n": n, "base": base, "colo": c, "best": best}
+    r, h = ratio[HEADLINE.label]
+    return {
+        "part": "capacity",
+        "cell": name,
+        "workload": w.name,
+        "gpu": gpu.name,
+        "gpus": n,
+        "slo_base_s": base,
+        "best_split": best.split,
+        "sizing_rule_split": rule.split,
+        "memory": {"colocated": memory_report(w, colo), "disaggregated": memory_report(w, best)},
+        "selection": {k: v[0] for k, v in sel.items()},
+        "colocated": side(c, SLOS),
+        "disaggregated": side(b, SLOS),
+        "capacity_ratio": {k: v[0] for k, v in ratio.items()},
+        "capacity_ratio_ci95": {k: v[1] for k, v in ratio.items()},
+        "capacity_ratio_per_cost": per_cost[0],
+        "capacity_ratio_per_cost_ci95": per_cost[1],
+        "sizing_rule_ratio": rule_ratio[0],
+        "sizing_rule_ratio_ci95": rule_ratio[1],
+        "latency_at_common_rate": lat,
+        "verdict": verdict(r, h),
+        "sizing_rule_verdict": verdict(*rule_ratio),
+    }
+
+
+def lightx2v(requests: int = 100) -> list[dict[str, Any]]:
+    """Closed loop, 100 requests, concurrency = the DiT workers; nothing cached; every
+    split the blog measured; and both sides with no memory limit (an RTX 4090 with
+    unbounded memory: no offload anywhere)."""
+    rows = []
+    unbounded = replace(RTX_4090, name="rtx4090-unbounded", memory_gb=1e9)
+    for kind in (QWEN_4090, QWEN_4090_50):
+        w = Workload(kind.name, ((kind, 1.0),), prompt_repeat=0.0, cache_negative=False)
+        base: dict[int, float] = {}
+        for setting, (dits, aux, measured) in LIGHTX2V_SPLITS.items():
+            for gpu in (RTX_4090, unbounded):
+                if gpu is unbounded and setting not in ("8:0", "7:1"):
+                    continue
+                total = dits + aux
+                if aux == 0:
+                    lay, mech = Layout("colocated", total, gpu=gpu), Mechanisms.none()
+                else:
+                    lay, mech = Layout("disaggregated", total, aux=aux, gpu=gpu), Mechanisms()
+                r = simulate(w, lay, mech, closed_loop=(dits, requests))
+                CONFIGS.append(r.config)
+                lats = sorted(x.done - x.submitted for x in r.records)
+                qps = len(r.records) / r.makespan
+                key = total * 10 + (gpu is unbounded)
+                if aux == 0:
+                    base[key] = qps
+                rows.append(
+                    {
+                        "part": "lightx2v",
+                        "steps": kind.steps,
+                        "setting": setting,
+                        "memory": "unbounded" if gpu is unbounded else "24 GB",
+                        "qps": qps,
+                        "qps_ratio": qps / base[key],
+                        "p50_latency_s": lats[len(lats) // 2],
+                        "measured_qps": measured if gpu is RTX_4090 else None,
+                        "measured_p50_s": LIGHTX2V_P50.get(setting) if gpu is RTX_4090 else None,
+                    }
+                )
+    return rows
+
+
 def parity() -> list[dict[str, Any]]:
     rows = []
     for kind in (WAN_720P, QWEN_1024, FLUX_1024):
@@ -185,144 +380,123 @@ def parity() -> list[dict[str, Any]]:
     return rows
 
 
-def lightx2v(requests: int = 100) -> list[dict[str, Any]]:
-    """workloads.md §7.1: 100 requests, concurrency = the number of DiT workers (§9);
-    nothing cached (LightX2V has no embedding cache), at 8 and 50 steps."""
+def headline_pair(st: dict, lay: Layout, mech, plan: Plan, arrivals=None, base_caps=None):
+    """Headline capacities of ``lay`` on the cell's judging seeds, and the paired ratio
+    against ``base_caps`` (default: the cell's colocated capacities)."""
+    got = caps(st["w"], lay, mech, st["base"], (HEADLINE,), plan.seeds, plan, arrivals)
+    ref = base_caps if base_caps is not None else st["colo"]
+    return got, paired(ref, got, lambda x: x.per_gpu(HEADLINE))
+
+
+def arrivals_part(plan: Plan) -> list[dict[str, Any]]:
     rows = []
-    for kind in (QWEN_4090, QWEN_4090_50):
-        w = Workload(kind.name, ((kind, 1.0),), prompt_repeat=0.0, cache_negative=False)
-        setups = [
-            ("8:0", Layout("colocated", 8, gpu=RTX_4090), Mechanisms.none(), 8),
-            ("7:1", Layout("disaggregated", 8, aux=1, gpu=RTX_4090), Mechanisms(), 7),
-            (
-                "7:1 without fit_memory",
-                Layout("disaggregated", 8, aux=1, gpu=RTX_4090),
-                Mechanisms().without("fit_memory"),
-                7,
-            ),
-        ]
-        base = None
-        for name, lay, mech, conc in setups:
-            r = simulate(w, lay, mech, closed_loop=(conc, requests))
-            CONFIGS.append(r.config)
-            lats = sorted(x.done - x.submitted for x in r.records)
-            qps = len(r.records) / r.makespan
-            base = base or qps
-            meas = LIGHTX2V_MEASURED.get(name, {})
+    for w_name, gpu_name, n in ARRIVAL_CELLS:
+        st = CELL_STATE.get(f"{w_name}-{n}x{gpu_name}")
+        if st is None:
+            continue
+        for proc in (Bursty(), Diurnal()):
+            log(f"arrivals: {w_name} {n} {proc.name}")
+            colo = Layout("colocated", n, gpu=st["gpu"])
+            c, _ = headline_pair(st, colo, None, plan, proc)
+            b, (r, h) = headline_pair(st, st["best"], None, plan, proc, base_caps=c)
+            cv = proc.cv(1.0) if isinstance(proc, Bursty) else None
             rows.append(
                 {
-                    "part": "lightx2v",
-                    "steps": kind.steps,
-                    "setting": name,
-                    "qps": qps,
-                    "qps_ratio": qps / base,
-                    "p50_latency_s": lats[len(lats) // 2],
-                    "measured_qps": meas.get("qps"),
-                    "measured_p50_s": meas.get("p50_s"),
-                }
-            )
-    return rows
-
-
-def matrix(seeds: list[int]) -> list[dict[str, Any]]:
-    rows = []
-    for w in WORKLOADS:
-        for g in SCALES:
-            aux = default_aux(w, g)
-            for load in LOADS:
-                log(f"matrix: {w.name} {g} GPUs load {load:.2f} (aux {aux})")
-                c = over_seeds(w, Layout("colocated", g), Mechanisms.none(), load, seeds)
-                d = over_seeds(w, Layout("disaggregated", g, aux=aux), Mechanisms(), load, seeds)
-                gr, gh = paired_ratio(c, d, "goodput_rps")
-                tr, th = paired_ratio(c, d, "p99_ttff_s")
-                rows.append(
-                    {
-                        "part": "matrix",
-                        "workload": w.name,
-                        "gpu": "h100",
-                        "gpus": g,
-                        "aux": aux,
-                        "load": load,
-                        "colocated": c,
-                        "disaggregated": d,
-                        "goodput_ratio": gr,
-                        "goodput_ratio_ci95": gh,
-                        "p99_ttff_ratio": tr,
-                        "p99_ttff_ratio_ci95": th,
-                        "verdict": verdict(gr, gh),
-                    }
-                )
-    return rows
-
-
-def cost(seeds: list[int]) -> list[dict[str, Any]]:
-    g, load = ABLATION_AT
-    w = MIXED
-    aux = default_aux(w, g)
-    c = over_seeds(w, Layout("colocated", g), Mechanisms.none(), load, seeds)
-    rows = []
-    for aux_gpu in (H100, L40S):
-        for n in (aux, 2 * aux):
-            lay = Layout("disaggregated", g, aux=n, aux_gpu=aux_gpu)
-            log(f"cost: {g - n} H100 denoise : {n} {aux_gpu.name} aux")
-            d = over_seeds(w, lay, Mechanisms(), load, seeds)
-            r, h = paired_ratio(c, d, "goodput_per_usd_hour")
-            rows.append(
-                {
-                    "part": "cost",
-                    "workload": w.name,
-                    "gpus": g,
-                    "load": load,
-                    "layout": f"{g - n} h100 : {n} {aux_gpu.name}",
-                    "colocated": c,
-                    "disaggregated": d,
-                    "goodput_per_cost_ratio": r,
-                    "goodput_per_cost_ratio_ci95": h,
+                    "part": "arrivals",
+                    "cell": f"{w_name}-{n}x{gpu_name}",
+                    "arrivals": proc.name,
+                    "params": asdict(proc),
+                    "gap_cv": cv,
+                    "split": st["best"].split,
+                    "colocated_per_gpu": statistics.fmean(x.per_gpu(HEADLINE) for x in c),
+                    "disaggregated_per_gpu": statistics.fmean(x.per_gpu(HEADLINE) for x in b),
+                    "capacity_ratio": r,
+                    "capacity_ratio_ci95": h,
                     "verdict": verdict(r, h),
                 }
             )
     return rows
 
 
-def ablation(seeds: list[int]) -> list[dict[str, Any]]:
-    g, load = ABLATION_AT
-    w = MIXED
-    aux = default_aux(w, g)
-    dis = Layout("disaggregated", g, aux=aux)
-    log(f"ablation: mixed {g} GPUs load {load}")
-    on = over_seeds(w, dis, Mechanisms(), load, seeds)
-    colo = over_seeds(w, Layout("colocated", g), Mechanisms.none(), load, seeds)
-    rows = [
-        {"part": "ablation", "setting": "disaggregated, all on", "switch": None, **on},
-        {"part": "ablation", "setting": "colocated", "switch": None, **colo},
-    ]
+def cost_part(plan: Plan) -> list[dict[str, Any]]:
+    rows = []
+    for w_name, gpu_name, n in COST_CELLS:
+        cell = f"{w_name}-{n}x{gpu_name}"
+        st = CELL_STATE.get(cell)
+        if st is None:
+            continue
+        a = st["best"].aux or default_aux(st["w"], n)
+        for aux_gpu in (H100, L40S):
+            for k in (a, 2 * a):
+                lay = Layout("disaggregated", n, aux=k, gpu=st["gpu"], aux_gpu=aux_gpu)
+                log(f"cost: {cell} {lay.split}")
+                got, _ = headline_pair(st, lay, None, plan)
+                r, h = paired(st["colo"], got, lambda x: x.per_usd_hour(HEADLINE))
+                rows.append(
+                    {
+                        "part": "cost",
+                        "cell": cell,
+                        "layout": f"{cell}: {n - k} {st['gpu'].name} + {k} {aux_gpu.name}",
+                        "price_per_hour": got[0].price_per_hour,
+                        "colocated_price_per_hour": st["colo"][0].price_per_hour,
+                        "capacity_per_cost_ratio": r,
+                        "capacity_per_cost_ratio_ci95": h,
+                        "verdict": verdict(r, h),
+                    }
+                )
+    return rows
+
+
+def ablation_part(plan: Plan) -> list[dict[str, Any]]:
+    w_name, gpu_name, n = ABLATION_CELL
+    cell = f"{w_name}-{n}x{gpu_name}"
+    st = CELL_STATE.get(cell)
+    if st is None:
+        return []
+    rows = []
+    a = st["best"].aux or default_aux(st["w"], n)
+    on_lay = Layout("disaggregated", n, aux=a, gpu=st["gpu"])
+    log(f"ablation: {cell} at {on_lay.split}")
+    on, _ = headline_pair(st, on_lay, Mechanisms(), plan)
     for m in MECHS:
-        off = over_seeds(w, dis, Mechanisms().without(m), load, seeds)
-        r, h = paired_ratio(on, off, "goodput_rps")
-        t, _ = paired_ratio(on, off, "p99_ttff_s")
+        _, (r, h) = headline_pair(st, on_lay, Mechanisms().without(m), plan, base_caps=on)
         rows.append(
             {
                 "part": "ablation",
-                "setting": f"disaggregated without {m}",
+                "cell": cell,
+                "split": on_lay.split,
                 "switch": m,
-                **off,
-                "goodput_change": r - 1,
-                "goodput_change_ci95": h,
-                "p99_ttff_change": t - 1,
+                "capacity_change": r - 1,
+                "capacity_change_ci95": h,
             }
         )
-    cc = over_seeds(w, Layout("colocated", g), Mechanisms(cross_instance_cache=True), load, seeds)
-    r, h = paired_ratio(colo, cc, "goodput_rps")
-    t, _ = paired_ratio(colo, cc, "p99_ttff_s")
+    # sharing at the same GPU count: one aux GPU per node, shared or per node
+    nodes = max(1, n // on_lay.node_gpus)
+    same = Layout("disaggregated", n, aux=nodes, gpu=st["gpu"])
+    sh_on, _ = headline_pair(st, same, Mechanisms(), plan)
+    _, (r, h) = headline_pair(
+        st, same, Mechanisms().without("shared_decode"), plan, base_caps=sh_on
+    )
     rows.append(
         {
             "part": "ablation",
-            "setting": "colocated with cross_instance_cache",
+            "cell": cell,
+            "split": same.split,
+            "switch": "shared_decode",
+            "capacity_change": r - 1,
+            "capacity_change_ci95": h,
+        }
+    )
+    colo = Layout("colocated", n, gpu=st["gpu"])
+    _, (r, h) = headline_pair(st, colo, Mechanisms(cross_instance_cache=True), plan)
+    rows.append(
+        {
+            "part": "ablation",
+            "cell": cell,
+            "split": colo.split,
             "switch": "colocated+cross_instance_cache",
-            **cc,
-            "goodput_change": r - 1,
-            "goodput_change_ci95": h,
-            "p99_ttff_change": t - 1,
+            "capacity_change": r - 1,
+            "capacity_change_ci95": h,
         }
     )
     return rows
@@ -337,10 +511,78 @@ def pm(x: float, h: float, spec: str = ".2f") -> str:
     return f"{f(x, spec)} ± {f(h, spec)}"
 
 
-def markdown(rows: list[dict], sched: Scheduler) -> str:
+def verdict_lines(rows: list[dict]) -> list[str]:
+    """One generated sentence per verdict: where disaggregation loses, ties, wins."""
+    cap = [r for r in rows if r["part"] == "capacity"]
+    out = []
+    for v in ("lose", "tie", "win"):
+        cells = [
+            f"{r['cell']} ({r['capacity_ratio'][HEADLINE.label]:.2f}x at {r['best_split']})"
+            for r in cap
+            if r["verdict"] == v
+        ]
+        out.append(f"- **{v}** ({len(cells)}): {', '.join(cells) or 'none'}")
+    return out
+
+
+def markdown(rows: list[dict], sched: Scheduler, plan: Plan, smoke: bool) -> str:
+    h = HEADLINE.label
     out = [
         f"Scheduler (both layouts): {asdict(sched)}; changed from the shipped core: "
-        f"{sched.changed() or 'nothing'}",
+        f"{sched.changed() or 'nothing'}. "
+        + ("**Smoke run** (fewer seeds): verdicts are the full run's, not these. " if smoke else "")
+        + f"{len(plan.seeds)} judging seeds, {len(plan.select)} split-choosing seeds, "
+        f"{plan.arrivals_n} arrivals per probe after the warm-up.",
+        "",
+        f"### Capacity at SLO ({h}: the highest rate at which 90 % of requests finish "
+        "within 1.5 x their base latency), disaggregated at its best split / colocated",
+        "",
+        *verdict_lines(rows),
+        "",
+        "| cell | best split | C req/s/GPU | D req/s/GPU | D/C per GPU | per cost | verdict "
+        "| D/C at 1.0x | 1.25x | 1.5x@99% | 3x | sizing rule | rule D/C "
+        "| P99 TTFF C / D s | P99 E2E C / D s |",
+        "|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---|---:|---:|---:|",
+    ]
+    for r in (x for x in rows if x["part"] == "capacity"):
+        c, d, cr, lat = (
+            r["colocated"],
+            r["disaggregated"],
+            r["capacity_ratio"],
+            r["latency_at_common_rate"],
+        )
+        ci = r["capacity_ratio_ci95"]
+        out.append(
+            f"| {r['cell']} | {r['best_split']} | {f(c['per_gpu_' + h], '.4g')} "
+            f"| {f(d['per_gpu_' + h], '.4g')} | {pm(cr[h], ci[h])} "
+            f"| {pm(r['capacity_ratio_per_cost'], r['capacity_ratio_per_cost_ci95'])} "
+            f"| {r['verdict']} | {f(cr['1x@90%'], '.2f')} | {f(cr['1.25x@90%'], '.2f')} "
+            f"| {f(cr['1.5x@99%'], '.2f')} | {f(cr['3x@90%'], '.2f')} "
+            f"| {r['sizing_rule_split']} "
+            f"| {pm(r['sizing_rule_ratio'], r['sizing_rule_ratio_ci95'])} "
+            f"| {f(lat['p99_ttff_s_colocated'], '.1f')} / "
+            f"{f(lat['p99_ttff_s_disaggregated'], '.1f')} "
+            f"| {f(lat['p99_latency_s_colocated'], '.1f')} / "
+            f"{f(lat['p99_latency_s_disaggregated'], '.1f')} |"
+        )
+    out += [
+        "",
+        "### Memory: what each GPU must hold for the whole mix (every model resident; "
+        "switching models is not modelled)",
+        "",
+        "| cell | side | GPU role | needs GB | usable GB | fits untiled | cannot fit (no measured "
+        "offload time) |",
+        "|---|---|---|---:|---:|---|---|",
+    ]
+    for r in (x for x in rows if x["part"] == "capacity"):
+        for sd in ("colocated", "disaggregated"):
+            for role, m in r["memory"][sd].items():
+                out.append(
+                    f"| {r['cell']} | {sd} | {role} | {m['needs_gb']:.1f} | {m['usable_gb']:.1f} "
+                    f"| {'yes' if m['fits'] else '**no**'} "
+                    f"| {', '.join(r[sd]['cannot_fit']) or '-'} |"
+                )
+    out += [
         "",
         "### Single-request parity and calibration (one request alone, H100)",
         "",
@@ -358,156 +600,169 @@ def markdown(rows: list[dict], sched: Scheduler) -> str:
         )
     out += [
         "",
-        "### LightX2V's 8 x RTX 4090 Qwen-Image setting, step sweep (measured: 8:0 0.18 QPS, "
-        "P50 22 s; 7:1 0.34 QPS, P50 17 s)",
+        "### LightX2V's RTX 4090 Qwen-Image setting: every measured split (closed loop, "
+        "100 requests)",
         "",
-        "| steps | setting | QPS | QPS ratio | P50 s | measured QPS | measured P50 s |",
-        "|---:|---|---:|---:|---:|---:|---:|",
+        "| steps | setting | memory | QPS | QPS / colocated | P50 s | measured QPS "
+        "| measured P50 s |",
+        "|---:|---|---|---:|---:|---:|---:|---:|",
     ]
     for r in (x for x in rows if x["part"] == "lightx2v"):
         out.append(
-            f"| {r['steps']} | {r['setting']} | {r['qps']:.3f} | {r['qps_ratio']:.2f} "
-            f"| {r['p50_latency_s']:.1f} | {f(r['measured_qps'])} | {f(r['measured_p50_s'])} |"
+            f"| {r['steps']} | {r['setting']} | {r['memory']} | {r['qps']:.3f} "
+            f"| {r['qps_ratio']:.2f} | {r['p50_latency_s']:.1f} | {f(r['measured_qps'])} "
+            f"| {f(r['measured_p50_s'])} |"
         )
     out += [
         "",
-        "### Where disaggregation wins, ties and loses (H100, equal GPU count; ± 95 % CI "
-        "over seeds)",
+        f"### Arrival shape ({h}, best Poisson split)",
         "",
-        "| workload | GPUs | aux | load | C goodput/s | D goodput/s | goodput D/C | verdict "
-        "| C P99 TTFF s | D P99 TTFF s | TTFF D/C |",
-        "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|",
+        "| cell | arrivals | gap CV | split | C req/s/GPU | D req/s/GPU | D/C | verdict |",
+        "|---|---|---:|---|---:|---:|---:|---|",
     ]
-    for r in (x for x in rows if x["part"] == "matrix"):
-        c, d = r["colocated"], r["disaggregated"]
+    for r in (x for x in rows if x["part"] == "arrivals"):
         out.append(
-            f"| {r['workload']} | {r['gpus']} | {r['aux']} | {r['load']:.0%} "
-            f"| {f(c['goodput_rps'], '.4g')} | {f(d['goodput_rps'], '.4g')} "
-            f"| {pm(r['goodput_ratio'], r['goodput_ratio_ci95'])} | {r['verdict']} "
-            f"| {f(c['p99_ttff_s'], '.1f')} | {f(d['p99_ttff_s'], '.1f')} "
-            f"| {pm(r['p99_ttff_ratio'], r['p99_ttff_ratio_ci95'])} |"
+            f"| {r['cell']} | {r['arrivals']} | {f(r['gap_cv'], '.2f')} | {r['split']} "
+            f"| {r['colocated_per_gpu']:.4g} | {r['disaggregated_per_gpu']:.4g} "
+            f"| {pm(r['capacity_ratio'], r['capacity_ratio_ci95'])} | {r['verdict']} |"
         )
     out += [
         "",
-        "### Heterogeneous pools: goodput per GPU-hour price (mixed, "
-        f"{ABLATION_AT[0]} GPUs, {ABLATION_AT[1]:.0%} load)",
+        f"### Heterogeneous pools: capacity per GPU-hour price ({h}) against colocated",
         "",
-        "| layout | price $/h | goodput/s | goodput per $/h (x3600) | vs colocated | verdict |",
-        "|---|---:|---:|---:|---:|---|",
+        "| layout | price $/h | colocated $/h | D/C per cost | verdict |",
+        "|---|---:|---:|---:|---|",
     ]
-    cst = [x for x in rows if x["part"] == "cost"]
-    if cst:
-        c = cst[0]["colocated"]
+    for r in (x for x in rows if x["part"] == "cost"):
         out.append(
-            f"| colocated 64 h100 | {c['price_per_hour']:.1f} | {c['goodput_rps']:.4g} "
-            f"| {c['goodput_per_usd_hour']:.4g} | 1 | - |"
-        )
-    for r in cst:
-        d = r["disaggregated"]
-        out.append(
-            f"| {r['layout']} | {d['price_per_hour']:.1f} | {d['goodput_rps']:.4g} "
-            f"| {d['goodput_per_usd_hour']:.4g} "
-            f"| {pm(r['goodput_per_cost_ratio'], r['goodput_per_cost_ratio_ci95'])} "
+            f"| {r['layout']} | {r['price_per_hour']:.1f} | {r['colocated_price_per_hour']:.1f} "
+            f"| {pm(r['capacity_per_cost_ratio'], r['capacity_per_cost_ratio_ci95'])} "
             f"| {r['verdict']} |"
         )
     out += [
         "",
-        f"### Ablation: mixed, {ABLATION_AT[0]} GPUs, {ABLATION_AT[1]:.0%} load "
-        "(each mechanism off for disaggregated)",
+        f"### Ablation: capacity change with each mechanism off ({h})",
         "",
-        "| setting | goodput/s | goodput change | SLO met | P99 TTFF s | P99 TTFF change "
-        "| preemptions |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| cell | split | switch off | capacity change |",
+        "|---|---|---|---:|",
     ]
     for r in (x for x in rows if x["part"] == "ablation"):
-        ch = pm(r["goodput_change"], r["goodput_change_ci95"], "+.1%") if r["switch"] else "-"
         out.append(
-            f"| {r['setting']} | {r['goodput_rps']:.4g} | {ch} | {r['slo_met']:.1%} "
-            f"| {r['p99_ttff_s']:.1f} | {f(r.get('p99_ttff_change'), '+.1%')} "
-            f"| {r['preemptions']} |"
+            f"| {r['cell']} | {r['split']} | {r['switch']} "
+            f"| {pm(r['capacity_change'], r['capacity_change_ci95'], '+.1%')} |"
         )
     return "\n".join(out)
 
 
-def summarize_rows(rows: list[dict], sched: Scheduler) -> dict[str, Any]:
-    def mrow(w: str, g: int, load: float) -> dict:
-        return next(
-            r
-            for r in rows
-            if r["part"] == "matrix" and (r["workload"], r["gpus"], r["load"]) == (w, g, load)
-        )
+def full_verdicts(path: str) -> dict[str, Any] | None:
+    """The verdicts of the committed full run, if ``path`` holds one."""
+    try:
+        with open(path) as fh:
+            doc = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    s = doc.get("summary", {})
+    if s.get("smoke_run", True):
+        return None
+    return {"verdicts": s.get("verdicts"), "verdict": s.get("verdict")}
 
-    head = mrow(*HEADLINE)
-    lx = {(r["steps"], r["setting"]): r for r in rows if r["part"] == "lightx2v"}
+
+def summarize_rows(rows: list[dict], sched: Scheduler, plan: Plan, smoke: bool) -> dict:
+    h = HEADLINE.label
+    cap = {r["cell"]: r for r in rows if r["part"] == "capacity"}
+    lx = {(r["steps"], r["setting"], r["memory"]): r for r in rows if r["part"] == "lightx2v"}
     par = [r for r in rows if r["part"] == "parity"]
-    ab = [r for r in rows if r["part"] == "ablation" and r["switch"]]
     cst = [r for r in rows if r["part"] == "cost"]
-    best = max(cst, key=lambda r: r["goodput_per_cost_ratio"])
-    verdicts = [r["verdict"] for r in rows if r["part"] == "matrix"]
+    best_cost = max(cst, key=lambda r: r["capacity_per_cost_ratio"]) if cst else None
+    own = {v: sum(r["verdict"] == v for r in cap.values()) for v in ("win", "tie", "lose")}
+    lx_cell = cell_name(QWEN4090, RTX_4090, 8)
+    calib = {
+        name: {
+            "simulated_qps": lx[(8, name, "24 GB")]["qps"],
+            "measured_qps": meas,
+            "relative_error": lx[(8, name, "24 GB")]["qps"] / meas - 1,
+        }
+        for name, (_, _, meas) in LIGHTX2V_SPLITS.items()
+    }
+    probes = statistics.fmean(plan.probes) if plan.probes else 0.0
     summary: dict[str, Any] = {
         "same_scheduler": len({repr(c) for c in CONFIGS}) == 1,
         "scheduler": {**asdict(sched), "changed_from_shipped": sched.changed()},
-        "goodput_ratio_mixed": head["goodput_ratio"],
-        "goodput_ratio_mixed_ci95": head["goodput_ratio_ci95"],
-        "goodput_per_cost_ratio_best": best["goodput_per_cost_ratio"],
-        "goodput_per_cost_best_layout": best["layout"],
-        "p99_ttff_ratio_interactive_80pct": head["p99_ttff_ratio"],
+        "smoke_run": smoke,
+        "verdicts_from_full": smoke,
+        "seeds": {
+            "judging": len(plan.seeds),
+            "choosing_split": len(plan.select),
+            "arrivals_per_probe": plan.arrivals_n,
+            "probes_per_search_mean": probes,
+            "arrivals_per_verdict": round(2 * len(plan.seeds) * probes * plan.arrivals_n),
+        },
+        "steady_state": (
+            "warm-up excluded: each probe measures arrivals_per_probe arrivals after a "
+            "warm-up of max(25 % of that window, 2 x the longest base latency); every "
+            "request runs to completion; no admission control"
+        ),
+        "slo_attainment_target": HEADLINE.target,
+        "slo_scale": HEADLINE.scale,
+        "slo_scales_swept": sorted({s.scale for s in SLOS}),
+        "slo_base": "per kind, the slower of its colocated and disaggregated latency alone",
+        "search": f"bisection to {plan.rel_tol:.0%} of the upper bound, then interpolation",
+        "capacity_ratio": {
+            k: {
+                "per_gpu": r["capacity_ratio"][h],
+                "per_gpu_ci95": r["capacity_ratio_ci95"][h],
+                "per_cost": r["capacity_ratio_per_cost"],
+                "per_cost_ci95": r["capacity_ratio_per_cost_ci95"],
+                "by_slo": r["capacity_ratio"],
+            }
+            for k, r in cap.items()
+        },
+        "best_split": {k: r["best_split"] for k, r in cap.items()},
+        "sizing_rule_split": {k: r["sizing_rule_split"] for k, r in cap.items()},
+        "sizing_rule_capacity_ratio": {k: r["sizing_rule_ratio"] for k, r in cap.items()},
+        "verdict": {k: r["verdict"] for k, r in cap.items()},
+        "verdicts": own,
+        "p99_ttff_ratio": {
+            k: r["latency_at_common_rate"]["p99_ttff_ratio"][0] for k, r in cap.items()
+        },
+        "p99_latency_ratio": {
+            k: r["latency_at_common_rate"]["p99_latency_ratio"][0] for k, r in cap.items()
+        },
+        "lightx2v_setting_capacity_ratio": (
+            cap[lx_cell]["capacity_ratio"][h] if lx_cell in cap else float("nan")
+        ),
+        "lightx2v_setting_qps_ratio": lx[(8, "7:1", "24 GB")]["qps_ratio"],
+        "lightx2v_setting_qps_ratio_50_steps": lx[(50, "7:1", "24 GB")]["qps_ratio"],
+        "no_memory_limit_ratio": lx[(8, "7:1", "unbounded")]["qps_ratio"],
+        "no_memory_limit_ratio_50_steps": lx[(50, "7:1", "unbounded")]["qps_ratio"],
+        "lightx2v_calibration_8_steps": calib,
         "single_request_latency_ratio": max(r["ratio"] for r in par),
-        "lightx2v_setting_qps_ratio": lx[(8, "7:1")]["qps_ratio"],
-        "lightx2v_setting_qps_ratio_50_steps": lx[(50, "7:1")]["qps_ratio"],
-        "lightx2v_baseline_qps_8_steps": lx[(8, "8:0")]["qps"],
-        "lightx2v_baseline_measured_qps": LIGHTX2V_MEASURED["8:0"]["qps"],
-        "mechanisms": {r["switch"]: r["goodput_change"] for r in ab},
-        "mechanisms_p99_ttff_change": {r["switch"]: r["p99_ttff_change"] for r in ab},
-        "mechanisms_at": f"mixed, {ABLATION_AT[0]} H100, {ABLATION_AT[1]:.0%} load",
-        "verdicts": {v: verdicts.count(v) for v in ("win", "tie", "lose")},
-        "headline_at": f"{HEADLINE[0]}, {HEADLINE[1]} H100, {HEADLINE[2]:.0%} load",
+        "capacity_per_cost_ratio_best": best_cost["capacity_per_cost_ratio"] if best_cost else None,
+        "capacity_per_cost_best_layout": best_cost["layout"] if best_cost else None,
+        "mechanisms": {r["switch"]: r["capacity_change"] for r in rows if r["part"] == "ablation"},
+        "memory_all_models_fit": {
+            k: {sd: all(m["fits"] for m in r["memory"][sd].values()) for sd in r["memory"]}
+            for k, r in cap.items()
+        },
+        "arrivals": {
+            f"{r['cell']} {r['arrivals']}": r["capacity_ratio"]
+            for r in rows
+            if r["part"] == "arrivals"
+        },
     }
-    for g in SCALES:
-        for load in LOADS:
-            summary[f"goodput_ratio_mixed_{g}gpu_{round(load * 100)}pct"] = mrow("mixed", g, load)[
-                "goodput_ratio"
-            ]
+    summary["verdict_sentence"] = ("Smoke run, not verdicts: " if smoke else "") + (
+        f"Verdicts over {len(cap)} cells at {HEADLINE.scale:g}x / {HEADLINE.target:.0%} "
+        f"({len(plan.seeds)} seeds): {own['win']} win, {own['tie']} tie, {own['lose']} lose."
+    )
+    summary["verdict_lines"] = verdict_lines(rows)
+    if smoke:
+        summary["smoke_verdicts"] = own
+        full = full_verdicts(
+            os.path.join(os.path.dirname(__file__), "..", "docs", "results", "sim.json")
+        )
+        if full is not None:
+            summary["verdicts"], summary["verdict"] = full["verdicts"], full["verdict"]
     return summary
-
-
-def plots(rows: list[dict], folder: str) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    os.makedirs(folder, exist_ok=True)
-    written = []
-    m = [r for r in rows if r["part"] == "matrix"]
-    fig, axes = plt.subplots(1, len(SCALES), figsize=(4.6 * len(SCALES), 3.6), squeeze=False)
-    for ax, g in zip(axes[0], SCALES, strict=True):
-        for w in WORKLOADS:
-            pts = sorted(
-                (r["load"], r["goodput_ratio"], r["goodput_ratio_ci95"])
-                for r in m
-                if r["gpus"] == g and r["workload"] == w.name
-            )
-            ax.errorbar(
-                [p[0] * 100 for p in pts],
-                [p[1] for p in pts],
-                yerr=[0 if math.isnan(p[2]) else p[2] for p in pts],
-                marker="o",
-                capsize=3,
-                label=w.name,
-            )
-        ax.axhline(1.0, color="grey", lw=0.8)
-        ax.set_title(f"{g} H100")
-        ax.set_xlabel("load (% of isolated capacity)")
-        ax.set_ylabel("goodput disaggregated / colocated")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = os.path.join(folder, "goodput_ratio_vs_load.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    written.append(path)
-    return written
 
 
 def machine_info() -> dict[str, Any]:
@@ -523,12 +778,13 @@ def machine_info() -> dict[str, Any]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n", 1)[0],
-        epilog="Every setting is the same with and without --quick; only the seeds differ.",
+        epilog="Every configuration is the same with and without --quick; only seeds differ.",
     )
-    p.add_argument("--quick", action="store_true", help="3 seeds instead of 8")
-    p.add_argument("--seeds", type=int, help="number of seeds (overrides --quick)")
+    p.add_argument("--quick", action="store_true", help="smoke run: 2 seeds, 1 to choose")
+    p.add_argument("--seeds", type=int, help="judging seeds (default 8; --quick 2)")
+    p.add_argument("--arrivals", type=int, default=ARRIVALS_N, help="arrivals per probe")
+    p.add_argument("--cells", nargs="*", help="only these cells (e.g. image-8xh100)")
     p.add_argument("--json", metavar="PATH", help="also write results as JSON here")
-    p.add_argument("--plots", metavar="DIR", help="write PNG plots into this folder")
     a = p.parse_args(argv)
     if a.seeds is not None and a.seeds < 1:
         p.error("--seeds must be >= 1")
@@ -538,21 +794,28 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     t0 = time.perf_counter()
-    n = a.seeds if a.seeds is not None else (3 if a.quick else 8)
-    seeds = list(range(n))
+    n = a.seeds if a.seeds is not None else (2 if a.quick else 8)
+    smoke = n < 8 or a.arrivals < ARRIVALS_N or bool(a.cells)
+    plan = Plan(n, 1 if smoke else len(SELECT_SEEDS), a.arrivals, REL_TOL)
     sched = Scheduler()
     CONFIGS.clear()
-    rows = parity() + lightx2v() + matrix(seeds) + cost(seeds) + ablation(seeds)
-    summary = summarize_rows(rows, sched)
-    print(markdown(rows, sched))
+    CELL_STATE.clear()
+    rows = parity() + lightx2v()
+    timing = {}
+    for w, gpu, g in CELLS:
+        name = cell_name(w, gpu, g)
+        if a.cells and name not in a.cells:
+            continue
+        t = time.perf_counter()
+        rows.append(capacity_cell(w, gpu, g, plan))
+        timing[name] = time.perf_counter() - t
+        log(f"  {name}: {timing[name]:.0f} s wall")
+    rows += arrivals_part(plan) + cost_part(plan) + ablation_part(plan)
+    summary = summarize_rows(rows, sched, plan, smoke)
+    md = markdown(rows, sched, plan, smoke)
+    print(md)
     total = time.perf_counter() - t0
-    print("\n| summary | value |\n|---|---:|")
-    for k, v in summary.items():
-        print(f"| {k} | {v:.3f} |" if isinstance(v, float) else f"| {k} | {v} |")
     print(f"\ntotal {total:.1f} s wall; every other number is simulated time")
-    written = plots(rows, a.plots) if a.plots else []
-    for p in written:
-        log(f"wrote {p}")
     if a.json:
         doc = {
             "bench": "sim",
@@ -560,21 +823,22 @@ def main(argv: list[str] | None = None) -> int:
             "config": {
                 "quick": a.quick,
                 "seeds": n,
-                "scales": list(SCALES),
-                "loads": list(LOADS),
-                "target_requests": TARGET_REQUESTS,
+                "select_seeds": plan.select,
+                "arrivals_per_probe": plan.arrivals_n,
+                "rel_tol": plan.rel_tol,
+                "slos": [asdict(s) for s in SLOS],
+                "cells": [cell_name(w, g, k) for w, g, k in CELLS],
                 "scheduler": asdict(sched),
-                "slo": "interactive 3 x isolated latency, batch 2 x (simulate/costs.py)",
                 "kinds": {
                     k.name: asdict(k)
                     for k in (WAN_720P, QWEN_1024, FLUX_1024, QWEN_4090, QWEN_4090_50)
                 },
                 "gpus": {g.name: asdict(g) for g in (H100, L40S, RTX_4090)},
+                "wall_seconds_per_cell": timing,
             },
             "rows": rows,
             "summary": summary,
-            "markdown": markdown(rows, sched),
-            "plots": written,
+            "markdown": md,
             "total_seconds": total,
         }
         with open(a.json, "w") as fh:

@@ -59,7 +59,7 @@ def test_both_layouts_run_one_scheduler_config():
 
 @pytest.mark.parametrize("kind", [WAN_720P, QWEN_1024, FLUX_1024], ids=lambda k: k.name)
 def test_one_request_alone_is_at_parity(kind):
-    """workloads.md §7: a split pipeline matches colocated single-request latency."""
+    """docs/sources.md: a split pipeline matches colocated single-request latency."""
     lat = {}
     for lay in (Layout("colocated", 8), Layout("disaggregated", 8, aux=1)):
         (rec,) = simulate(alone(kind), lay, closed_loop=(1, 1)).records
@@ -73,9 +73,13 @@ def test_one_request_alone_is_at_parity(kind):
 @pytest.mark.parametrize(
     ("kind", "lo", "hi"),
     [
-        (QWEN_1024, 12.77, 13.10),  # SGLang CI, 1 x H100, 50 steps (workloads.md §2.2, M)
-        (FLUX_1024, 4.30, 6.71),  # xDiT, 1 x H100, 28 steps, compiled / eager (§2.2, M)
-        (WAN_720P, 1041.5 * 0.99, 1041.5 * 1.01),  # Wan2.2-A14B, 1 x H100 (§0.2, D from M)
+        (QWEN_1024, 12.77, 13.10),  # SGLang CI, 1 x H100, 50 steps (docs/sources.md, M)
+        (FLUX_1024, 4.30, 6.71),  # xDiT, 1 x H100, 28 steps, compiled / eager (docs/sources.md, M)
+        (
+            WAN_720P,
+            1041.5 * 0.99,
+            1041.5 * 1.01,
+        ),  # Wan2.2-A14B, 1 x H100 (docs/sources.md, D from M)
     ],
     ids=lambda x: getattr(x, "name", None),
 )
@@ -85,7 +89,7 @@ def test_single_request_latency_matches_the_measurement(kind, lo, hi):
 
 
 def test_stage_shares_match_the_measurement():
-    """LightX2V on H100, Qwen-Image, 50 steps: E 1.0 %, D 96.2 %, V 1.2 % (§0.1, M)."""
+    """LightX2V on H100, Qwen-Image, 50 steps: E 1.0 %, D 96.2 %, V 1.2 % (docs/sources.md, M)."""
     k = QWEN_1024
     shares = (k.encode_s / k.isolated_s, k.denoise_s / k.isolated_s, k.decode_s / k.isolated_s)
     for got, want in zip(shares, (0.010, 0.962, 0.012), strict=True):
@@ -99,7 +103,7 @@ def lightx2v_qps(kind, lay, mech, conc):
 
 
 def test_lightx2v_baseline_calibrates_the_step_count():
-    """The measured 8:0 baseline (0.18 QPS, §7.1 M) is what 8 steps give, not 50."""
+    """The measured 8:0 baseline (0.18 QPS, docs/sources.md, M) is what 8 steps give, not 50."""
     base8 = lightx2v_qps(QWEN_4090, Layout("colocated", 8, gpu=RTX_4090), Mechanisms.none(), 8)
     base50 = lightx2v_qps(QWEN_4090_50, Layout("colocated", 8, gpu=RTX_4090), Mechanisms.none(), 8)
     assert 0.18 / 1.25 <= base8 <= 0.18 * 1.25
@@ -112,6 +116,57 @@ def test_lightx2v_gain_comes_from_memory():
     split = lightx2v_qps(QWEN_4090, lay, Mechanisms(), 7)
     still = lightx2v_qps(QWEN_4090, lay, Mechanisms().without("fit_memory"), 7)
     assert split > base > still  # without the memory it frees, the split alone loses
+
+
+# LightX2V blog (docs/sources.md): Qwen-Image-2512 T2I, 100 requests, RTX 4090s.
+# (DiT GPUs, Encode GPUs, measured QPS, the same-size colocated baseline's QPS).
+LIGHTX2V_OTHER_SPLITS = {
+    "4:4": (4, 4, 0.20, 0.18),
+    "5:3": (5, 3, 0.25, 0.18),
+    "6:2": (6, 2, 0.30, 0.18),
+    "7:1": (7, 1, 0.34, 0.18),
+    "2:2 (4 GPUs, centralized)": (2, 2, 0.096, 0.092),
+    "3:1 (4 GPUs, centralized)": (3, 1, 0.15, 0.092),
+}
+#: Stated tolerance, not fitted: the simulated gain over the same-size colocated run is
+#: within 15 % of the measured gain. Absolute QPS: the simulator models no serving
+#: overhead (HTTP, queues, Python), so it may only overestimate, by at most 35 %.
+RATIO_TOLERANCE = 0.15
+QPS_ABOVE_AT_MOST = 1.35
+
+
+@pytest.mark.parametrize("split", list(LIGHTX2V_OTHER_SPLITS))
+def test_lightx2v_other_splits_out_of_sample(split):
+    """Only 8:0 at 8 steps set anything (the step count); every other split is a check."""
+    dits, enc, measured, measured_base = LIGHTX2V_OTHER_SPLITS[split]
+    n = dits + enc
+    base = lightx2v_qps(QWEN_4090, Layout("colocated", n, gpu=RTX_4090), Mechanisms.none(), n)
+    lay = Layout("disaggregated", n, aux=enc, gpu=RTX_4090)
+    qps = lightx2v_qps(QWEN_4090, lay, Mechanisms(), dits)
+    assert qps / base == pytest.approx(measured / measured_base, rel=RATIO_TOLERANCE)
+    assert measured <= qps <= measured * QPS_ABOVE_AT_MOST
+
+
+def test_lightx2v_centralized_7_1_is_outside_the_model():
+    """The blog's centralized three-stage queue measured 0.24 QPS at 7:1 (1.33x): the
+    simulator has no model of that queue's overhead and lands at the decentralized
+    figure. This pins the documented miss (docs/evaluation.md, Calibration)."""
+    base = lightx2v_qps(QWEN_4090, Layout("colocated", 8, gpu=RTX_4090), Mechanisms.none(), 8)
+    lay = Layout("disaggregated", 8, aux=1, gpu=RTX_4090)
+    ratio = lightx2v_qps(QWEN_4090, lay, Mechanisms(), 7) / base
+    assert ratio > (0.24 / 0.18) * (1 + RATIO_TOLERANCE)
+    assert ratio == pytest.approx(0.34 / 0.18, rel=RATIO_TOLERANCE)
+
+
+def test_no_memory_limit_on_either_side_the_split_loses():
+    """With no memory limit anywhere (no offload on either side), 7:1 gives up one of
+    eight DiT GPUs for stages worth a few percent of the work."""
+    from dataclasses import replace
+
+    big = replace(RTX_4090, name="unbounded", memory_gb=1e9)
+    base = lightx2v_qps(QWEN_4090, Layout("colocated", 8, gpu=big), Mechanisms.none(), 8)
+    split = lightx2v_qps(QWEN_4090, Layout("disaggregated", 8, aux=1, gpu=big), Mechanisms(), 7)
+    assert split / base < 7 / 8 + 0.01
 
 
 def test_placement_follows_memory():
@@ -189,10 +244,12 @@ def test_layout_validation():
         simulate(MIXED, Layout("colocated", 8))
 
 
-def test_bench_quick_writes_the_summary(tmp_path):
+def test_bench_smoke_writes_the_summary(tmp_path):
     out = tmp_path / "sim.json"
+    cells = ["image-8xh100", "qwen-4090-8xrtx4090"]
+    args = ["--seeds", "2", "--arrivals", "60", "--cells", *cells, "--json", str(out)]
     subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "sim.py"), "--seeds", "1", "--json", str(out)],
+        [sys.executable, str(ROOT / "bench" / "sim.py"), *args],
         check=True,
         capture_output=True,
         cwd=ROOT,
@@ -201,13 +258,22 @@ def test_bench_quick_writes_the_summary(tmp_path):
     assert doc["bench"] == "sim"
     s = doc["summary"]
     assert s["same_scheduler"] is True
-    for key in (
-        "goodput_ratio_mixed",
-        "goodput_per_cost_ratio_best",
-        "p99_ttff_ratio_interactive_80pct",
-        "single_request_latency_ratio",
-        "lightx2v_setting_qps_ratio",
-    ):
+    assert s["smoke_run"] is True and s["verdicts_from_full"] is True
+    assert s["seeds"]["judging"] == 2 and s["seeds"]["arrivals_per_probe"] == 60
+    assert s["slo_attainment_target"] == 0.9
+    assert (
+        set(s["capacity_ratio"]) == set(s["best_split"]) == set(s["p99_ttff_ratio"]) == set(cells)
+    )
+    for c in cells:
+        assert isinstance(s["capacity_ratio"][c]["per_gpu"], float)
+        assert isinstance(s["capacity_ratio"][c]["per_cost"], float)
+    assert sum(s["smoke_verdicts"].values()) == len(cells)
+    # a smoke run's verdicts are the committed full run's, never its own
+    full = json.loads((ROOT / "docs" / "results" / "sim.json").read_text())["summary"]
+    assert s["verdicts"] == full["verdicts"] and s["verdict"] == full["verdict"]
+    assert s["verdict_sentence"].startswith("Smoke run, not verdicts")
+    lx = next(r for r in doc["rows"] if r.get("cell") == "qwen-4090-8xrtx4090")
+    assert s["lightx2v_setting_capacity_ratio"] == lx["capacity_ratio"]["1.5x@90%"]
+    for key in ("no_memory_limit_ratio", "lightx2v_setting_qps_ratio"):
         assert isinstance(s[key], float)
-    assert set(s["mechanisms"]) >= set(Mechanisms.__dataclass_fields__)
-    assert sum(s["verdicts"].values()) == sum(r["part"] == "matrix" for r in doc["rows"])
+    assert s["no_memory_limit_ratio"] < 1 < s["lightx2v_setting_qps_ratio"]

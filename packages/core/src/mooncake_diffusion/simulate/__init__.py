@@ -8,10 +8,22 @@
                 Mechanisms switches
                 (bench/sim.py)
     metrics.py  summarize(): throughput, goodput under SLO, TTFF quantiles, utilisation
+    arrivals.py Poisson, Bursty (two-state MMPP), Diurnal arrival processes
+    capacity.py capacity_at_slo(): the highest rate at which a share of requests
+                meets scale x its base latency (the headline metric)
 
 Pure Python over ``mooncake_diffusion.orchestrator``; no torch, no Mooncake.
 """
 
+from mooncake_diffusion.simulate.arrivals import Arrivals, Bursty, Diurnal, Poisson
+from mooncake_diffusion.simulate.capacity import (
+    Capacity,
+    Slo,
+    attainment,
+    capacity_at_slo,
+    search_capacity,
+    slo_base,
+)
 from mooncake_diffusion.simulate.cluster import (
     Layout,
     Mechanisms,
@@ -52,10 +64,15 @@ __all__ = [
     "RTX_4090",
     "TRANSFER_S",
     "WAN_720P",
+    "Arrivals",
+    "Bursty",
+    "Capacity",
+    "Diurnal",
     "EventQueue",
     "GpuType",
     "Layout",
     "Mechanisms",
+    "Poisson",
     "RequestKind",
     "RequestRecord",
     "RunResult",
@@ -63,10 +80,15 @@ __all__ = [
     "SimConfig",
     "SimReport",
     "Simulation",
+    "Slo",
     "Summary",
     "Workload",
+    "attainment",
+    "capacity_at_slo",
     "default_aux",
     "placement_penalty",
+    "search_capacity",
     "simulate",
+    "slo_base",
     "summarize",
 ]

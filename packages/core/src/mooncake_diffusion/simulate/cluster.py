@@ -53,7 +53,7 @@ with ``Layout.price_per_hour``. A mix that shifts during the run
 
 Assumptions not modelled (so no gain is claimed for them): larger denoise
 batches from the memory freed by moving the VAE off the DiT GPUs (no public
-measurement of batch scaling for these DiTs in workloads.md), network
+measurement of batch scaling for these DiTs in docs/sources.md), network
 contention, sequence parallelism (every denoise worker is one GPU), failures,
 re-sizing pools during a run.
 """
@@ -86,6 +86,7 @@ from mooncake_diffusion.orchestrator.model import (
     WorkItem,
 )
 from mooncake_diffusion.orchestrator.policy import WorkerView
+from mooncake_diffusion.simulate.arrivals import Arrivals, Poisson
 from mooncake_diffusion.simulate.costs import (
     H100,
     TRANSFER_S,
@@ -171,7 +172,7 @@ class Mechanisms:
 class Workload:
     """A request mix: ``(kind, share of arrivals)``. ``prompt_repeat``: the share of
     requests whose positive prompt was seen before (0.25: DiffusionDB 2M has 1.5M
-    unique prompts in 2M requests, workloads.md §12). ``later``: a second mix that
+    unique prompts in 2M requests, docs/sources.md). ``later``: a second mix that
     replaces ``kinds`` from ``shift_at`` x the horizon on (a shifting mix).
     ``cache_negative``: every instance keeps the shared negative prompt's embedding
     (both layouts; off to reproduce an engine run without any cache)."""
@@ -210,8 +211,10 @@ class Workload:
 class Layout:
     """The cluster: ``gpus`` in all, of type ``gpu``; for disaggregated serving
     ``aux`` of them host the encode and decode workers and are of type ``aux_gpu``
-    (None: the same as ``gpu``). ``node_gpus``: node size when decode pools are not
-    shared."""
+    (None: the same as ``gpu``). ``aux=0`` is the fractional split: Encode and Decode
+    workers run on ``hosts`` of the denoise GPUs, sharing their time and memory (a
+    host GPU holds all three stages' weights, so it pays the colocated placement).
+    ``node_gpus``: node size when decode pools are not shared."""
 
     mode: Mode
     gpus: int
@@ -219,6 +222,17 @@ class Layout:
     node_gpus: int = 8
     gpu: GpuType = H100
     aux_gpu: GpuType | None = None
+    hosts: int = 1
+
+    @property
+    def split(self) -> str:
+        """The split as ``denoise:aux`` GPUs (``denoise:0+hosts`` for fractional)."""
+        if self.mode == "colocated":
+            return f"{self.gpus}:0 colocated"
+        aux = f"{self.aux} {self.aux_gpu.name}" if self.aux_gpu else str(self.aux)
+        if self.aux == 0:
+            return f"{self.gpus}:0 (E+V on {self.hosts} DiT GPU)"
+        return f"{self.gpus - self.aux}:{aux}"
 
     @property
     def aux_type(self) -> GpuType:
@@ -260,7 +274,9 @@ class RequestRecord:
 @dataclass
 class RunResult:
     """A run's records and accounting; ``config`` is the core's configuration and
-    ``price_per_hour`` the cluster's GPU price (USD/h)."""
+    ``price_per_hour`` the cluster's GPU price (USD/h). ``cannot_fit``: the
+    ``kind@role`` placements that needed weights offloaded where no measured offload
+    time exists (their stage times are then not a measurement: report, do not use)."""
 
     records: list[RequestRecord]
     busy: dict[str, float]
@@ -274,6 +290,7 @@ class RunResult:
     steps_run: int
     config: OrchestratorConfig
     price_per_hour: float
+    cannot_fit: list[str] = field(default_factory=list)
 
 
 class _Worker:
@@ -286,11 +303,21 @@ class _Worker:
 class _Run:
     """An item running on a GPU."""
 
-    __slots__ = ("boundary0", "item", "start", "step_s", "steps_left", "token", "worker")
+    __slots__ = (
+        "boundary0",
+        "item",
+        "pausing",
+        "start",
+        "step_s",
+        "steps_left",
+        "token",
+        "worker",
+    )
 
     def __init__(self, worker: _Worker, item: WorkItem, start: float, token: int) -> None:
         self.worker, self.item, self.start, self.token = worker, item, start, token
         self.boundary0 = 0.0
+        self.pausing = False
         self.steps_left = 0
         self.step_s = 0.0
 
@@ -345,6 +372,7 @@ class _Options:
     horizon: float
     closed: tuple[int, int] | None  # (concurrency, total)
     warmup: float
+    arrivals: Arrivals = field(default_factory=Poisson)
     records: dict[str, RequestRecord] = field(default_factory=dict)
 
 
@@ -367,12 +395,15 @@ class _Sim:
         self.progress: dict[str, int] = {}  # denoise steps done before preemptions
         self.decoded: dict[str, int] = {}  # decode chunks done
         self.steps_run = 0  # denoise steps executed, preempted segments included
+        self.paused: set[str] = set()  # denoise jobs paused on a host GPU, to resume there
         self.kinds = [k for k, _ in o.workload.kinds]
         self.weights = [s for _, s in o.workload.kinds]
         self.config = o.sched.config()
         self.aux_count = 0
         self.seen: dict[int, int] = {}  # prompt id -> the instance that encoded it
         self._placements: dict[tuple[str, str], Placement] = {}
+        self.unfit: set[str] = set()
+        self._gaps = o.arrivals.gaps(self.rng, o.rate) if o.rate is not None else None
         self._build()
 
     # ------------------------------------------------------------ cluster
@@ -405,6 +436,9 @@ class _Sim:
             return
         nodes = max(1, lay.gpus // lay.node_gpus)
         per_node = not mech.shared_decode and nodes > 1
+        if lay.aux == 0:
+            self._build_fractional(lay, mech)
+            return
         if per_node:  # every node hosts its own aux GPU(s); decode stays in the node
             aux_at = {
                 n * lay.node_gpus + j
@@ -436,6 +470,26 @@ class _Sim:
                 if not mech.decode_off_dit:  # the latent being decoded + one waiting
                     self._register(cell, f"dec-{i}", "decode", g, 2)
 
+    def _build_fractional(self, lay: Layout, mech: Mechanisms) -> None:
+        """``aux=0``: ``hosts`` denoise GPUs also run an encode and a decode worker."""
+        if not 1 <= lay.hosts <= lay.gpus:
+            raise ValueError(f"hosts must be in 1..{lay.gpus}, got {lay.hosts}")
+        key = "gpu" if not mech.decode_off_dit else None
+        cell = _Cell("all", self._core(_Route(key)))
+        self.cells.append(cell)
+        dits_per_host = math.ceil(lay.gpus / lay.hosts)
+        for i in range(lay.gpus):
+            node = i // lay.node_gpus
+            host = i >= lay.gpus - lay.hosts  # last: ties in routing go elsewhere first
+            g = self._gpu(f"g{i}", "host" if host else "denoise", node)
+            self._register(cell, f"den-{i}", "denoise", g, 1)
+            if host:
+                self._register(cell, f"enc-{i}", "encode", g, 1)
+            if host and mech.decode_off_dit:
+                self._register(cell, f"dec-{i}", "decode", g, dits_per_host + 2)
+            elif not mech.decode_off_dit:
+                self._register(cell, f"dec-{i}", "decode", g, 2)
+
     # ------------------------------------------------------------ events
     def _at(self, t: float, kind: str, arg: object) -> None:
         self.queue.at(t, kind, arg)
@@ -458,6 +512,8 @@ class _Sim:
             w.gpu.queue.append((w, a.item))
             if w.gpu.running is None:
                 self._start(w.gpu)
+            elif w.gpu.pool == "host":
+                self._pause_soon(w.gpu)
         elif isinstance(a, Preempt):
             self._preempt(cell.workers[a.worker_id], a)
         elif isinstance(a, RequestCompleted):
@@ -485,33 +541,37 @@ class _Sim:
             else:
                 pl = placement_penalty(kind, lay.aux_type, True, False, mech.decode_off_dit)
             self._placements[key] = pl
+            if pl.offload and (kind.offload_step_s is None or kind.offload_encode_s is None):
+                self.unfit.add(f"{kind.name}@{role}")
         return pl
 
-    def _encode_s(self, kind: RequestKind) -> float:
+    def _role(self, gpu: _Gpu, stage_role: str) -> str:
+        """The placement role of ``gpu``: a colocated or fractional host GPU holds all
+        three stages; otherwise ``stage_role`` ("denoise" or "aux")."""
+        return "colocated" if gpu.pool in ("colocated", "host") else stage_role
+
+    def _encode_s(self, kind: RequestKind, gpu: _Gpu) -> float:
         """Encode time; the shared negative prompt is always cached per instance."""
-        colocated = self.o.layout.mode == "colocated"
-        pl = self._placement(kind, "colocated" if colocated else "aux")
+        role = self._role(gpu, "aux")
+        pl = self._placement(kind, role)
         t = kind.offload_encode_s if pl.offload and kind.offload_encode_s else kind.encode_s
-        if not colocated:
+        if gpu.pool == "aux":
             t *= self.o.layout.aux_type.slowdown_vs(self.o.layout.gpu)
         if self.o.workload.cache_negative:
             t *= 1.0 - kind.negative_share
         return t
 
-    def _step_s(self, kind: RequestKind) -> float:
-        role = "colocated" if self.o.layout.mode == "colocated" else "denoise"
+    def _step_s(self, kind: RequestKind, gpu: _Gpu) -> float:
+        role = self._role(gpu, "denoise")
         if self._placement(kind, role).offload and kind.offload_step_s:
             return kind.offload_step_s
         return kind.step_s
 
-    def _decode_s(self, kind: RequestKind, on_dit: bool) -> float:
+    def _decode_s(self, kind: RequestKind, on_dit: bool, gpu: _Gpu) -> float:
         """Whole-request decode time on the DiT's GPU (``on_dit``) or on an aux GPU."""
-        if self.o.layout.mode == "colocated":
-            pl = self._placement(kind, "colocated")
-        else:
-            pl = self._placement(kind, "denoise" if on_dit else "aux")
+        pl = self._placement(kind, self._role(gpu, "denoise" if on_dit else "aux"))
         t = kind.decode_s * (kind.decode_tile_factor if pl.tile else 1.0)
-        if not on_dit and self.o.layout.mode == "disaggregated":
+        if gpu.pool == "aux":
             t *= self.o.layout.aux_type.slowdown_vs(self.o.layout.gpu)
         return t
 
@@ -540,27 +600,32 @@ class _Sim:
         kind = rec.kind
         colocated = self.o.layout.mode == "colocated"
         if item.stage == "encode":
-            took = self._encode_s(kind)
+            took = self._encode_s(kind, gpu)
         elif item.stage == "denoise":
             done_steps = self.progress.get(item.request_id, 0)
             if colocated and not done_steps:  # encode inline (unless the cache held it)
-                pre = 0.0 if rec.encode_skipped else self._encode_s(kind)
+                pre = 0.0 if rec.encode_skipped else self._encode_s(kind, gpu)
+            elif item.request_id in self.paused:  # resumes where it paused, on this GPU
+                self.paused.discard(item.request_id)
+                pre = 0.0
             else:  # the embeddings (or a checkpoint) arrive over one transfer
                 pre = TRANSFER_S
             run.steps_left = kind.steps - done_steps
-            run.step_s = self._step_s(kind)
+            run.step_s = self._step_s(kind, gpu)
             run.boundary0 = now + pre
             took = pre + run.steps_left * run.step_s
             if colocated:
-                dec = self._decode_s(kind, on_dit=True)
+                dec = self._decode_s(kind, True, gpu)
                 rec.ttff = now + took + dec / kind.decode_chunks
                 took += dec
         else:  # decode, one temporal chunk per segment (the causal VAE streams)
             on_dit = not self.o.mech.decode_off_dit
             done = self.decoded.get(item.request_id, 0)
             pre = 0.0 if on_dit or done else TRANSFER_S
-            took = pre + self._decode_s(kind, on_dit) / kind.decode_chunks
+            took = pre + self._decode_s(kind, on_dit, gpu) / kind.decode_chunks
         self._at(now + took, "finish", (w, item, run.token))
+        if gpu.pool == "host" and item.stage == "denoise":
+            self._pause_soon(gpu)
 
     def _stop(self, gpu: _Gpu, end: float) -> None:
         run = gpu.running
@@ -598,6 +663,38 @@ class _Sim:
         self._feed(cell, ItemYielded(w.wid, it.request_id, "denoise", it.attempt))
         if gpu.running is None and gpu.queue:
             self._start(gpu)
+
+    def _pause_soon(self, gpu: _Gpu) -> None:
+        """A fractional host GPU runs an Encode or Decode item that arrived during a
+        denoise job at that job's next step boundary (the job resumes after it)."""
+        run = gpu.running
+        if run is None or run.item.stage != "denoise" or run.pausing:
+            return
+        ahead = ("interactive",) if run.item.slo_class == "interactive" else None
+        if not any(
+            it.stage != "denoise"
+            and (ahead is None or it.slo_class in ahead or not self.o.sched.priorities)
+            for _, it in gpu.queue
+        ):
+            return  # nothing queued that would run before the job resumes
+        now = self.clock.now()
+        k = max(0, math.ceil((now - run.boundary0) / run.step_s - 1e-9))
+        if k < run.steps_left:
+            run.pausing = True
+            self._at(max(run.boundary0 + k * run.step_s, now), "pause", (run, k))
+
+    def _ev_pause(self, arg: object) -> None:
+        run, k = arg  # type: ignore[misc]
+        gpu = run.worker.gpu
+        if gpu.running is not run:
+            return  # finished or preempted first
+        rid = run.item.request_id
+        self.steps_run += k
+        self.progress[rid] = self.progress.get(rid, 0) + k
+        self._stop(gpu, self.clock.now())
+        self.paused.add(rid)
+        gpu.queue.append((run.worker, run.item))  # behind the Encode / Decode items
+        self._start(gpu)
 
     # ------------------------------------------------------------ handlers
     def _ev_finish(self, arg: object) -> None:
@@ -658,8 +755,8 @@ class _Sim:
             deadline=rec.deadline,
         )
         self._feed(cell, ev)
-        if o.rate is not None and o.closed is None:
-            nxt = now + self.rng.expovariate(o.rate)
+        if self._gaps is not None and o.closed is None:
+            nxt = now + next(self._gaps)
             if nxt < o.horizon:
                 self._at(nxt, "submit", None)
 
@@ -682,12 +779,13 @@ class _Sim:
                 self.scheduled += 1
                 self._at(0.0, "submit", None)
         else:
-            assert o.rate is not None
-            self._at(self.rng.expovariate(o.rate), "submit", None)
+            assert self._gaps is not None
+            self._at(next(self._gaps), "submit", None)
         handlers: dict[str, Callable[[object], None]] = {
             "submit": self._ev_submit,
             "finish": self._ev_finish,
             "preempt": self._ev_preempt,
+            "pause": self._ev_pause,
         }
         self.queue.run(handlers)
         busy: dict[str, float] = {}
@@ -711,6 +809,7 @@ class _Sim:
             self.steps_run,
             self.config,
             self.o.layout.price_per_hour(self.aux_count or None),
+            sorted(self.unfit),
         )
 
 
@@ -721,16 +820,21 @@ def simulate(
     *,
     sched: Scheduler | None = None,
     load: float | None = None,
+    rate: float | None = None,
     horizon: float = 10_000.0,
     warmup_share: float = 0.2,
+    warmup: float | None = None,
     closed_loop: tuple[int, int] | None = None,
+    arrivals: Arrivals | None = None,
     seed: int = 0,
 ) -> RunResult:
     """One run. Open loop: Poisson arrivals for ``horizon`` virtual seconds at ``load``
     x the cluster's isolated capacity (``gpus / workload.mean_gpu_seconds()``), run
     until every request completed; metrics use arrivals after ``warmup_share`` of the
-    horizon. Closed loop ``(concurrency, total)``: that many requests in flight
-    until ``total`` were submitted (LightX2V's method, workloads.md §9).
+    horizon (or after ``warmup`` seconds). ``rate`` (requests/s) instead of ``load``
+    sets the mean arrival rate directly; ``arrivals`` the process (Poisson default).
+    Closed loop ``(concurrency, total)``: that many requests in flight until
+    ``total`` were submitted (LightX2V's method, docs/sources.md).
 
     ``mech`` defaults to every mechanism on for disaggregated serving and to
     ``Mechanisms.none()`` for colocated; ``sched`` (the same for both layouts)
@@ -738,11 +842,16 @@ def simulate(
     if mech is None:
         mech = Mechanisms() if layout.mode == "disaggregated" else Mechanisms.none()
     sched = sched if sched is not None else Scheduler()
-    rate = None
-    if closed_loop is None:
+    if closed_loop is None and rate is None:
         if load is None or not load > 0:
             raise ValueError("give load > 0 (open loop) or closed_loop")
         rate = load * layout.gpus / workload.mean_gpu_seconds()
-    warmup = 0.0 if closed_loop is not None else warmup_share * horizon
-    opts = _Options(workload, layout, mech, sched, seed, rate, horizon, closed_loop, warmup)
+    if closed_loop is None and not (rate is not None and rate > 0):
+        raise ValueError("give load > 0 or rate > 0 (open loop) or closed_loop")
+    if closed_loop is not None:
+        rate, warm = None, 0.0
+    else:
+        warm = warmup if warmup is not None else warmup_share * horizon
+    proc = arrivals if arrivals is not None else Poisson()
+    opts = _Options(workload, layout, mech, sched, seed, rate, horizon, closed_loop, warm, proc)
     return _Sim(opts).run()

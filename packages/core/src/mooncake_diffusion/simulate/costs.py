@@ -1,24 +1,26 @@
 """Stage service times and memory facts for the cluster simulator, each with its source.
 
-Every number cites ``/work/shared/workloads.md`` (section, and the source it
-quotes there); tags as there: M measured, D derived, S stated. Values are
-seconds on one GPU (batch 1) unless said otherwise. Nothing here is fitted to a
-desired result; where workloads.md gives a range the midpoint is used.
+Every number is listed with its public source (paper, blog, engine file at a
+commit) in ``docs/sources.md`` of this repository; tags as there: M measured,
+D derived, S stated, A assumed. Values are seconds on one GPU (batch 1) unless
+said otherwise. Nothing here is fitted to a desired result; where a source gives
+a range the midpoint is used. docs/sources.md has one section per topic:
+stage times, LightX2V's RTX 4090 setting, memory, transfers, GPUs and prices.
 
-    kind       encode                    denoise                           decode
-    wan-720p   0.5 s (§3: 0.07-0.9, M)   40 x 26.0 s (§0.2/§11: 1041.5/40) 5.0 s (§5: 4-6, D)
-    qwen-1024  0.2 s (§11: 0.05-0.3)     50 x 0.25 s (§11: SGLang, D)      0.2 s (§11: 0.1-0.3)
-    flux-1024  0.04 s (§11: 0.02-0.05)   28 x 0.20 s (§11: 0.15-0.24)      0.15 s (§11: 0.1-0.2)
-    qwen-4090  0.40 s resident /         8 x 1.88 s resident /             0.26 s (§5: SDXL VAE
-               12.89 s offloaded (§7.1)  8 x 2.90 s offloaded (§7.1, M)    on a 4090, M)
+    kind       encode                  denoise                        decode
+    wan-720p   0.5 s (0.07-0.9, M)     40 x 26.0 s (1041.5 s / 40, D) 5.0 s (4-6, D)
+    qwen-1024  0.2 s (0.05-0.3, M)     50 x 0.25 s (SGLang, D)        0.2 s (0.1-0.3, D)
+    flux-1024  0.04 s (0.02-0.05, M)   28 x 0.20 s (0.15-0.24, D)     0.15 s (0.1-0.2, D)
+    qwen-4090  0.40 s resident /       8 x 1.88 s resident /          0.26 s (SDXL VAE
+               12.89 s offloaded (M)   8 x 2.90 s offloaded (M)       on a 4090, M)
 
-Transfers between stages: 0.025 s per boundary (§6: LightX2V, ~4 ms
+Transfers between stages: 0.025 s per boundary (LightX2V, ~4 ms
 serialisation + ~20 ms RDMA, M). Decode tiling when the VAE shares the DiT's
-GPU and does not fit: x1.5 time (§5: tiling costs 0-100% extra, M; midpoint),
-tiled peak / 3.5 (§5: tiling cuts memory 3-4x, M).
+GPU and does not fit: x1.5 time (tiling costs 0-100% extra, M; midpoint),
+tiled peak / 3.5 (tiling cuts memory 3-4x, M).
 
-Memory (GB, §1, §3, §5, §11): each kind carries its encoder weights, DiT weights
-and untiled VAE-decode peak; ``GpuType.usable_gb`` is what a GPU offers them
+Memory (GB, docs/sources.md "Memory"): each kind carries its encoder weights, DiT
+weights and untiled VAE-decode peak; ``GpuType.usable_gb`` is what a GPU offers them
 (90 % of its memory: the rest is a stated reserve for activations and the
 allocator, an assumption). ``placement_penalty`` decides, from those numbers
 alone, what an engine does on a GPU that must hold a set of stages: nothing
@@ -26,9 +28,9 @@ alone, what an engine does on a GPU that must hold a set of stages: nothing
 offloaded stage times, where a source gives them).
 
 GPU types (``GPUS``): memory and bandwidth from the vendors' sheets, and an
-on-demand price per GPU-hour from one public table (workloads.md §12). An
+on-demand price per GPU-hour from one public price list (docs/sources.md). An
 Encode or Decode stage on a different GPU type runs ``bandwidth ratio`` x
-slower (both stages are memory-bound at batch 1: an assumption, §12).
+slower (both stages are memory-bound at batch 1: an assumption).
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ __all__ = [
     "placement_penalty",
 ]
 
-#: Seconds per stage boundary in a disaggregated run (§6, M: LightX2V on H100 + IB).
+#: Seconds per stage boundary in a disaggregated run (M: LightX2V on H100 + IB).
 TRANSFER_S = 0.025
 
 #: Share of a GPU's memory the stages' weights and decode peak may use (assumption).
@@ -64,7 +66,7 @@ TILE_MEMORY_DIVISOR = 3.5
 @dataclass(frozen=True)
 class GpuType:
     """A GPU model: ``memory_gb``, memory ``bandwidth_tbs`` (TB/s) and the on-demand
-    ``price_per_hour`` (USD per GPU-hour) of workloads.md §12."""
+    ``price_per_hour`` (USD per GPU-hour) of docs/sources.md ("GPUs and prices")."""
 
     name: str
     memory_gb: float
@@ -80,8 +82,8 @@ class GpuType:
         return other.bandwidth_tbs / self.bandwidth_tbs
 
 
-# workloads.md §12: memory and bandwidth from the vendor sheets (S), price from RunPod's
-# on-demand column as tabulated by deploybase.ai (S, one snapshot; prices change).
+# docs/sources.md "GPUs and prices": memory and bandwidth from the vendor datasheets (S),
+# price from RunPod's public on-demand list (S, one snapshot; prices change).
 H100 = GpuType("h100", 80.0, 3.35, 1.99)
 L40S = GpuType("l40s", 48.0, 0.864, 0.79)
 RTX_4090 = GpuType("rtx4090", 24.0, 1.008, 0.34)
@@ -166,9 +168,9 @@ class RequestKind:
 
 
 # Wan2.2-A14B T2V, 1280x720, 81 frames, 40 steps, CFG, one H100: 1041.5 s / 40 steps
-# (§0.2 and §11, D from the Wan2.2 comp_effic table); umT5 0.07-0.9 s (§3, M); VAE
-# 720p decode 4-6 s on H100 (§5, D from FastVAE's A800 9.26 s M); 21 latent frames,
-# decoded in 4 temporal chunks (the causal VAE streams, §5 / DESIGN). Tiled in a
+# (D from the Wan2.2 comp_effic table); umT5 0.07-0.9 s (M); VAE
+# 720p decode 4-6 s on H100 (D from FastVAE's A800 9.26 s M); 21 latent frames,
+# decoded in 4 temporal chunks (the causal VAE streams, DESIGN). Tiled in a
 # colocated GPU (memory in the module docstring).
 WAN_720P = RequestKind(
     name="wan-720p",
@@ -179,13 +181,13 @@ WAN_720P = RequestKind(
     decode_s=5.0,
     decode_tile_factor=1.5,
     decode_chunks=4,
-    encoder_gb=11.4,  # umT5-XXL bf16 (§3, M)
-    dit_gb=56.0,  # two 28 GB experts resident (§11)
-    vae_peak_gb=11.8,  # 720p 81 f decode peak (§5, M on A800)
+    encoder_gb=11.4,  # umT5-XXL bf16 (M)
+    dit_gb=56.0,  # two 28 GB experts resident (D)
+    vae_peak_gb=11.8,  # 720p 81 f decode peak (M on A800)
 ).with_slo(2.0)
 
-# Qwen-Image 1024^2, 50 steps, true CFG: ~0.25 s/step on H100 (§11, SGLang; D);
-# Qwen2.5-VL encode 35-300 ms (§3, M); VAE 0.1-0.3 s (§11, D).
+# Qwen-Image 1024^2, 50 steps, true CFG: ~0.25 s/step on H100 (SGLang; D);
+# Qwen2.5-VL encode 35-300 ms (M); VAE 0.1-0.3 s (D).
 QWEN_1024 = RequestKind(
     name="qwen-1024",
     slo_class="interactive",
@@ -193,13 +195,13 @@ QWEN_1024 = RequestKind(
     steps=50,
     step_s=0.25,
     decode_s=0.2,
-    encoder_gb=16.6,  # Qwen2.5-VL-7B (§3, S)
-    dit_gb=40.9,  # §11
-    vae_peak_gb=8.5,  # 1024^2 decode peak: the SDXL VAE's measured 35.5 % of 24 GB (§5, M)
+    encoder_gb=16.6,  # Qwen2.5-VL-7B (S)
+    dit_gb=40.9,  # docs/sources.md
+    vae_peak_gb=8.5,  # 1024^2 decode peak: the SDXL VAE's measured 35.5 % of 24 GB (M)
 ).with_slo(3.0)
 
 # FLUX.1-dev 1024^2, 28 steps, guidance-distilled (no CFG, one prompt): 0.15-0.24 s/step
-# (§11, compiled / eager); T5-XXL + CLIP 21-52 ms (§3, M); VAE 0.1-0.2 s (§11).
+# (compiled / eager); T5-XXL + CLIP 21-52 ms (M); VAE 0.1-0.2 s (D).
 FLUX_1024 = RequestKind(
     name="flux-1024",
     slo_class="interactive",
@@ -208,16 +210,16 @@ FLUX_1024 = RequestKind(
     step_s=0.20,
     decode_s=0.15,
     negative_share=0.0,
-    encoder_gb=9.8,  # T5-XXL + CLIP-L (§1, M: file sizes)
-    dit_gb=23.8,  # §11
-    vae_peak_gb=8.5,  # as Qwen-Image: 1024^2 (§5, M for the SDXL VAE)
+    encoder_gb=9.8,  # T5-XXL + CLIP-L (M: file sizes)
+    dit_gb=23.8,  # docs/sources.md
+    vae_peak_gb=8.5,  # as Qwen-Image: 1024^2 (M for the SDXL VAE)
 ).with_slo(3.0)
 
-# LightX2V's 8 x RTX 4090 Qwen-Image-2512 T2I (§7.1, M: LightX2V blog): text encoder
+# LightX2V's 8 x RTX 4090 Qwen-Image-2512 T2I (M: LightX2V blog): text encoder
 # 12.89 s offloaded / 0.40 s resident; DiT step 2.90 s offloaded / 1.88 s alone on its
 # GPU at 8 steps, 5.75 / 3.76 s at 50 steps. The blog does not state the step count of
 # its QPS runs, so the simulator sweeps both (QWEN_4090 and QWEN_4090_50). VAE: the
-# SDXL VAE at 1024^2 on a 4090 takes 0.256 s (§5, M), used as the 4090 decode time.
+# SDXL VAE at 1024^2 on a 4090 takes 0.256 s (M), used as the 4090 decode time.
 QWEN_4090 = RequestKind(
     name="qwen-4090",
     slo_class="interactive",

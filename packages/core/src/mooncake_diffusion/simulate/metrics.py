@@ -3,6 +3,7 @@
     s = summarize(result)
     s.goodput          # completions within their deadline per second, in the window
     s.p99_ttff         # interactive requests, seconds from submit to first frame
+    s.p99_latency      # every request, seconds from submit to its last frame
 
 The window is ``result.window`` (arrivals after the warm-up, up to the horizon):
 throughput and goodput count completions inside it, per second of it; latency
@@ -37,6 +38,8 @@ class Summary:
     p99_ttff: float
     p50_latency_batch: float
     p99_latency_batch: float
+    p50_latency: float
+    p99_latency: float
     utilisation: dict[str, float]
     preemptions: int
     encodes_skipped: int
@@ -49,6 +52,7 @@ def summarize(r: RunResult) -> Summary:
     arrived = [x for x in r.records if lo <= x.submitted < hi]
     inter = [x for x in arrived if x.kind.slo_class == "interactive" and x.ttff is not None]
     batch = [x for x in arrived if x.kind.slo_class == "batch" and x.done is not None]
+    e2e = [x.done - x.submitted for x in arrived if x.done is not None]
     busy_span = max(min(r.horizon, r.makespan), 1e-9)
     util = {pool: r.busy[pool] / (r.pool_gpus[pool] * busy_span) for pool in sorted(r.pool_gpus)}
     return Summary(
@@ -60,6 +64,8 @@ def summarize(r: RunResult) -> Summary:
         p99_ttff=quantile([x.ttff - x.submitted for x in inter], 0.99),  # type: ignore[operator]
         p50_latency_batch=quantile([x.done - x.submitted for x in batch], 0.5),  # type: ignore[operator]
         p99_latency_batch=quantile([x.done - x.submitted for x in batch], 0.99),  # type: ignore[operator]
+        p50_latency=quantile(e2e, 0.5),
+        p99_latency=quantile(e2e, 0.99),
         utilisation=util,
         preemptions=sum(x.preemptions for x in r.records),
         encodes_skipped=sum(x.encode_skipped for x in r.records),
