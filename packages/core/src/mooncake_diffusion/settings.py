@@ -170,19 +170,21 @@ class MooncakeSettings:
         return replace(cls(), **merged)  # type: ignore[arg-type]
 
     def as_env(self) -> dict[str, str]:
-        """The environment variables that ``from_env`` reads back to these settings
-        (``store_watch_s`` only when on, so a worker started with them keeps its own
+        """The environment variables that ``from_env`` reads back to these settings,
+        in a fixed order (``cluster up`` prints them as exports; the admin address
+        comes right after the master, and not at all for an HA master without one;
+        ``store_watch_s`` only when on, so a worker started with them keeps its own
         default)."""
-        env = {
-            "MOONCAKE_MASTER": self.master,
+        env = {"MOONCAKE_MASTER": self.master}
+        if self.admin is not None or not is_etcd_master(self.master):
+            env["MOONCAKE_ADMIN"] = self.admin_address  # an HA master has no default one
+        env |= {
             "MOONCAKE_LOCAL_HOSTNAME": self.local_hostname,
             "MOONCAKE_PROTOCOL": self.protocol,
             "MOONCAKE_DIFFUSION_STORE_PART_BYTES": str(self.store_part_bytes),
             "MOONCAKE_DIFFUSION_STORE_RETRY_S": str(self.store_retry_s),
             "MOONCAKE_DIFFUSION_STORE_LEASE_S": str(self.store_lease_s),
         }
-        if self.admin is not None or not is_etcd_master(self.master):
-            env["MOONCAKE_ADMIN"] = self.admin_address  # an HA master has no default one
         if self.store_watch_s:
             env["MOONCAKE_DIFFUSION_STORE_WATCH_S"] = str(self.store_watch_s)
         if not self.store_direct_reads:
