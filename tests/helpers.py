@@ -36,3 +36,19 @@ class Recorder:
 
     def unregister(self, ptr: int) -> None:
         del self.live[ptr]
+
+
+def from_service(sock, kind: type, within: float = 30.0) -> object | None:
+    """The next message of ``kind`` an orchestrator service sends ``sock`` (a worker's
+    ZeroMQ DEALER), skipping others; None if none came within ``within`` seconds."""
+    import time
+
+    from mooncake_diffusion.orchestrator.wire import decode_from_service
+
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if sock.poll(100):
+            msg = decode_from_service(sock.recv())
+            if isinstance(msg, kind):
+                return msg
+    return None

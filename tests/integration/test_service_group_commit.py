@@ -13,6 +13,7 @@ import time
 import pytest
 import zmq
 
+from helpers import from_service
 from mooncake_diffusion.orchestrator import JournalError, OrchestratorConfig
 from mooncake_diffusion.orchestrator.service import (
     OrchestratorService,
@@ -34,13 +35,9 @@ pytestmark = pytest.mark.integration
 
 
 def _next(sock: zmq.Socket, kind: type, within: float = 30.0) -> object:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        if sock.poll(100):
-            msg = decode_from_service(sock.recv())
-            if isinstance(msg, kind):
-                return msg
-    raise AssertionError(f"no {kind.__name__} from the service within {within} s")
+    msg = from_service(sock, kind, within)
+    assert msg is not None, f"no {kind.__name__} from the service within {within} s"
+    return msg
 
 
 @pytest.fixture

@@ -13,6 +13,7 @@ import pytest
 import torch
 import zmq
 
+from helpers import from_service
 from mooncake_diffusion.connector import DiffusionConnector
 from mooncake_diffusion.orchestrator.model import WorkItem
 from mooncake_diffusion.orchestrator.wire import (
@@ -48,18 +49,6 @@ def _recv(sock: zmq.Socket, kinds: tuple[type, ...]) -> object:
         if isinstance(msg, kinds):
             return ident, msg
         assert sock.poll(20_000), "the worker said nothing"
-
-
-def _from_service(sock: zmq.Socket, kind: type, within: float = 30.0) -> object | None:
-    """The next message of ``kind`` the service sends ``sock`` (a worker's DEALER),
-    skipping others; None if none came within ``within`` seconds."""
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        if sock.poll(100):
-            msg = decode_from_service(sock.recv())
-            if isinstance(msg, kind):
-                return msg
-    return None
 
 
 @pytest.mark.parametrize("older", ["finished", "running"])
@@ -194,7 +183,7 @@ def test_a_result_refused_after_an_orchestrator_restart_is_not_shown_done(tmp_pa
     rogue.connect(cfg.worker_bind)
 
     def next_of(kind: type) -> object:
-        msg = _from_service(rogue, kind)
+        msg = from_service(rogue, kind)
         assert msg is not None, f"no {kind.__name__} from the service"
         return msg
 
@@ -310,7 +299,7 @@ def test_releases_a_restart_may_have_lost_are_sent_again(tmp_path):
         socks[wid] = s
 
     def take(wid: str, kind: type, within: float = 30.0) -> object | None:
-        return _from_service(socks[wid], kind, within)
+        return from_service(socks[wid], kind, within)
 
     stages = {"enc": "encode", "den": "denoise", "dec": "decode"}
     svc = OrchestratorService(cfg).start()
