@@ -18,7 +18,8 @@ Events (driver -> core)            Actions (core -> driver)
     ItemFailed      a worker gave up   ReleasePayloads   drop what a finished request holds
     ItemYielded     stopped on request WorkerRemoved     a worker left or missed its deadline
     Tick            time passed        Preempt           ask a worker to yield a denoise job
-                                       Rerun             an input was lost: its stage again
+    Reassign        change stages      Rerun             an input was lost: its stage again
+    Drain           a worker leaves    LoadStages        a drained worker loads new stages
                                        Rejected          a bad event, ignored; says why
 Payload handles (``params``, ``input``, ``output``) are opaque bytes of at most
 ``MAX_HANDLE_BYTES``; the tensors they name move through the connector.
@@ -40,13 +41,16 @@ __all__ = [
     "Cancel",
     "CoreSnapshot",
     "Dispatch",
+    "Drain",
     "Event",
     "Heartbeat",
     "ItemDone",
     "ItemFailed",
     "ItemYielded",
+    "LoadStages",
     "OrchestratorConfig",
     "Preempt",
+    "Reassign",
     "RegisterWorker",
     "RejectCode",
     "Rejected",
@@ -66,6 +70,7 @@ __all__ = [
     "WorkerLost",
     "WorkerRemoved",
     "WorkerSnapshot",
+    "WorkerState",
 ]
 
 Stage = Literal["encode", "denoise", "decode"]
@@ -222,8 +227,12 @@ class Cancel(msgspec.Struct, frozen=True, tag=True):
 class RegisterWorker(msgspec.Struct, frozen=True, tag=True):
     """A worker (or a denoise worker group, by its leader) joins ``stage``'s pool.
 
-    ``credits``: free receive slots it advertises (items it may hold at once).
-    ``labels``: topology, e.g. ``{"node": "n3", "rail": "1", "numa": "0"}``.
+    ``credits``: free receive slots it advertises (items it may hold at once),
+    shared by every stage it holds. ``labels``: topology, e.g.
+    ``{"node": "n3", "rail": "1", "numa": "0"}``. ``stages``: every stage whose
+    model it has loaded, ``stage`` among them (empty: ``stage`` alone); the core
+    dispatches any of them to it. A worker that answered ``LoadStages``
+    registers again under the same id with the new ``stages``.
     """
 
     worker_id: str
@@ -231,6 +240,7 @@ class RegisterWorker(msgspec.Struct, frozen=True, tag=True):
     credits: int = 1
     labels: dict[str, str] = msgspec.field(default_factory=dict)
     heartbeat_timeout: float | None = None
+    stages: tuple[str, ...] = ()
 
 
 class Heartbeat(msgspec.Struct, frozen=True, tag=True):
@@ -282,6 +292,31 @@ class ItemYielded(msgspec.Struct, frozen=True, tag=True):
     attempt: int
 
 
+class Reassign(msgspec.Struct, frozen=True, tag=True):
+    """Move a live worker to ``stages`` (a planner's decision). The core dispatches
+    nothing more to it; its running denoise jobs get ``Preempt`` (they resume
+    elsewhere from their step checkpoint; not counted against ``max_preemptions``);
+    its encode and decode items finish (or are yielded back). Once it holds
+    nothing the core emits ``LoadStages``; the worker stays live (heartbeats keep
+    it so) until it registers again with the new stages."""
+
+    worker_id: str
+    stages: tuple[str, ...]
+    reason: str = "planner"
+
+
+class Drain(msgspec.Struct, frozen=True, tag=True):
+    """A worker is leaving (scale-down, or a SIGTERM notice): nothing more is
+    dispatched to it, its running denoise jobs get ``Preempt`` (resumed elsewhere
+    from their step checkpoint), its encode and decode items finish or are
+    yielded back (``ItemYielded`` is accepted from a draining worker for any
+    item, and is not a failed attempt). Once it holds nothing the core emits
+    ``WorkerRemoved`` with the reason and the worker may exit."""
+
+    worker_id: str
+    reason: str = "draining"
+
+
 class Tick(msgspec.Struct, frozen=True, tag=True):
     """Nothing but the passage of time (heartbeat deadlines are checked on every event)."""
 
@@ -295,6 +330,8 @@ Event = (
     | ItemDone
     | ItemFailed
     | ItemYielded
+    | Reassign
+    | Drain
     | Tick
 )
 
@@ -327,6 +364,16 @@ class Preempt(msgspec.Struct, frozen=True, tag=True):
     request_id: str
     stage: Stage
     attempt: int
+    reason: str
+
+
+class LoadStages(msgspec.Struct, frozen=True, tag=True):
+    """A worker asked to change stage (``Reassign``) now holds nothing: it loads
+    ``stages``' models (dropping the others) and answers ``RegisterWorker`` under
+    the same id with ``stages=stages``. Until then it takes no work."""
+
+    worker_id: str
+    stages: tuple[Stage, ...]
     reason: str
 
 
@@ -413,6 +460,7 @@ Action = (
     Dispatch
     | Revoke
     | Preempt
+    | LoadStages
     | Requeued
     | Rerun
     | RequestCompleted
@@ -425,10 +473,16 @@ Action = (
 
 
 # --------------------------------------------------------------------------- introspection
+WorkerState = Literal["serving", "changing", "loading", "draining"]
+
+
 class WorkerSnapshot(msgspec.Struct, frozen=True):
     """A live worker. ``held + free == max(advertised, held)``: credits held by
     running items are never revoked; a shrunk advertisement retires them as they
-    return."""
+    return. ``stages``: every stage it serves (``stage`` is the first).
+    ``state``: ``serving``; ``changing`` (a ``Reassign`` waits for its items);
+    ``loading`` (``LoadStages`` sent, waiting for its new registration);
+    ``draining`` (a ``Drain`` waits for its items)."""
 
     worker_id: str
     stage: Stage
@@ -439,6 +493,8 @@ class WorkerSnapshot(msgspec.Struct, frozen=True):
     free: int
     expires_at: float
     running: tuple[str, ...]
+    stages: tuple[Stage, ...] = ()
+    state: WorkerState = "serving"
 
 
 class RequestSnapshot(msgspec.Struct, frozen=True):
