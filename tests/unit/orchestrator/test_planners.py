@@ -95,7 +95,7 @@ def test_a_mix_shift_to_videos_moves_an_idle_encode_worker_to_denoise_after_hold
     first, second, third = run(p, [images, *videos])
     assert first == [] and second == []  # once is not enough: hysteresis
     assert third == [
-        Move("enc-0", ("denoise",), "encode -> denoise (queued denoise 4, waited 5.0 s)")
+        Move("enc-0", ("denoise",), "queued denoise 4, waited 5.0 s")
     ]
 
 

@@ -156,10 +156,9 @@ class _Mover:
         for s in short:
             if len(out) >= b.max_changes:
                 break
-            donor = self._donor(view, s, spare)
-            if donor is not None:
-                w, from_stage = donor
-                out.append(Move(w.worker_id, (s,), f"{from_stage} -> {s} ({why(s)})"))
+            w = self._donor(view, s, spare)
+            if w is not None:
+                out.append(Move(w.worker_id, (s,), why(s)))
                 self._moved[w.worker_id] = view.now
             elif b.max_workers is not None and fleet < b.max_workers:
                 out.append(AddWorker((s,), f"{s}: {why(s)}"))
@@ -172,7 +171,7 @@ class _Mover:
 
     def _donor(
         self, view: PlannerView, to: Stage, spare: dict[Stage, float]
-    ) -> tuple[WorkerSnapshot, Stage] | None:
+    ) -> WorkerSnapshot | None:
         b = self.bounds
         for s in sorted(STAGES, key=lambda s: (-spare[s], STAGES.index(s))):
             load = view.stages[s]
@@ -182,7 +181,7 @@ class _Mover:
                 continue  # never empty a pool requests may need
             ws = _movable(view, s, self._moved, b.cooldown)
             if ws:
-                return ws[0], s
+                return ws[0]
         return None
 
     def _retire(self, view: PlannerView, spare: dict[Stage, float], room: int) -> list[Decision]:

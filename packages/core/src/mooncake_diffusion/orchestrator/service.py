@@ -70,6 +70,7 @@ import zmq
 
 from mooncake_diffusion.orchestrator.clock import Clock, MonotonicClock
 from mooncake_diffusion.orchestrator.core import Orchestrator
+from mooncake_diffusion.orchestrator.elastic import Elastic, StageChange, pool_sizes
 from mooncake_diffusion.orchestrator.errors import OrchestratorError
 from mooncake_diffusion.orchestrator.inbox import Inbox
 from mooncake_diffusion.orchestrator.journal import JournaledOrchestrator, JournalError
@@ -100,6 +101,8 @@ from mooncake_diffusion.orchestrator.model import (
     WorkerRemoved,
     WorkItem,
 )
+from mooncake_diffusion.orchestrator.planner import Decision, Planner, Provisioner
+from mooncake_diffusion.orchestrator.planners import create_planner
 from mooncake_diffusion.orchestrator.policy import RoutingPolicy
 from mooncake_diffusion.orchestrator.status import (
     TERMINAL,
@@ -168,7 +171,10 @@ class ServiceConfig:
     one). ``journal``: a SQLite path, or None for no durability. ``token``: when
     set, workers must present it in ``Hello`` (the HTTP API checks it too); it is
     required when ``worker_bind`` is not loopback. ``resend_after_s``: see the
-    module docstring. ``max_finished``: finished statuses kept for the API."""
+    module docstring. ``max_finished``: finished statuses kept for the API.
+    ``planner``: the planner's registry name (``planners.py``; ``static`` changes
+    nothing), built with ``planner_options``; ``planner_window``: seconds of
+    history its views cover (``planview.PlanWindow``)."""
 
     orchestrator: OrchestratorConfig = field(default_factory=OrchestratorConfig)
     worker_bind: str = "tcp://127.0.0.1:7422"
@@ -177,6 +183,9 @@ class ServiceConfig:
     resend_after_s: float = 1.0
     max_finished: int = 10_000
     call_timeout_s: float = 10.0
+    planner: str = "static"
+    planner_options: dict[str, Any] = field(default_factory=dict)
+    planner_window: float = 10.0
 
     def __post_init__(self) -> None:
         host = self.worker_bind.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
@@ -196,7 +205,10 @@ class _Outstanding(msgspec.Struct):
 
 class OrchestratorService:
     """See the module docstring. ``clock``: default ``MonotonicClock``; ``policy``: a
-    routing policy instance (default: ``config.orchestrator.policy``)."""
+    routing policy instance (default: ``config.orchestrator.policy``); ``planner``: a
+    planner instance (default: ``config.planner``), run on the driver thread every
+    ``planner.interval`` (``elastic.Elastic``); ``provisioner``: where its
+    ``AddWorker`` / ``Retire`` decisions go (none: they are counted, not acted on)."""
 
     def __init__(
         self,
@@ -204,8 +216,14 @@ class OrchestratorService:
         *,
         clock: Clock | None = None,
         policy: RoutingPolicy | None = None,
+        planner: Planner | None = None,
+        provisioner: Provisioner | None = None,
     ) -> None:
         self.config = config or ServiceConfig()
+        planner = planner or create_planner(self.config.planner, **self.config.planner_options)
+        self._elastic = Elastic(
+            planner, provisioner, window=self.config.planner_window, on_change=self._changed
+        )
         self._clock = clock or MonotonicClock()
         self._policy = policy
         self.table = RequestTable(self.config.max_finished)
@@ -496,7 +514,10 @@ class OrchestratorService:
         poller.register(self._mail.fileno(), zmq.POLLIN)
         while not self._stopping:
             deadline = self._core.next_deadline()
-            timeout = None if deadline is None else max(0.0, deadline - self._now()) * 1000 + 1
+            wake = min(
+                (t for t in (deadline, self._elastic.next_at()) if t is not None), default=None
+            )
+            timeout = None if wake is None else max(0.0, wake - self._now()) * 1000 + 1
             try:
                 ready = dict(poller.poll(timeout))
             except zmq.ZMQError:
@@ -523,6 +544,8 @@ class OrchestratorService:
                             self._answers.append((fut, None, e))
                 if deadline is not None and self._now() >= deadline:
                     self._guard(self._feed, Tick(), None)
+                if self._elastic.due(self._now()):
+                    self._guard(self._plan)
 
     @contextlib.contextmanager
     def _turn(self) -> Iterator[None]:
@@ -590,6 +613,7 @@ class OrchestratorService:
         a client sees a stage done before the dispatch or completion that follows)."""
         assert self._core is not None
         actions = self._core.handle(event)
+        self._elastic.observe(self._now(), event, actions)
         name = type(event).__name__
         rejected = next((a for a in actions if isinstance(a, Rejected) and a.event == name), None)
         if rejected is None and isinstance(event, Submit):
@@ -602,6 +626,26 @@ class OrchestratorService:
         if rejected is not None and ident is None:
             raise RequestRejected(rejected.code, rejected.reason)
         return actions
+
+    # ------------------------------------------------------------------ the planner
+    def plan_now(self) -> list[Decision]:
+        """Run the planner once now (on the driver thread) and apply its decisions;
+        returns them. The driver also runs it every ``planner.interval``."""
+        return self._call(self._plan)
+
+    def _plan(self) -> list[Decision]:
+        assert self._core is not None
+        return self._elastic.step(self._core.snapshot(), self._now(), self._planner_feed)
+
+    def _planner_feed(self, ev: Event) -> list[Action]:
+        try:
+            return self._feed(ev, None)
+        except RequestRejected as e:  # the actions ran; only the refusal matters here
+            return [Rejected(e.code, e.reason, type(ev).__name__)]  # type: ignore[arg-type]
+
+    def _changed(self, change: StageChange) -> None:
+        if change.seconds is not None:
+            self.metrics.stage_change_seconds.observe(change.seconds)
 
     def _table_submitted(self, ev: Submit) -> None:
         self.table.submitted(ev.request_id, ev.slo_class or self.config.orchestrator.default_class)
@@ -903,6 +947,8 @@ class OrchestratorService:
                 {
                     "worker_id": w.worker_id,
                     "stage": w.stage,
+                    "stages": list(w.stages or (w.stage,)),
+                    "state": w.state,
                     "labels": w.labels,
                     "held": w.held,
                     "free": w.free,
@@ -915,15 +961,21 @@ class OrchestratorService:
             "running": running,
             "free_credits": snap.free_credits,
             "decode_reserved": snap.decode_reserved,
-            "counters": dict(self._counters),
+            "counters": {**self._counters, **self._elastic.counts},
             "recent": [st.request_id for st in self.table.recent(_RECENT)],
+            "pools": pool_sizes(snap),
+            "stage_changes": [
+                {**msgspec.structs.asdict(c), "line": c.line()} for c in self._elastic.changes
+            ],
+            "changing": sorted(self._elastic.pending),
         }
 
     def _metrics(self) -> str:
         assert self._core is not None
         snap = self._core.snapshot()
         now, hb = self._now(), self.config.orchestrator.heartbeat_timeout
-        self.metrics.sync(self._counters)
+        self.metrics.sync({**self._counters, **self._elastic.counts})
+        self.metrics.pool_workers_set(pool_sizes(snap))
         self.metrics.refresh(
             snap.queued,
             [
