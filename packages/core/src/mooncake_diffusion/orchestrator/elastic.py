@@ -138,6 +138,14 @@ class Elastic:
                     self.retiring.discard(a.worker_id)
                     self._remove(a.worker_id)
 
+    def use(self, planner: Planner, provisioner: Provisioner | None, now: float) -> None:
+        """Switch to ``planner`` (and ``provisioner``, unless ``None``); its first call is
+        one interval from ``now``. Moves under way are still recorded when they land."""
+        self.planner = planner
+        if provisioner is not None:
+            self.provisioner = provisioner
+        self._next = now + planner.interval
+
     def due(self, now: float) -> bool:
         """Whether ``step`` should run now (every ``planner.interval`` from the first event)."""
         return self._next is not None and now >= self._next
@@ -167,8 +175,9 @@ class Elastic:
                 self._add(d)
             elif isinstance(d, Retire):
                 self.counts["planner:retire"] += 1
-                if self._fed(Drain(d.worker_id, d.reason), feed):
-                    self.retiring.add(d.worker_id)
+                self.retiring.add(d.worker_id)  # before: an idle worker is removed at once
+                if not self._fed(Drain(d.worker_id, d.reason), feed):
+                    self.retiring.discard(d.worker_id)
         return decisions
 
     def _fed(self, ev: Event, feed: Callable[[Event], list[Action]]) -> bool:

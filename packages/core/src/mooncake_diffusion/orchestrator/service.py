@@ -633,6 +633,16 @@ class OrchestratorService:
         returns them. The driver also runs it every ``planner.interval``."""
         return self._call(self._plan)
 
+    def use_planner(self, planner: Planner, provisioner: Provisioner | None = None) -> None:
+        """Run ``planner`` from now on (its first call one ``planner.interval`` from
+        now), with ``provisioner`` (``None``: keep the current one). The window of
+        history carries over."""
+
+        def use() -> None:
+            self._elastic.use(planner, provisioner, self._now())
+
+        self._call(use)
+
     def _plan(self) -> list[Decision]:
         assert self._core is not None
         return self._elastic.step(self._core.snapshot(), self._now(), self._planner_feed)
