@@ -94,9 +94,7 @@ def test_a_mix_shift_to_videos_moves_an_idle_encode_worker_to_denoise_after_hold
     ]
     first, second, third = run(p, [images, *videos])
     assert first == [] and second == []  # once is not enough: hysteresis
-    assert third == [
-        Move("enc-0", ("denoise",), "queued denoise 4, waited 5.0 s")
-    ]
+    assert third == [Move("enc-0", ("denoise",), "queued denoise 4, waited 5.0 s")]
 
 
 def test_steady_load_or_a_one_off_spike_changes_nothing():
