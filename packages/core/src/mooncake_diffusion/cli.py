@@ -141,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
         "the serving system, not image quality.",
     )
     demo.add_argument("--images", type=int, default=4, help="interactive images (default 4)")
-    demo.add_argument("--videos", type=int, default=2, help="batch videos, 9 frames (default 2)")
+    demo.add_argument("--videos", type=int, default=6, help="batch videos, 17 frames (default 6)")
     demo.add_argument("--steps", type=int, default=8, help="denoise steps (default 8)")
     demo.add_argument(
         "--denoise-workers", type=int, default=1, help="denoise worker processes (default 1)"

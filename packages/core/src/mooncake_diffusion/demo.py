@@ -119,7 +119,7 @@ def _timings(st: Any) -> dict[str, float]:
 
 def run_demo(
     images: int = 4,
-    videos: int = 2,
+    videos: int = 6,
     steps: int = 8,
     denoise_workers: int = 1,
     out_dir: str | None = None,
@@ -156,8 +156,8 @@ def run_demo(
 
 #: the demo's planner options: a short interval and window, so a minute shows a change
 DEMO_PLANNER: dict[str, dict[str, Any]] = {
-    "reactive": {"interval": 1.0, "hold": 2, "max_wait": 2.0, "cooldown": 30.0},
-    "predictive": {"interval": 1.0, "hold": 2, "horizon": 5.0, "cooldown": 30.0},
+    "reactive": {"interval": 0.5, "hold": 2, "max_wait": 1.0, "cooldown": 30.0},
+    "predictive": {"interval": 0.5, "hold": 2, "horizon": 5.0, "cooldown": 30.0},
 }
 
 
@@ -328,6 +328,7 @@ def serve_batch(
                 stack.check_workers()
                 time.sleep(0.25)
         print(flush=True)  # the live view ends without a newline when not on a terminal
+        _until_changed(stack, changes)
         wall = time.time() - t_submit
         stats = svc.cluster()["counters"]
         if serve is not None:
@@ -360,6 +361,19 @@ def _until_done(stack: DemoStack, rids: list[str], changes: _Changes) -> None:
         stack.check_workers()
         time.sleep(0.25)
     raise RuntimeError(f"requests {rids} did not finish in 300 s; see {stack.out / 'logs'}")
+
+
+def _until_changed(stack: DemoStack, changes: _Changes, timeout: float = 60.0) -> None:
+    """Wait for the stage changes under way to land (a worker loading its new stage
+    when the last request finished), showing each."""
+    deadline = time.monotonic() + timeout
+    while True:
+        view = stack.svc.cluster()
+        changes.show(view, lambda line: print(line, flush=True))
+        if not view.get("changing") or time.monotonic() > deadline:
+            return
+        stack.check_workers()
+        time.sleep(0.25)
 
 
 def _serve_until_interrupted(stack: DemoStack) -> None:

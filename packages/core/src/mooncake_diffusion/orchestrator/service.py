@@ -517,7 +517,8 @@ class OrchestratorService:
             wake = min(
                 (t for t in (deadline, self._elastic.next_at()) if t is not None), default=None
             )
-            timeout = None if wake is None else max(0.0, wake - self._now()) * 1000 + 1
+            # (capped: zmq takes an int of milliseconds; a far wake-up is just a long wait)
+            timeout = None if wake is None else min(max(0.0, wake - self._now()), 3600.0) * 1000 + 1
             try:
                 ready = dict(poller.poll(timeout))
             except zmq.ZMQError:
