@@ -328,8 +328,8 @@ def serve_batch(
                 stack.check_workers()
                 time.sleep(0.25)
         print(flush=True)  # the live view ends without a newline when not on a terminal
-        _until_changed(stack, changes)
         wall = time.time() - t_submit
+        _until_changed(stack, changes)
         stats = svc.cluster()["counters"]
         if serve is not None:
             serve(sts, wall, stats)
@@ -338,12 +338,18 @@ def serve_batch(
 
 
 class _Changes:
-    """Prints each stage change of the cluster view once, as it lands."""
+    """Prints each stage change of the cluster view once when the planner asks for it
+    and once as it lands."""
 
     def __init__(self) -> None:
         self.seen = 0
+        self.asked: set[str] = set()
 
     def show(self, view: dict[str, Any], say: Callable[[str], None]) -> None:
+        for line in view.get("changing", []):
+            if line not in self.asked:
+                self.asked.add(line)
+                say(f"planner: {line}: under way")
         total = view["counters"].get("stage_changes", 0)
         recent = view.get("stage_changes", [])
         for c in recent[len(recent) - min(len(recent), total - self.seen) :]:
@@ -363,7 +369,7 @@ def _until_done(stack: DemoStack, rids: list[str], changes: _Changes) -> None:
     raise RuntimeError(f"requests {rids} did not finish in 300 s; see {stack.out / 'logs'}")
 
 
-def _until_changed(stack: DemoStack, changes: _Changes, timeout: float = 60.0) -> None:
+def _until_changed(stack: DemoStack, changes: _Changes, timeout: float = 30.0) -> None:
     """Wait for the stage changes under way to land (a worker loading its new stage
     when the last request finished), showing each."""
     deadline = time.monotonic() + timeout

@@ -978,7 +978,7 @@ class OrchestratorService:
             "stage_changes": [
                 {**msgspec.structs.asdict(c), "line": c.line()} for c in self._elastic.changes
             ],
-            "changing": sorted(self._elastic.pending),
+            "changing": [c.line() for _, c in sorted(self._elastic.pending.items())],
         }
 
     def _metrics(self) -> str:
