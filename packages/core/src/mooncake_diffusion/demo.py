@@ -156,7 +156,7 @@ def run_demo(
 
 #: the demo's planner options: a short interval and window, so a minute shows a change
 DEMO_PLANNER: dict[str, dict[str, Any]] = {
-    "reactive": {"interval": 0.5, "hold": 2, "max_wait": 1.0, "cooldown": 30.0},
+    "reactive": {"interval": 0.5, "hold": 1, "max_wait": 1.0, "cooldown": 30.0},
     "predictive": {"interval": 0.5, "hold": 2, "horizon": 5.0, "cooldown": 30.0},
 }
 

@@ -33,6 +33,7 @@ from mooncake_diffusion.orchestrator.model import (
     ItemDone,
     Reassign,
     Rejected,
+    RequestCancelled,
     RequestCompleted,
     RequestFailed,
     Stage,
@@ -100,6 +101,8 @@ class PlanWindow:
                 self._forget(a.request_id)
             elif isinstance(a, RequestFailed):
                 self._finished.append((now, False))
+                self._forget(a.request_id)
+            elif isinstance(a, RequestCancelled):
                 self._forget(a.request_id)
         self._trim(now)
 
