@@ -197,6 +197,13 @@ def test_predictive_grows_denoise_on_a_rising_trend_before_any_queue_builds():
     assert all(d == [] for d in run(steady, [flat] * 6))  # enough for a flat rate: no churn
 
 
+def test_predictive_staffs_a_stage_left_without_workers():
+    layout = {"encode": ["enc-0", "enc-1"], "denoise": ["den-0"], "decode": []}
+    p = PredictivePlanner(hold=1, service_times=SERVICE)
+    out = p.plan(view(1.0, layout=layout, arrivals=(0.1, 0.1)))
+    assert [(d.worker_id, d.stages) for d in out] == [("enc-0", ("decode",))]
+
+
 def test_predictive_without_a_service_time_or_arrivals_does_nothing():
     p = PredictivePlanner(hold=1)
     assert p.plan(view(1.0, arrivals=(1.0, 2.0, 3.0))) == []  # nothing measured or given

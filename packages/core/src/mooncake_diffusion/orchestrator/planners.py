@@ -313,9 +313,9 @@ class PredictivePlanner(_Mover):
         for s in STAGES:
             load = view.stages[s]
             service = self._service.get(s)
-            if service is None or not load.workers:
+            if service is None:
                 continue
-            per_worker = load.credits / load.workers
+            per_worker = load.credits / load.workers if load.workers else 1.0
             want[s] = self.forecast * service / per_worker / self.utilisation
         fleet = sum(view.stages[s].workers + view.stages[s].incoming for s in want)
         floor = self.bounds.min_workers
