@@ -342,19 +342,15 @@ class _Changes:
     and once as it lands."""
 
     def __init__(self) -> None:
-        self.seen = 0
-        self.asked: set[str] = set()
+        self.said: set[str] = set()
 
     def show(self, view: dict[str, Any], say: Callable[[str], None]) -> None:
-        for line in view.get("changing", []):
-            if line not in self.asked:
-                self.asked.add(line)
-                say(f"planner: {line}: under way")
-        total = view["counters"].get("stage_changes", 0)
-        recent = view.get("stage_changes", [])
-        for c in recent[len(recent) - min(len(recent), total - self.seen) :]:
-            say(f"stage change: {c['line']}")
-        self.seen = total
+        lines = [f"planner: {line}: under way" for line in view.get("changing", [])]
+        lines += [f"stage change: {c['line']}" for c in view.get("stage_changes", [])]
+        for line in lines:
+            if line not in self.said:
+                self.said.add(line)
+                say(line)
 
 
 def _until_done(stack: DemoStack, rids: list[str], changes: _Changes) -> None:

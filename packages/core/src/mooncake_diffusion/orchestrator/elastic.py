@@ -14,8 +14,9 @@ recorded when that registration arrives), ``AddWorker`` -> ``provisioner.add``
 (without a provisioner the decision is counted and dropped), ``Retire`` ->
 ``Drain``, then ``provisioner.remove`` once ``WorkerRemoved`` says the worker
 left. ``counts`` tallies decisions by kind (``planner:move``, ``planner:add``,
-``planner:retire``) and finished ``stage_changes``; ``changes`` keeps the last
-finished ones for people (metrics, the dashboard, the demo).
+``planner:retire``, ``planner:refused``); ``pending`` holds the planner's moves
+under way and ``changes`` the last that landed (the service keeps its own record
+of every stage change, the planner's or an operator's, with the load time).
 """
 
 from __future__ import annotations
@@ -127,7 +128,6 @@ class Elastic:
             if moving is not None:
                 done = msgspec.structs.replace(moving, done_at=now)
                 self.changes.append(done)
-                self.counts["stage_changes"] += 1
                 log.info("orchestrator: stage change: %s", done.line())
                 if self.on_change is not None:
                     self.on_change(done)

@@ -128,9 +128,15 @@ class ServiceMetrics:
         )
         self.stage_change_seconds = Histogram(
             P + "stage_change_seconds",
-            "A stage change, from the planner's Reassign to the worker serving its new stages "
-            "(drain or yield, model load, registration).",
-            buckets=LATENCY_BUCKETS,
+            "A stage change, from the worker told to load its new stages to its registration "
+            "with them (model load and reconnect).",
+            buckets=STAGE_BUCKETS,
+            registry=r,
+        )
+        self.stage_load_seconds = Histogram(
+            P + "stage_load_seconds",
+            "Seconds a worker spent loading its new stages' models, as it reports them.",
+            buckets=STAGE_BUCKETS,
             registry=r,
         )
         self.heartbeat_age = Gauge(

@@ -10,7 +10,8 @@ It implements ``planner.Provisioner``: the planner's ``AddWorker`` starts one mo
 process (it registers with the orchestrator itself), ``Retire`` ends in
 ``remove`` once the orchestrator has drained the worker. Each worker runs the
 reference pipeline's stage functions by default (``fn``: a module whose
-functions are named after the stages), logs to ``logs/ID.log`` and gets ``env``
+functions are named after the stages, and whose ``load(stage)``, if any, loads
+a stage's model on a stage change), logs to ``logs/ID.log`` and gets ``env``
 on top of this process's environment (the Mooncake settings and the bind shim,
 as ``demo.py`` passes them). Thread-safe: the service's driver thread and its
 owner may call it at once. ``add`` returns at once; the worker registers when
@@ -62,10 +63,13 @@ class LocalProvisioner:
         self._removed: set[str] = set()
 
     def argv(self, stages: tuple[Stage, ...], worker_id: str, credits: int) -> list[str]:
-        """The command that starts one worker (``mooncake-diffusion worker``)."""
-        stage = stages[0]
-        argv = [sys.executable, "-m", "mooncake_diffusion.cli", "worker", "--stage", stage]
-        argv += ["--fn", f"{self.fn}:{stage}", "--orchestrator", self.address]
+        """The command that starts one worker (``mooncake-diffusion worker``): every
+        stage's function is ``fn:<stage>``, for its stages now and those a stage
+        change moves it to later."""
+        argv = [sys.executable, "-m", "mooncake_diffusion.cli", "worker"]
+        for stage in stages:
+            argv += ["--stage", stage]
+        argv += ["--fn", self.fn, "--orchestrator", self.address]
         argv += ["--worker-id", worker_id, "--credits", str(credits)]
         for k, v in self.labels.items():
             argv += ["--label", f"{k}={v}"]
@@ -77,10 +81,10 @@ class LocalProvisioner:
         worker_id: str | None = None,
         credits: int | None = None,
     ) -> str:
-        """Start a worker holding ``stages``; its id (``worker_id``, or the stage's
-        prefix and the first free number: ``den-2``)."""
-        if len(stages) != 1:
-            raise ValueError(f"a local worker serves one stage at start, got {stages}")
+        """Start a worker holding ``stages``; its id (``worker_id``, or the first
+        stage's prefix and the first free number: ``den-2``)."""
+        if not stages:
+            raise ValueError("a worker holds at least one stage")
         with self._lock:
             wid = worker_id or self._free_id(stages[0])
             if wid in self._procs:
