@@ -91,6 +91,23 @@ def test_demo_runs_the_whole_system_and_every_output_matches_colocated(tmp_path)
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "bitwise identical to the colocated run: all" in out.stdout, out.stdout
+
+
+def test_the_demo_shifts_its_mix_and_the_planner_moves_a_worker_to_denoise(tmp_path):
+    # the defaults: images on 2 encode / 1 denoise / 1 decode workers, then 6 videos
+    # queue at denoise (one runs, five wait: more than the reactive planner's depth)
+    out = subprocess.run(
+        [*CLI, "demo", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=400,
+        env=dict(os.environ),
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    moved = r"^stage change: enc-\d encode -> denoise in [\d.]+ s.* \(queued denoise \d+, waited"
+    assert re.search(moved, out.stdout, re.M), out.stdout
+    assert re.search(r"stage changes [1-9]", out.stdout), out.stdout
+    assert "bitwise identical to the colocated run: all" in out.stdout, out.stdout
     # the final table is markdown with padded cells (rich), one row per request
     row = r"\|\s*{}\s*\|\s*{}\s*\|\s*completed\s*\|.*\|\s*yes\s*\|"
     assert re.search(row.format("img-0", "interactive"), out.stdout), out.stdout

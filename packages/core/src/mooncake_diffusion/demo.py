@@ -2,9 +2,11 @@
 
 Starts a real Mooncake master and store host, the orchestrator (in this process,
 library mode, with its HTTP API), and Encode, Denoise and Decode worker
-processes running ``mooncake_diffusion.pipeline.stages``; submits a mixed batch
-(interactive images, batch short videos, one negative prompt shared by most);
-shows live progress; then prints a per-request table and a summary and leaves
+processes running ``mooncake_diffusion.pipeline.stages``; submits a batch whose
+mix shifts (interactive images, then batch short videos, then images; one
+negative prompt shared by most) under the reactive planner, which moves a worker
+to the starved stage (each ``stage change`` is printed); shows live progress;
+then prints a per-request table and a summary and leaves
 the outputs (PNG, GIF) in a folder it names. Every output is checked bitwise
 against the same request run colocated in this process (``--no-verify`` skips it).
 """
@@ -321,7 +323,7 @@ def serve_batch(
             while True:
                 sts = [svc.status(r) for r in rids]
                 view = svc.cluster()
-                changes.show(view, live.console.print)
+                changes.show(view, lambda line: live.console.print(line, soft_wrap=True))
                 live.update(_live_view(view, sts))
                 if all(s.state in ("completed", "failed", "cancelled") for s in sts):
                     break
