@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 from gated import Gate
-from test_pipeline_disaggregated import NO_KILL_HEARTBEAT_S, clear_embeddings, colocated
+from test_pipeline_disaggregated import NO_KILL_HEARTBEAT_S, clear_embeddings, colocated, result
 
 from mooncake_diffusion.caches.keys import EMB_ROOT
 from mooncake_diffusion.orchestrator.model import OrchestratorConfig
@@ -108,10 +108,10 @@ def test_a_mix_shift_makes_the_planner_move_a_worker_nothing_lost_bitwise(
         finals = {rid: svc.wait(rid, timeout=240) for rid in images + videos}
         view = svc.cluster()
     finally:
-        prov.close()
-        deadline = time.monotonic() + 15  # releases follow completions closely
+        deadline = time.monotonic() + 15  # the workers release payloads soon after outcomes
         while time.monotonic() < deadline and not only_embeddings(mooncake_cluster):
             time.sleep(0.1)
+        prov.close()
         svc.close()
     clear_embeddings(mooncake_cluster)
 
@@ -132,3 +132,37 @@ def test_a_mix_shift_makes_the_planner_move_a_worker_nothing_lost_bitwise(
         "denoise": 2,
         "decode": 1,
     }
+
+
+def test_the_orchestrator_command_runs_the_planner_it_is_given(stack, tmp_path):
+    """`orchestrator --planner reactive --planner-option ...`: rounds on the wall clock
+    (every 0.2 s), against a state the gate holds until the move has landed."""
+    gate = Gate(tmp_path)
+    stack.heartbeat_timeout = NO_KILL_HEARTBEAT_S
+    stack.after_close.append(clear_embeddings)
+    stack.lasting = (EMB_ROOT,)
+    options = ("interval=0.2", "hold=2", "depth=1", "max_wait=600")
+    stack.start_orchestrator("--planner", "reactive", *(f"--planner-option={o}" for o in options))
+    for wid, stage, n in (("enc-0", "encode", 1), ("enc-1", "encode", 1), ("den-0", "denoise", 1)):
+        stack.start_worker((stage,), wid, n, fn="gated", env=gate.env(), wait=False)
+    stack.start_worker(("decode",), "dec-0", 3, fn="gated", env=gate.env(), wait=False)
+    stack.ready()
+    stack.clean_exit = ("enc-0", "enc-1", "den-0", "dec-0", "orchestrator")
+    c = stack.client
+    gate.hold("vid-0", "denoise", 2)
+    rids = [c.submit(VIDEOS[0], request_id="vid-0")]
+    assert gate.wait_reached("vid-0") == "den-0"
+    rids += [c.submit(p, request_id=f"vid-{i}") for i, p in enumerate(VIDEOS) if i]
+    deadline = time.monotonic() + 120
+    while not (changes := c.cluster()["stage_changes"]):  # two rounds see the queue
+        assert time.monotonic() < deadline, c.cluster()
+        time.sleep(0.1)
+    assert [(x["before"], x["stages"]) for x in changes] == [(["encode"], ["denoise"])]
+    gate.release("vid-0")
+    for rid, p in zip(rids, VIDEOS, strict=True):
+        st = c.wait(rid, timeout=240)
+        assert st["state"] == "completed" and not st.get("reasons"), st
+        assert result(st)["sha256"] == colocated(p), rid
+    text = c.metrics_text()
+    assert 'mcd_orchestrator_planner_decisions_total{kind="move"} 1.0' in text
+    assert 'mcd_orchestrator_pool_workers{stage="denoise"} 2.0' in text

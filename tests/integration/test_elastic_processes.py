@@ -47,7 +47,12 @@ class Elastic:
             assert time.monotonic() < deadline, f"workers up: {sorted(view)}"
             time.sleep(0.05)
 
-    def close(self) -> None:
+    def close(self, cluster: Any) -> None:
+        """Once the workers have released every payload (soon after the outcomes),
+        stop them and the service."""
+        deadline = time.monotonic() + 15
+        while cluster.keys() and time.monotonic() < deadline:
+            time.sleep(0.05)
         self.prov.close()
         self.svc.close()
 
@@ -72,12 +77,14 @@ def test_the_local_provisioner_adds_and_removes_worker_processes(tmp_path, moonc
         el.prov.remove("den-1")  # SIGTERM: it drains, says goodbye, exits
         el.prov.remove("den-1")  # idempotent
         el.prov.remove("never-started")
-        deadline = time.monotonic() + 60
-        while "den-1" in {w["worker_id"] for w in el.svc.cluster()["workers"]}:
+        deadline = time.monotonic() + 60  # it leaves the pool, then its process ends
+        while "den-1" in {w["worker_id"] for w in el.svc.cluster()["workers"]} or (
+            "den-1" in el.prov.workers()
+        ):
             assert time.monotonic() < deadline
             time.sleep(0.05)
         assert sorted(el.prov.workers()) == ["dec-0", "den-0", "enc-0"]
         el.prov.check()  # a removed worker's exit is not an error
     finally:
-        el.close()
+        el.close(mooncake_cluster)
     assert el.prov.workers() == []
