@@ -15,7 +15,8 @@ import pytest
 
 from mooncake_diffusion.orchestrator import toy
 from mooncake_diffusion.orchestrator.model import OrchestratorConfig
-from mooncake_diffusion.orchestrator.planners import StaticPlanner
+from mooncake_diffusion.orchestrator.planner import AddWorker, Retire
+from mooncake_diffusion.orchestrator.planners import ReactivePlanner, StaticPlanner
 from mooncake_diffusion.orchestrator.provision import LocalProvisioner
 from mooncake_diffusion.orchestrator.service import OrchestratorService, ServiceConfig
 
@@ -88,3 +89,36 @@ def test_the_local_provisioner_adds_and_removes_worker_processes(tmp_path, moonc
     finally:
         el.close(mooncake_cluster)
     assert el.prov.workers() == []
+
+
+def test_the_planner_adds_a_worker_it_lacks_and_retires_an_idle_one(tmp_path, mooncake_cluster):
+    planner = ReactivePlanner(interval=NEVER, hold=1, max_workers=4, idle_retire=1, cooldown=0)
+    el = Elastic(tmp_path, mooncake_cluster.settings.as_env(), planner)
+    try:
+        for s in ("encode", "decode"):
+            el.prov.add((s,))
+        el.workers(2)
+        params = {"prompt": "p", "size": 256, "steps": 3}
+        rid = el.svc.submit(params)  # no denoise worker, and none to spare: it waits
+        deadline = time.monotonic() + 60
+        while el.svc.cluster()["queued"]["denoise"] != [rid]:
+            assert time.monotonic() < deadline, el.svc.cluster()
+            time.sleep(0.05)
+        [add] = el.svc.plan_now()
+        assert isinstance(add, AddWorker) and add.stages == ("denoise",), add
+        assert "den-0" in el.prov.workers()  # started by the provisioner, registers itself
+        st = el.svc.wait(rid, timeout=120)
+        assert st.state == "completed" and checksum(st) == pytest.approx(
+            toy.expected_checksum(params), rel=1e-6
+        )
+        el.prov.add(("encode",))  # one more than the load needs
+        el.workers(4)
+        assert el.svc.plan_now() == [Retire("enc-1", "encode idle for 2 intervals")]
+        while "enc-1" in el.prov.workers():  # drained, removed, given back: it exits
+            assert time.monotonic() < deadline + 60
+            time.sleep(0.05)
+        view = el.svc.cluster()
+        assert view["pools"] == {"encode": 1, "denoise": 1, "decode": 1}
+        assert view["counters"]["planner:add"] == 1 and view["counters"]["planner:retire"] == 1
+    finally:
+        el.close(mooncake_cluster)
