@@ -66,18 +66,28 @@ def test_a_worker_that_holds_every_stage_serves_requests_alone(stack):
 
 def test_a_stage_change_loads_the_new_stage_and_serves_it(stack):
     loaded: list[str] = []
+    go = threading.Event()
 
-    def loader(stage: str):
+    def loader(stage: str):  # held until the test lets the load finish
         loaded.append(stage)
+        assert go.wait(30)
         return getattr(toy, stage)
 
     stack.worker("encode")
     stack.worker("denoise")
     flex = stack.worker("denoise", worker_id="flex", loader=loader)
-    with pytest.raises(RequestRejected) as e:  # no decode worker yet: nothing could finish
+    with pytest.raises(RequestRejected) as e:
         stack.svc.reassign("ghost", ("decode",))
     assert e.value.code == "unknown_worker"
+    with pytest.raises(RequestRejected) as e:  # over HTTP: 404
+        stack.client.drain("ghost")
+    assert e.value.code == "unknown_worker" and "404" in e.value.reason
     assert stack.client.reassign("flex", ["decode"], "mix moved") in ("changing", "loading")
+    with pytest.raises(RequestRejected) as e:  # over HTTP: 409, it is loading already
+        stack.client.reassign("flex", ["encode"])
+    assert e.value.code == "not_serving" and "409" in e.value.reason
+    assert worker_view(stack, "flex")["state"] == "loading"
+    go.set()
     wait_serving(stack, "flex", ["decode"])
     assert loaded == ["decode"] and flex.stages == ("decode",)
     change = stack.svc.cluster()["stage_changes"][-1]

@@ -5,6 +5,7 @@ runtime (``Reassign`` -> ``LoadStages`` -> register again) and scale-down
 from __future__ import annotations
 
 import random
+from collections import Counter
 
 import pytest
 from orch_harness import Harness, one, only
@@ -18,6 +19,7 @@ from mooncake_diffusion.orchestrator import (
     ItemDone,
     ItemFailed,
     ItemYielded,
+    JournaledOrchestrator,
     LoadStages,
     OrchestratorConfig,
     Preempt,
@@ -28,6 +30,7 @@ from mooncake_diffusion.orchestrator import (
     Requeued,
     Submit,
     Tick,
+    VirtualClock,
     WorkerLost,
     WorkerRemoved,
     create_policy,
@@ -112,7 +115,10 @@ def test_every_worker_holding_every_stage_is_colocated_serving(policy, gpus):
     assert len(h.running()) == gpus  # all denoise jobs at once, nothing reserved
     assert h.core.snapshot().decode_reserved == 0
     for d in list(h.running()):
-        assert one(h.finish(d), Dispatch).item.stage == "decode"
+        nxt = one(h.finish(d), Dispatch)
+        assert nxt.item.stage == "decode"
+        if policy == "affinity":
+            assert nxt.worker_id == d.worker_id
     h.drain()
     assert sorted(h.outcomes) == [f"r{i}" for i in range(gpus)]
 
@@ -344,18 +350,22 @@ def test_a_stage_change_is_not_counted_against_max_preemptions():
 
 
 # ----------------------------------------------------------------------------- random runs
-def _random_run(seed: int, policy: str) -> Harness:
+def _chaos(h: Harness, rng: random.Random, events: int) -> tuple[set[str], Counter[str]]:
     """Workers register (one stage or several), are reassigned, drain, die and come
     back; requests come, finish, fail and are cancelled. Invariants are checked after
-    every event (the harness); at the end every accepted request has one outcome."""
-    rng = random.Random(seed)
-    h = Harness(OrchestratorConfig(heartbeat_timeout=1e6, max_attempts=6), create_policy(policy))
+    every event (the harness). Returns the accepted request ids and the actions seen."""
     accepted: set[str] = set()
+    seen: Counter[str] = Counter()
+
+    def feed(ev: object) -> list:
+        acts = h.feed(ev)  # type: ignore[arg-type]
+        seen.update(type(a).__name__ for a in acts)
+        return acts
 
     def stages() -> tuple[str, ...]:
         return tuple(rng.sample(STAGES, rng.randrange(1, 4)))
 
-    for n in range(1200):
+    for n in range(events):
         h.clock.advance(rng.choice([0.0, 0.1, 1.0]))
         snap = h.core.snapshot()
         workers = snap.workers
@@ -363,53 +373,79 @@ def _random_run(seed: int, policy: str) -> Harness:
         roll = rng.random()
         if roll < 0.06 or len(workers) < 2:
             s = stages()
-            h.feed(
-                RegisterWorker(f"w{n}", s[0], rng.randrange(1, 4), {"node": f"n{n % 3}"}, None, s)
-            )
+            feed(RegisterWorker(f"w{n}", s[0], rng.randrange(1, 4), {"node": f"n{n % 3}"}, None, s))
         elif roll < 0.3:
-            if not only(
-                h.feed(Submit(f"r{n}", cached_embeddings=rng.choice([None, b"e"]))), Rejected
-            ):
+            emb = rng.choice([None, b"e"])
+            if not only(feed(Submit(f"r{n}", cached_embeddings=emb)), Rejected):
                 accepted.add(f"r{n}")
         elif roll < 0.36:
-            h.feed(Reassign(rng.choice(workers).worker_id, stages(), "planner"))
+            feed(Reassign(rng.choice(workers).worker_id, stages(), "planner"))
         elif roll < 0.39 and len(workers) > 3:
-            h.feed(Drain(rng.choice(workers).worker_id, "scale-down"))
+            feed(Drain(rng.choice(workers).worker_id, "scale-down"))
         elif roll < 0.41 and len(workers) > 3:
-            h.feed(WorkerLost(rng.choice(workers).worker_id, "spot loss"))
+            feed(WorkerLost(rng.choice(workers).worker_id, "spot loss"))
         elif roll < 0.5 and (loading := [w for w in workers if w.state == "loading"]):
             w = rng.choice(loading)
             s = stages()
-            h.feed(RegisterWorker(w.worker_id, s[0], rng.randrange(1, 4), w.labels, None, s))
+            feed(RegisterWorker(w.worker_id, s[0], rng.randrange(1, 4), w.labels, None, s))
         elif roll < 0.95 and running:
             w, rid = rng.choice(running)
             r = next(r for r in snap.requests if r.request_id == rid)
             pick = rng.random()
             if w.state != "serving" and pick < 0.5:
-                h.feed(ItemYielded(w.worker_id, rid, r.stage, r.attempt))
+                feed(ItemYielded(w.worker_id, rid, r.stage, r.attempt))
             elif pick < 0.05:
-                h.feed(ItemFailed(w.worker_id, rid, r.stage, r.attempt, "flaky"))
+                feed(ItemFailed(w.worker_id, rid, r.stage, r.attempt, "flaky"))
             else:
-                h.feed(ItemDone(w.worker_id, rid, r.stage, r.attempt, f"{rid}:{r.stage}".encode()))
+                feed(ItemDone(w.worker_id, rid, r.stage, r.attempt, f"{rid}:{r.stage}".encode()))
         elif snap.requests and roll < 0.96:
-            h.feed(Cancel(rng.choice(snap.requests).request_id))
+            feed(Cancel(rng.choice(snap.requests).request_id))
         else:
-            h.feed(Tick())
-    # the end: every stage served by a fresh worker, every loading worker answers
+            feed(Tick())
+    return accepted, seen
+
+
+CHAOS = OrchestratorConfig(heartbeat_timeout=1e6, max_attempts=6)
+
+
+@pytest.mark.parametrize("policy", ["affinity", "least_loaded", "round_robin"])
+@pytest.mark.parametrize("seed", range(4))
+def test_random_changes_and_drains_lose_nothing_and_complete_nothing_twice(policy, seed):
+    h = Harness(CHAOS, create_policy(policy))
+    accepted, seen = _chaos(h, random.Random(seed), 1200)
+    assert seen["LoadStages"] > 5 and seen["WorkerRemoved"] > 5 and seen["Preempt"] > 0, seen
+    # the end: every loading worker answers, a fresh worker serves every stage
     for w in h.core.snapshot().workers:
         if w.state == "loading":
             worker(h, w.worker_id, w.stages)
     worker(h, "last", STAGES, 4)
     h.drain()
     assert set(h.outcomes) == accepted  # nothing lost; the harness: nothing twice
-    return h
-
-
-@pytest.mark.parametrize("policy", ["affinity", "least_loaded", "round_robin"])
-@pytest.mark.parametrize("seed", range(4))
-def test_random_changes_and_drains_lose_nothing_and_complete_nothing_twice(policy, seed):
-    h = _random_run(seed, policy)
-    kinds = {type(d).__name__ for d in h.dispatched}
-    assert kinds == {"Dispatch"} and len(h.dispatched) > 200
     completed = [o for o in h.outcomes.values() if isinstance(o, RequestCompleted)]
-    assert len(completed) > 50
+    assert len(completed) > 50 and len(h.dispatched) > 200
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_random_changes_and_drains_replay_from_the_journal(tmp_path, seed):
+    path = tmp_path / "orch.db"
+    h = Harness(CHAOS)
+    h.core = JournaledOrchestrator.open(  # type: ignore[assignment]
+        path, CHAOS, clock=h.clock, policy=create_policy("least_loaded")
+    )
+    _, seen = _chaos(h, random.Random(seed), 600)
+    assert seen["LoadStages"] and seen["WorkerRemoved"], seen
+    before, running = h.core.snapshot(), h.running()
+    assert {w.state for w in before.workers} - {"serving"}, before.workers  # mid-change
+    h.core.close()
+    rec = JournaledOrchestrator.open(
+        path, CHAOS, clock=VirtualClock(), policy=create_policy("least_loaded")
+    )
+    try:
+        assert rec.snapshot() == before
+        key = sorted((d.worker_id, d.item.request_id, d.item.attempt) for d in running)
+        got = sorted(
+            (d.worker_id, d.item.request_id, d.item.attempt) for d in rec.recovered_dispatches
+        )
+        assert got == key
+    finally:
+        rec.close()
