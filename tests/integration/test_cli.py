@@ -159,3 +159,15 @@ def test_store_ls_lists_our_keys_by_kind_size_and_expiry(mooncake_cluster):
             time.sleep(0.05)
         assert "the store holds no key" in ls()
     assert mooncake_cluster.keys() == []
+
+
+def test_orchestrator_names_the_known_planners_when_given_an_unknown_one():
+    out = subprocess.run(
+        [*CLI, "orchestrator", "--planner", "nope", "--port", "0", "--worker-port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 1, out
+    assert "unknown planner 'nope'; known: predictive, reactive, static" in out.stderr
+    assert "Traceback" not in out.stderr

@@ -95,6 +95,7 @@ def _stage_fns(stages: list[str], fns: list[str]) -> tuple[dict[str, Any], Any]:
 
 def _run_orchestrator(args: argparse.Namespace) -> int:
     from mooncake_diffusion.orchestrator.api import ApiServer
+    from mooncake_diffusion.orchestrator.errors import OrchestratorConfigError
     from mooncake_diffusion.orchestrator.front import DEFAULT_MAX_COST, FrontConfig
     from mooncake_diffusion.orchestrator.model import OrchestratorConfig
     from mooncake_diffusion.orchestrator.service import OrchestratorService, ServiceConfig
@@ -108,16 +109,19 @@ def _run_orchestrator(args: argparse.Namespace) -> int:
         max_attempts=args.max_attempts,
         preemption=args.preemption,
     )
-    service = OrchestratorService(
-        ServiceConfig(
-            orchestrator=cfg,
-            worker_bind=worker_bind,
-            journal=args.journal,
-            token=token,
-            planner=args.planner,
-            planner_options=dict(args.planner_option),
+    try:  # an unknown planner or option is the user's to fix: say so, no traceback
+        service = OrchestratorService(
+            ServiceConfig(
+                orchestrator=cfg,
+                worker_bind=worker_bind,
+                journal=args.journal,
+                token=token,
+                planner=args.planner,
+                planner_options=dict(args.planner_option),
+            )
         )
-    )
+    except OrchestratorConfigError as e:
+        raise SystemExit(f"mooncake-diffusion: error: {e}") from None
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
