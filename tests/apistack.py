@@ -19,18 +19,23 @@ from mooncake_diffusion.transports.memory import fabric_keys
 class Stack:
     """A started service and its HTTP API on loopback, with StageWorkers (toy stages
     by default) over the in-memory transport. ``api``: more ``ApiServer`` arguments
-    (``outputs``, ``body_timeout_s``, ``front``, ``limits``); ``cfg``:
-    ``OrchestratorConfig`` fields. ``close()`` checks every publication was released."""
+    (``outputs``, ``body_timeout_s``, ``front``, ``limits``); ``planner``: the
+    service's planner instance (default static); ``cfg``: ``OrchestratorConfig``
+    fields. ``close()`` checks every publication was released."""
 
     def __init__(
-        self, token: str | None = None, api: dict[str, Any] | None = None, **cfg: object
+        self,
+        token: str | None = None,
+        api: dict[str, Any] | None = None,
+        planner: Any = None,
+        **cfg: object,
     ) -> None:
         config = ServiceConfig(
             orchestrator=OrchestratorConfig(**cfg),  # type: ignore[arg-type]
             worker_bind="tcp://127.0.0.1:0",
             token=token,
         )
-        self.svc = OrchestratorService(config).start()
+        self.svc = OrchestratorService(config, planner=planner).start()
         self.api = ApiServer(self.svc, "127.0.0.1", 0, token=token, **(api or {}))
         self.client = OrchestratorClient(self.api.url, token=token)
         self.workers: list[StageWorker] = []

@@ -91,6 +91,23 @@ def test_demo_runs_the_whole_system_and_every_output_matches_colocated(tmp_path)
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "bitwise identical to the colocated run: all" in out.stdout, out.stdout
+
+
+def test_the_demo_shifts_its_mix_and_the_planner_moves_a_worker_to_denoise(tmp_path):
+    # the defaults: images on 2 encode / 1 denoise / 1 decode workers, then 6 videos
+    # queue at denoise (one runs, five wait: more than the reactive planner's depth)
+    out = subprocess.run(
+        [*CLI, "demo", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=400,
+        env=dict(os.environ),
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    moved = r"^stage change: enc-\d encode -> denoise in [\d.]+ s.* \(queued denoise \d+, waited"
+    assert re.search(moved, out.stdout, re.M), out.stdout
+    assert re.search(r"stage changes [1-9]", out.stdout), out.stdout
+    assert "bitwise identical to the colocated run: all" in out.stdout, out.stdout
     # the final table is markdown with padded cells (rich), one row per request
     row = r"\|\s*{}\s*\|\s*{}\s*\|\s*completed\s*\|.*\|\s*yes\s*\|"
     assert re.search(row.format("img-0", "interactive"), out.stdout), out.stdout
@@ -142,3 +159,15 @@ def test_store_ls_lists_our_keys_by_kind_size_and_expiry(mooncake_cluster):
             time.sleep(0.05)
         assert "the store holds no key" in ls()
     assert mooncake_cluster.keys() == []
+
+
+def test_orchestrator_names_the_known_planners_when_given_an_unknown_one():
+    out = subprocess.run(
+        [*CLI, "orchestrator", "--planner", "nope", "--port", "0", "--worker-port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 1, out
+    assert "unknown planner 'nope'; known: predictive, reactive, static" in out.stderr
+    assert "Traceback" not in out.stderr

@@ -93,6 +93,8 @@ def _demo(args: argparse.Namespace) -> int:
         args.out,
         not args.no_verify,
         serve=args.serve,
+        encode_workers=args.encode_workers,
+        planner=args.planner,
     )
 
 
@@ -139,10 +141,22 @@ def build_parser() -> argparse.ArgumentParser:
         "the serving system, not image quality.",
     )
     demo.add_argument("--images", type=int, default=4, help="interactive images (default 4)")
-    demo.add_argument("--videos", type=int, default=2, help="batch videos, 9 frames (default 2)")
+    demo.add_argument("--videos", type=int, default=6, help="batch videos, 17 frames (default 6)")
     demo.add_argument("--steps", type=int, default=8, help="denoise steps (default 8)")
     demo.add_argument(
-        "--denoise-workers", type=int, default=2, help="denoise worker processes (default 2)"
+        "--denoise-workers", type=int, default=1, help="denoise worker processes (default 1)"
+    )
+    demo.add_argument(
+        "--encode-workers",
+        type=int,
+        default=2,
+        help="encode worker processes (default 2: sized for images; the planner may move one)",
+    )
+    demo.add_argument(
+        "--planner",
+        default="reactive",
+        help="the orchestrator's planner once the workers are warm (default reactive; "
+        "static: the pools never change)",
     )
     demo.add_argument("--out", help="output folder (default: a new temporary folder)")
     demo.add_argument(

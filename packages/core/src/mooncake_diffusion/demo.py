@@ -2,9 +2,11 @@
 
 Starts a real Mooncake master and store host, the orchestrator (in this process,
 library mode, with its HTTP API), and Encode, Denoise and Decode worker
-processes running ``mooncake_diffusion.pipeline.stages``; submits a mixed batch
-(interactive images, batch short videos, one negative prompt shared by most);
-shows live progress; then prints a per-request table and a summary and leaves
+processes running ``mooncake_diffusion.pipeline.stages``; submits a batch whose
+mix shifts (interactive images, then batch short videos, then images; one
+negative prompt shared by most) under the reactive planner, which moves a worker
+to the starved stage (each ``stage change`` is printed); shows live progress;
+then prints a per-request table and a summary and leaves
 the outputs (PNG, GIF) in a folder it names. Every output is checked bitwise
 against the same request run colocated in this process (``--no-verify`` skips it).
 """
@@ -12,9 +14,6 @@ against the same request run colocated in this process (``--no-verify`` skips it
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -27,7 +26,6 @@ from mooncake_diffusion._mooncake import bindshim
 
 __all__ = ["DemoStack", "demo_batch", "demo_stack", "run_demo", "serve_batch"]
 
-STAGES = "mooncake_diffusion.pipeline.stages"
 NEGATIVE = "blurry, low quality, watermark"
 PROMPTS = [
     "a red fox in fresh snow",
@@ -39,8 +37,12 @@ PROMPTS = [
 ]
 
 
-def demo_batch(images: int, videos: int, steps: int) -> list[tuple[str, str, dict[str, Any]]]:
-    """Batch videos first (17 frames, four times the steps), then interactive images."""
+def demo_batch(
+    images: int, videos: int, steps: int, shift: bool = False
+) -> list[tuple[str, str, dict[str, Any]]]:
+    """Batch videos first (17 frames, four times the steps), then interactive images.
+    ``shift``: the mix shifts instead: half the images first, then the videos, then
+    the other half (submission order; ``serve_batch(shift=True)`` keeps the phases)."""
     out = []
     for i in range(videos):
         neg = NEGATIVE if i % 2 == 0 else "static, jpeg artifacts"
@@ -50,34 +52,10 @@ def demo_batch(images: int, videos: int, steps: int) -> list[tuple[str, str, dic
     for i in range(images):
         p = {"prompt": PROMPTS[i % len(PROMPTS)], "negative_prompt": NEGATIVE, "seed": i}
         out.append((f"img-{i}", "interactive", {**p, "steps": steps, "height": 64, "width": 64}))
+    if shift:
+        first = (images + 1) // 2
+        return out[videos : videos + first] + out[:videos] + out[videos + first :]
     return out
-
-
-def _spawn(
-    stage: str, wid: str, address: str, env: dict[str, str], log: Path, credits: int = 1
-) -> Any:
-    argv = [
-        sys.executable,
-        "-m",
-        "mooncake_diffusion.cli",
-        "worker",
-        "--stage",
-        stage,
-        "--fn",
-        f"{STAGES}:{stage}",
-        "--orchestrator",
-        address,
-        "--worker-id",
-        wid,
-        "--label",
-        "node=local",
-        "--credits",
-        str(credits),
-    ]
-    f = open(log, "w")  # noqa: SIM115 (closed with the process)
-    p = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **env})
-    p.log = f  # type: ignore[attr-defined]
-    return p
 
 
 def _until_denoising(svc: Any, rids: list[str], timeout: float) -> None:
@@ -103,10 +81,12 @@ def _live_view(view: dict[str, Any], sts: list[Any]) -> Any:
     from rich.table import Table
     from rich.text import Text
 
-    q = view["queued"]
+    q, pools = view["queued"], view.get("pools", {})
     head = Text(
         f"queues  encode {len(q.get('encode', ()))}  denoise {len(q.get('denoise', ()))}  "
-        f"decode {len(q.get('decode', ()))}   workers {len(view['workers'])}",
+        f"decode {len(q.get('decode', ()))}   workers {len(view['workers'])} (serving: "
+        f"encode {pools.get('encode', 0)} denoise {pools.get('denoise', 0)} "
+        f"decode {pools.get('decode', 0)})",
         style="bold",
     )
     table = Table(box=None, pad_edge=False)
@@ -141,18 +121,30 @@ def _timings(st: Any) -> dict[str, float]:
 
 def run_demo(
     images: int = 4,
-    videos: int = 2,
+    videos: int = 6,
     steps: int = 8,
-    denoise_workers: int = 2,
+    denoise_workers: int = 1,
     out_dir: str | None = None,
     verify: bool = True,
     serve: bool = False,
+    encode_workers: int = 2,
+    planner: str = "reactive",
 ) -> int:
-    """The demo; 0 when every request completed (and matched colocated, with ``verify``)."""
+    """The demo; 0 when every request completed (and matched colocated, with ``verify``).
+    The mix shifts (images, then videos, then images again) under ``planner``
+    (``DEMO_PLANNER`` options), which may move workers between stages as it goes."""
+    from mooncake_diffusion.orchestrator.planners import create_planner
+
     out = Path(out_dir or tempfile.mkdtemp(prefix="mooncake-diffusion-demo-"))
-    batch = demo_batch(images, videos, steps)
+    batch = demo_batch(images, videos, steps, shift=True)
+    kw: dict[str, Any] = {
+        "stagger": True,
+        "shift": True,
+        "encode_workers": encode_workers,
+        "planner": create_planner(planner, **DEMO_PLANNER.get(planner, {})),
+    }
     if not serve:
-        sts, wall, stats = serve_batch(batch, denoise_workers, out, stagger=True)
+        sts, wall, stats = serve_batch(batch, denoise_workers, out, **kw)
         return _report(sts, batch, out, wall, stats, verify)
     # the report comes first, then the system keeps serving (dashboard, API) until Ctrl-C
     result: list[int] = []
@@ -160,8 +152,15 @@ def run_demo(
     def report_then_serve(sts: list, wall: float, stats: dict) -> None:
         result.append(_report(sts, batch, out, wall, stats, verify))
 
-    serve_batch(batch, denoise_workers, out, stagger=True, serve=report_then_serve)
+    serve_batch(batch, denoise_workers, out, serve=report_then_serve, **kw)
     return result[0]
+
+
+#: the demo's planner options: a short interval and window, so a minute shows a change
+DEMO_PLANNER: dict[str, dict[str, Any]] = {
+    "reactive": {"interval": 0.5, "hold": 1, "max_wait": 1.0, "cooldown": 30.0},
+    "predictive": {"interval": 0.5, "hold": 2, "horizon": 5.0, "cooldown": 30.0},
+}
 
 
 def orchestrator_config() -> Any:
@@ -175,37 +174,47 @@ def orchestrator_config() -> Any:
 @dataclass
 class DemoStack:
     """A running demo system: the service (library mode), its HTTP API (serving the
-    OpenAI-style routes from ``out``) and the worker processes."""
+    OpenAI-style routes from ``out``) and the worker processes (``provisioner``: a
+    ``LocalProvisioner``, the planner's too)."""
 
     svc: Any
     api: Any
-    procs: list[Any]
+    provisioner: Any
     out: Path
     #: the Mooncake cluster's client settings (a store client of the stack's own)
     settings: Any = None
 
     def check_workers(self) -> None:
-        """Raise ``RuntimeError`` when a worker process has exited."""
-        if any(p.poll() is not None for p in self.procs):
-            raise RuntimeError(f"a worker exited; see {self.out / 'logs'}")
+        """Raise ``RuntimeError`` when a worker process exited that nobody removed."""
+        self.provisioner.check()
 
 
 @contextmanager
-def demo_stack(denoise_workers: int, out: Path, *, port: int = 0) -> Iterator[DemoStack]:
+def demo_stack(
+    denoise_workers: int,
+    out: Path,
+    *,
+    port: int = 0,
+    encode_workers: int = 1,
+    planner: Any = None,
+) -> Iterator[DemoStack]:
     """A fresh embedded system: a real Mooncake master and store host, the orchestrator
-    with its API on ``127.0.0.1:port`` (0: a free port), an Encode, a Decode and
-    ``denoise_workers`` Denoise worker processes, each warmed up (torch and the model
-    loaded). On exit every process is stopped and waited for, and the service closed;
-    outputs, journal and logs stay in ``out``."""
+    with its API on ``127.0.0.1:port`` (0: a free port), ``encode_workers`` Encode, a
+    Decode and ``denoise_workers`` Denoise worker processes, each warmed up (torch and
+    the model loaded). ``planner``: a planner instance the orchestrator runs once the
+    workers are warm (before, ``static``: a cold worker's first item would look like a
+    starved queue); its ``AddWorker`` / ``Retire`` go to the stack's
+    ``LocalProvisioner``. On exit every process is stopped and waited for, and the
+    service closed; outputs, journal and logs stay in ``out``."""
     from mooncake_diffusion._mooncake.cluster import LocalCluster
     from mooncake_diffusion.orchestrator.api import ApiServer
+    from mooncake_diffusion.orchestrator.provision import LocalProvisioner
     from mooncake_diffusion.orchestrator.service import OrchestratorService, ServiceConfig
 
     out.mkdir(parents=True, exist_ok=True)
     logs = out / "logs"
     logs.mkdir(exist_ok=True)
     t0 = time.monotonic()
-    procs: list[Any] = []
     with LocalCluster(pool_bytes=512 << 20) as cluster:
         assert cluster.settings is not None
         print(f"cluster up in {time.monotonic() - t0:.1f}s: master {cluster.settings.master}")
@@ -214,6 +223,14 @@ def demo_stack(denoise_workers: int, out: Path, *, port: int = 0) -> Iterator[De
             worker_bind="tcp://127.0.0.1:0",
             journal=str(out / "orchestrator.db"),
         )
+        # the decode worker writes outputs into its configured folder (never a
+        # request's choice), the one the API serves them from
+        settings = cluster.settings
+        env = {
+            **settings.as_env(),
+            **bindshim.env(settings.local_hostname),
+            "MCD_OUTPUTS": str(out),
+        }
         svc = OrchestratorService(cfg).start()
         try:
             api = ApiServer(svc, "127.0.0.1", port, outputs=out)
@@ -221,52 +238,41 @@ def demo_stack(denoise_workers: int, out: Path, *, port: int = 0) -> Iterator[De
             svc.close()
             raise
         print(f"orchestrator: api {api.url} (dashboard {api.url}/dashboard, docs {api.url}/docs)")
+        # decode credits are latent receive slots: a denoise job is admitted only
+        # when one can be reserved, so give every denoise worker one, and a spare
+        prov = LocalProvisioner(
+            svc.worker_address, env, logs, credits={"decode": denoise_workers + 1}
+        )
         try:
-            # the decode worker writes outputs into its configured folder (never a
-            # request's choice), the one the API serves them from
-            settings = cluster.settings
-            env = {
-                **settings.as_env(),
-                **bindshim.env(settings.local_hostname),
-                "MCD_OUTPUTS": str(out),
-            }
-            # decode credits are latent receive slots: a denoise job is admitted only
-            # when one can be reserved, so give every denoise worker one, and a spare
-            plan = [("encode", "enc-0", 1), ("decode", "dec-0", denoise_workers + 1)] + [
-                ("denoise", f"den-{i}", 1) for i in range(denoise_workers)
+            plan = [("encode", f"enc-{i}") for i in range(encode_workers)]
+            plan += [("decode", "dec-0")] + [
+                ("denoise", f"den-{i}") for i in range(denoise_workers)
             ]
-            for stage, wid, credits in plan:
-                log = logs / f"{wid}.log"
-                procs.append(_spawn(stage, wid, svc.worker_address, env, log, credits))
-            stack = DemoStack(svc, api, procs, out, cluster.settings)
+            for stage, wid in plan:
+                prov.add((stage,), wid)
+            stack = DemoStack(svc, api, prov, out, cluster.settings)
             deadline = time.monotonic() + 120
             while len(svc.cluster()["workers"]) < len(plan):
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"workers did not come up; see {logs}")
                 stack.check_workers()
                 time.sleep(0.1)
-            print(f"workers up: {', '.join(w for _, w, _ in plan)} (logs in {logs})")
-            # the first item a worker runs imports torch and builds the model: warm each up
+            print(f"workers up: {', '.join(w for _, w in plan)} (logs in {logs})")
+            # the first item a worker runs imports torch and builds the model: warm each
+            # up (every encode and denoise worker gets one; they run side by side)
             warm = [
                 svc.submit({"prompt": "warm up", "steps": 1}, request_id=f"warmup-{i}")
-                for i in range(denoise_workers)
+                for i in range(max(denoise_workers, encode_workers))
             ]
             t_warm = time.monotonic()
             for w in warm:
                 svc.wait(w, timeout=300)
             print(f"workers warm in {time.monotonic() - t_warm:.1f}s (torch + model per process)")
+            if planner is not None:
+                svc.use_planner(planner, prov)
             yield stack
         finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.terminate()
-            for p in procs:
-                try:
-                    p.wait(30)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait()
-                p.log.close()
+            prov.close()
             svc.close()
             api.close()
 
@@ -277,25 +283,38 @@ def serve_batch(
     out: Path,
     *,
     stagger: bool = False,
+    shift: bool = False,
     serve: Callable[[list[Any], float, dict[str, int]], None] | None = None,
+    encode_workers: int = 1,
+    planner: Any = None,
 ) -> tuple[list[Any], float, dict[str, int]]:
     """Run ``batch`` ((request id, class, params) each) on a fresh ``demo_stack``; the
     final statuses, seconds from first submit to last outcome, service counters.
     ``stagger``: submit the interactive requests only once the batch ones are
     denoising (so they arrive at a busy pool, as in production, and preempt).
+    ``shift``: interactive requests ahead of the first batch one finish before it is
+    submitted (the mix shifts from images to videos). ``encode_workers``,
+    ``planner``: as ``demo_stack``; each stage change it makes is printed as it lands.
     ``serve``: once the batch is done, call it with (statuses, seconds, counters), then
     keep the system (API, dashboard) up until Ctrl-C."""
     images = sum(cls == "interactive" for _, cls, _ in batch)
     videos = len(batch) - images
-    with demo_stack(denoise_workers, out) as stack:
+    changes = _Changes()
+    with demo_stack(denoise_workers, out, encode_workers=encode_workers, planner=planner) as stack:
         svc = stack.svc
         t_submit = time.time()
-        rids = []
+        rids: list[str] = []
+        batch_rids: list[str] = []
         for rid, cls, params in batch:
-            if stagger and cls == "interactive" and rids:
-                _until_denoising(svc, rids, timeout=30)
+            if shift and cls == "batch" and rids and not batch_rids:
+                _until_done(stack, rids, changes)
+                print(f"mix shift: {len(rids)} images done, now {videos} videos", flush=True)
+            if stagger and cls == "interactive" and batch_rids:
+                _until_denoising(svc, batch_rids, timeout=30)
                 stagger = False
             rids.append(svc.submit({**params, "save": True}, request_id=rid, slo_class=cls))
+            if cls == "batch":
+                batch_rids.append(rid)
         kinds = f"{images} interactive images, {videos} batch videos"
         print(f"submitted {len(rids)} requests: {kinds}")
         from rich.live import Live
@@ -303,18 +322,62 @@ def serve_batch(
         with Live(_live_view(svc.cluster(), []), refresh_per_second=4) as live:
             while True:
                 sts = [svc.status(r) for r in rids]
-                live.update(_live_view(svc.cluster(), sts))
+                view = svc.cluster()
+                changes.show(view, lambda line: live.console.print(line, soft_wrap=True))
+                live.update(_live_view(view, sts))
                 if all(s.state in ("completed", "failed", "cancelled") for s in sts):
                     break
                 stack.check_workers()
                 time.sleep(0.25)
         print(flush=True)  # the live view ends without a newline when not on a terminal
         wall = time.time() - t_submit
+        _until_changed(stack, changes)
         stats = svc.cluster()["counters"]
         if serve is not None:
             serve(sts, wall, stats)
             _serve_until_interrupted(stack)
     return sts, wall, stats
+
+
+class _Changes:
+    """Prints each stage change of the cluster view once when the planner asks for it
+    and once as it lands."""
+
+    def __init__(self) -> None:
+        self.said: set[str] = set()
+
+    def show(self, view: dict[str, Any], say: Callable[[str], None]) -> None:
+        lines = [f"planner: {line}: under way" for line in view.get("changing", [])]
+        lines += [f"stage change: {c['line']}" for c in view.get("stage_changes", [])]
+        for line in lines:
+            if line not in self.said:
+                self.said.add(line)
+                say(line)
+
+
+def _until_done(stack: DemoStack, rids: list[str], changes: _Changes) -> None:
+    """Wait until every request of ``rids`` has an outcome, showing stage changes."""
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        changes.show(stack.svc.cluster(), lambda line: print(line, flush=True))
+        if all(stack.svc.status(r).finished_at is not None for r in rids):
+            return
+        stack.check_workers()
+        time.sleep(0.25)
+    raise RuntimeError(f"requests {rids} did not finish in 300 s; see {stack.out / 'logs'}")
+
+
+def _until_changed(stack: DemoStack, changes: _Changes, timeout: float = 30.0) -> None:
+    """Wait for the stage changes under way to land (a worker loading its new stage
+    when the last request finished), showing each."""
+    deadline = time.monotonic() + timeout
+    while True:
+        view = stack.svc.cluster()
+        changes.show(view, lambda line: print(line, flush=True))
+        if not view.get("changing") or time.monotonic() > deadline:
+            return
+        stack.check_workers()
+        time.sleep(0.25)
 
 
 def _serve_until_interrupted(stack: DemoStack) -> None:
@@ -405,7 +468,8 @@ def _report(sts: list[Any], batch: list, out: Path, wall: float, stats: dict, ve
         f"\nsummary: {sum(s.state == 'completed' for s in sts)}/{len(sts)} completed in "
         f"{wall:.1f}s ({len(sts) / wall:.2f} req/s); interactive TTFF median "
         f"{inter[len(inter) // 2] if inter else float('nan'):.2f}s; negative-prompt cache hits "
-        f"{hits}/{len(sts)}; preemptions {stats.get('preemptions', 0)}; requeues {requeues}"
+        f"{hits}/{len(sts)}; preemptions {stats.get('preemptions', 0)}; requeues {requeues}; "
+        f"stage changes {stats.get('stage_changes', 0)}"
     )
     print(f"outputs: {out}  (PNG for images, GIF for videos; orchestrator journal and logs there)")
     if verify:

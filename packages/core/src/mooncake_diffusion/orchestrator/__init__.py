@@ -27,6 +27,11 @@ Modules, one concern each:
     policies.py  round_robin, least_loaded, affinity
     indexes.py   the built-in policies' choices without a scan of the pool
     victims.py   the running denoise jobs in preemption order
+    planner.py   the planner contract: PlannerView, Move/AddWorker/Retire, Provisioner
+    planview.py  PlanWindow: a PlannerView from a snapshot and the driver's window
+    planners.py  static, reactive, predictive, and the planner registry (+ entry points)
+    elastic.py   Elastic: a planner's decisions as core events and provisioner calls
+    provision.py LocalProvisioner: stage workers as local processes
     sim.py       a discrete-event cluster simulator over the real core
     journal.py   SQLite (WAL) event log; JournaledOrchestrator replays it on restart
     errors.py    OrchestratorError and its subclasses

@@ -31,6 +31,19 @@ def _label(text: str) -> tuple[str, str]:
     return key, value
 
 
+def _planner_option(text: str) -> tuple[str, float | int]:
+    key, sep, value = text.partition("=")
+    try:
+        number: float | int = int(value) if value.lstrip("-").isdigit() else float(value)
+    except ValueError:
+        number = float("nan")
+    if not sep or not key.isidentifier() or number != number:
+        raise argparse.ArgumentTypeError(
+            f"--planner-option is NAME=NUMBER (e.g. interval=2), got {text!r}"
+        )
+    return key, number
+
+
 def _cost(text: str) -> tuple[str, int]:
     key, sep, value = text.partition("=")
     if not sep or not key or not value.isdigit() or len(value) > 30:
@@ -82,6 +95,7 @@ def _stage_fns(stages: list[str], fns: list[str]) -> tuple[dict[str, Any], Any]:
 
 def _run_orchestrator(args: argparse.Namespace) -> int:
     from mooncake_diffusion.orchestrator.api import ApiServer
+    from mooncake_diffusion.orchestrator.errors import OrchestratorConfigError
     from mooncake_diffusion.orchestrator.front import DEFAULT_MAX_COST, FrontConfig
     from mooncake_diffusion.orchestrator.model import OrchestratorConfig
     from mooncake_diffusion.orchestrator.service import OrchestratorService, ServiceConfig
@@ -95,9 +109,19 @@ def _run_orchestrator(args: argparse.Namespace) -> int:
         max_attempts=args.max_attempts,
         preemption=args.preemption,
     )
-    service = OrchestratorService(
-        ServiceConfig(orchestrator=cfg, worker_bind=worker_bind, journal=args.journal, token=token)
-    )
+    try:  # an unknown planner or option is the user's to fix: say so, no traceback
+        service = OrchestratorService(
+            ServiceConfig(
+                orchestrator=cfg,
+                worker_bind=worker_bind,
+                journal=args.journal,
+                token=token,
+                planner=args.planner,
+                planner_options=dict(args.planner_option),
+            )
+        )
+    except OrchestratorConfigError as e:
+        raise SystemExit(f"mooncake-diffusion: error: {e}") from None
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -235,6 +259,20 @@ def add_commands(sub: Any) -> None:
     )
     o.add_argument("--token", help=f"shared secret for API and workers (or ${TOKEN_ENV})")
     o.add_argument("--policy", default="affinity", help="routing policy (default affinity)")
+    o.add_argument(
+        "--planner",
+        default="static",
+        help="moves workers between stages: static (never; the default), reactive, "
+        "predictive, or one an installed package registers (docs/elastic.md)",
+    )
+    o.add_argument(
+        "--planner-option",
+        type=_planner_option,
+        action="append",
+        default=[],
+        metavar="NAME=NUMBER",
+        help="an option of the planner, e.g. interval=2 hold=3 cooldown=60; repeatable",
+    )
     o.add_argument(
         "--heartbeat-timeout",
         type=float,

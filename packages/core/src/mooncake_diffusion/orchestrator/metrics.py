@@ -53,7 +53,14 @@ class ServiceMetrics:
         )
         self.events = {
             name: Counter(P + name, f"{name.replace('_', ' ').capitalize()}.", registry=r)
-            for name in ("workers_removed", "preemptions", "wire_errors", "resent", "driver_errors")
+            for name in (
+                "workers_removed",
+                "preemptions",
+                "wire_errors",
+                "resent",
+                "driver_errors",
+                "stage_changes",
+            )
         }
         self.cache_lookups = Counter(
             P + "cache_lookups", "Encode-stage embedding cache lookups.", ["stage"], registry=r
@@ -106,6 +113,32 @@ class ServiceMetrics:
         self.decode_reserved = Gauge(
             P + "decode_reserved", "Decode credits reserved by denoise jobs.", registry=r
         )
+        self.pool_workers = Gauge(
+            P + "pool_workers",
+            "Serving workers per stage (a worker holding several stages counts in each; "
+            "one changing stage or draining counts in none).",
+            ["stage"],
+            registry=r,
+        )
+        self.planner_decisions = Counter(
+            P + "planner_decisions",
+            "The planner's decisions by kind (move, add, retire; refused: the core said no).",
+            ["kind"],
+            registry=r,
+        )
+        self.stage_change_seconds = Histogram(
+            P + "stage_change_seconds",
+            "A stage change, from the worker told to load its new stages to its registration "
+            "with them (model load and reconnect).",
+            buckets=STAGE_BUCKETS,
+            registry=r,
+        )
+        self.stage_load_seconds = Histogram(
+            P + "stage_load_seconds",
+            "Seconds a worker spent loading its new stages' models, as it reports them.",
+            buckets=STAGE_BUCKETS,
+            registry=r,
+        )
         self.heartbeat_age = Gauge(
             P + "worker_heartbeat_age_seconds",
             "Seconds since each live worker was last heard from.",
@@ -123,6 +156,8 @@ class ServiceMetrics:
                 m.labels(stage=s)
         for o in ("completed", "failed", "cancelled"):
             self.finished.labels(outcome=o)
+        for k in ("move", "add", "retire", "refused"):
+            self.planner_decisions.labels(kind=k)
         self._seen: dict[str, int] = {}
 
     def sync(self, counters: Mapping[str, int]) -> None:
@@ -146,6 +181,8 @@ class ServiceMetrics:
                 self.reruns.labels(stage=arg).inc(delta)
             elif kind == "rejected":
                 self.rejected.labels(code=arg).inc(delta)
+            elif kind == "planner":
+                self.planner_decisions.labels(kind=arg).inc(delta)
             elif key in self.events:
                 self.events[key].inc(delta)
 
@@ -189,6 +226,11 @@ class ServiceMetrics:
             self.free_credits.labels(stage=s).set(free_credits.get(s, 0))
             self.credits_in_use.labels(stage=s).set(held[s])
         self.decode_reserved.set(decode_reserved)
+
+    def pool_workers_set(self, pools: Mapping[str, int]) -> None:
+        """Set ``pool_workers`` from serving workers per stage (``elastic.pool_sizes``)."""
+        for s in _STAGES:
+            self.pool_workers.labels(stage=s).set(pools.get(s, 0))
 
     def text(self) -> str:
         return generate_latest(self.registry).decode()

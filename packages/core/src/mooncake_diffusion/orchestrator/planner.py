@@ -42,7 +42,10 @@ class StageLoad(msgspec.Struct, frozen=True):
     workers changing or loading toward it; ``credits`` / ``free``: advertised and
     free credits of its workers; ``queued``: items waiting, by SLO class;
     ``oldest_wait``: seconds the oldest waiting item has waited (0 if none);
-    ``busy``: the mean fraction of its workers' credits held over the window."""
+    ``busy``: the mean fraction of its workers' credits held over the window;
+    ``done``: its items finished over the window; ``service``: their mean seconds
+    from dispatch to done (``None`` if none finished), what a predictive planner
+    sizes pools from."""
 
     workers: int
     incoming: int
@@ -51,6 +54,8 @@ class StageLoad(msgspec.Struct, frozen=True):
     queued: dict[str, int]
     oldest_wait: float
     busy: float
+    done: int = 0
+    service: float | None = None
 
 
 class PlannerView(msgspec.Struct, frozen=True):

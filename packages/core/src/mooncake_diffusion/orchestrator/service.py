@@ -81,6 +81,7 @@ import zmq
 
 from mooncake_diffusion.orchestrator.clock import Clock, MonotonicClock
 from mooncake_diffusion.orchestrator.core import Orchestrator
+from mooncake_diffusion.orchestrator.elastic import Elastic, pool_sizes
 from mooncake_diffusion.orchestrator.errors import OrchestratorError
 from mooncake_diffusion.orchestrator.inbox import Inbox
 from mooncake_diffusion.orchestrator.journal import JournaledOrchestrator, JournalError
@@ -114,6 +115,8 @@ from mooncake_diffusion.orchestrator.model import (
     WorkerRemoved,
     WorkItem,
 )
+from mooncake_diffusion.orchestrator.planner import Decision, Planner, Provisioner
+from mooncake_diffusion.orchestrator.planners import create_planner
 from mooncake_diffusion.orchestrator.policy import RoutingPolicy
 from mooncake_diffusion.orchestrator.status import (
     TERMINAL,
@@ -185,7 +188,10 @@ class ServiceConfig:
     one). ``journal``: a SQLite path, or None for no durability. ``token``: when
     set, workers must present it in ``Hello`` (the HTTP API checks it too); it is
     required when ``worker_bind`` is not loopback. ``resend_after_s``: see the
-    module docstring. ``max_finished``: finished statuses kept for the API."""
+    module docstring. ``max_finished``: finished statuses kept for the API.
+    ``planner``: the planner's registry name (``planners.py``; ``static`` changes
+    nothing), built with ``planner_options``; ``planner_window``: seconds of
+    history its views cover (``planview.PlanWindow``)."""
 
     orchestrator: OrchestratorConfig = field(default_factory=OrchestratorConfig)
     worker_bind: str = "tcp://127.0.0.1:7422"
@@ -194,6 +200,9 @@ class ServiceConfig:
     resend_after_s: float = 1.0
     max_finished: int = 10_000
     call_timeout_s: float = 10.0
+    planner: str = "static"
+    planner_options: dict[str, Any] = field(default_factory=dict)
+    planner_window: float = 10.0
 
     def __post_init__(self) -> None:
         host = self.worker_bind.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
@@ -213,7 +222,10 @@ class _Outstanding(msgspec.Struct):
 
 class OrchestratorService:
     """See the module docstring. ``clock``: default ``MonotonicClock``; ``policy``: a
-    routing policy instance (default: ``config.orchestrator.policy``)."""
+    routing policy instance (default: ``config.orchestrator.policy``); ``planner``: a
+    planner instance (default: ``config.planner``), run on the driver thread every
+    ``planner.interval`` (``elastic.Elastic``); ``provisioner``: where its
+    ``AddWorker`` / ``Retire`` decisions go (none: they are counted, not acted on)."""
 
     def __init__(
         self,
@@ -221,8 +233,14 @@ class OrchestratorService:
         *,
         clock: Clock | None = None,
         policy: RoutingPolicy | None = None,
+        planner: Planner | None = None,
+        provisioner: Provisioner | None = None,
     ) -> None:
         self.config = config or ServiceConfig()
+        planner = planner or create_planner(self.config.planner, **self.config.planner_options)
+        self._elastic = Elastic(planner, provisioner, window=self.config.planner_window)
+        #: worker -> the stages it held when told to load others (for stage_changes)
+        self._before: dict[str, tuple[str, ...]] = {}
         self._clock = clock or MonotonicClock()
         self._policy = policy
         self.table = RequestTable(self.config.max_finished)
@@ -541,7 +559,11 @@ class OrchestratorService:
         poller.register(self._mail.fileno(), zmq.POLLIN)
         while not self._stopping:
             deadline = self._core.next_deadline()
-            timeout = None if deadline is None else max(0.0, deadline - self._now()) * 1000 + 1
+            wake = min(
+                (t for t in (deadline, self._elastic.next_at()) if t is not None), default=None
+            )
+            # (capped: zmq takes an int of milliseconds; a far wake-up is just a long wait)
+            timeout = None if wake is None else min(max(0.0, wake - self._now()), 3600.0) * 1000 + 1
             try:
                 ready = dict(poller.poll(timeout))
             except zmq.ZMQError:
@@ -568,6 +590,8 @@ class OrchestratorService:
                             self._answers.append((fut, None, e))
                 if deadline is not None and self._now() >= deadline:
                     self._guard(self._feed, Tick(), None)
+                if self._elastic.due(self._now()):
+                    self._guard(self._plan)
 
     @contextlib.contextmanager
     def _turn(self) -> Iterator[None]:
@@ -635,6 +659,7 @@ class OrchestratorService:
         a client sees a stage done before the dispatch or completion that follows)."""
         assert self._core is not None
         actions = self._core.handle(event)
+        self._elastic.observe(self._now(), event, actions)
         name = type(event).__name__
         rejected = next((a for a in actions if isinstance(a, Rejected) and a.event == name), None)
         if rejected is None and isinstance(event, Submit):
@@ -649,6 +674,32 @@ class OrchestratorService:
         if rejected is not None and ident is None:
             raise RequestRejected(rejected.code, rejected.reason)
         return actions
+
+    # ------------------------------------------------------------------ the planner
+    def plan_now(self) -> list[Decision]:
+        """Run the planner once now (on the driver thread) and apply its decisions;
+        returns them. The driver also runs it every ``planner.interval``."""
+        return self._call(self._plan)
+
+    def use_planner(self, planner: Planner, provisioner: Provisioner | None = None) -> None:
+        """Run ``planner`` from now on (its first call one ``planner.interval`` from
+        now), with ``provisioner`` (``None``: keep the current one). The window of
+        history carries over."""
+
+        def use() -> None:
+            self._elastic.use(planner, provisioner, self._now())
+
+        self._call(use)
+
+    def _plan(self) -> list[Decision]:
+        assert self._core is not None
+        return self._elastic.step(self._core.snapshot(), self._now(), self._planner_feed)
+
+    def _planner_feed(self, ev: Event) -> list[Action]:
+        try:
+            return self._feed(ev, None)
+        except RequestRejected as e:  # the actions ran; only the refusal matters here
+            return [Rejected(e.code, e.reason, type(ev).__name__)]  # type: ignore[arg-type]
 
     def _table_submitted(self, ev: Submit) -> None:
         self.table.submitted(ev.request_id, ev.slo_class or self.config.orchestrator.default_class)
@@ -714,6 +765,9 @@ class OrchestratorService:
         elif isinstance(a, LoadStages):
             self._counters["stage_changes"] += 1
             self._loading[a.worker_id] = (a.stages, a.reason, time.monotonic())
+            assert self._core is not None  # rare: a snapshot is cheap enough here
+            held = (w for w in self._core.snapshot().workers if w.worker_id == a.worker_id)
+            self._before[a.worker_id] = next((w.stages for w in held), ())
             log.warning(
                 "orchestrator: stage change: worker %s loads %s (%s)",
                 a.worker_id,
@@ -725,6 +779,7 @@ class OrchestratorService:
             for ref in list(self._outstanding_of.get(a.worker_id, ())):
                 self._forget(ref)  # re-queued (a new attempt) or failed: nothing to resend
             self._loading.pop(a.worker_id, None)
+            self._before.pop(a.worker_id, None)
             self._counters["workers_removed"] += 1
             if a.worker_id in self._draining:  # drained: it holds nothing and may exit
                 self._draining.discard(a.worker_id)
@@ -929,15 +984,24 @@ class OrchestratorService:
         """``wid`` registered again after a ``Load``: log and keep the change."""
         self._loading.pop(wid, None)
         want, reason, since = asked
+        before = self._before.pop(wid, ())
+        took = time.monotonic() - since
         change = {
             "worker_id": wid,
             "stages": list(stages),
+            "before": list(before),
             "asked": list(want),
             "reason": reason,
             "load_s": load_s,
-            "s": round(time.monotonic() - since, 3),  # Load sent -> registered again
+            "s": round(took, 3),  # Load sent -> registered again
+            "line": f"{wid} {'+'.join(before) or '?'} -> {'+'.join(stages)} in {took:.2f} s"
+            + ("" if load_s is None else f", model load {load_s:.2f} s")
+            + f" ({reason})",
         }
         self.stage_changes.append(change)
+        self.metrics.stage_change_seconds.observe(took)
+        if load_s is not None:
+            self.metrics.stage_load_seconds.observe(load_s)
         load = "?" if load_s is None else f"{load_s:.3f}"
         log.warning(
             "orchestrator: stage change done: worker %s serves %s (loaded in %s s)",
@@ -1026,16 +1090,19 @@ class OrchestratorService:
             "running": running,
             "free_credits": snap.free_credits,
             "decode_reserved": snap.decode_reserved,
-            "counters": dict(self._counters),
+            "counters": {**self._elastic.counts, **self._counters},
             "recent": [st.request_id for st in self.table.recent(_RECENT)],
             "stage_changes": list(self.stage_changes),
+            "pools": pool_sizes(snap),
+            "changing": [c.line() for _, c in sorted(self._elastic.pending.items())],
         }
 
     def _metrics(self) -> str:
         assert self._core is not None
         snap = self._core.snapshot()
         now, hb = self._now(), self.config.orchestrator.heartbeat_timeout
-        self.metrics.sync(self._counters)
+        self.metrics.sync({**self._elastic.counts, **self._counters})
+        self.metrics.pool_workers_set(pool_sizes(snap))
         self.metrics.refresh(
             snap.queued,
             [
