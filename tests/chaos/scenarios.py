@@ -333,10 +333,18 @@ class Run:
         return rid
 
     def finish(
-        self, fault_t: float | None, notes: str = "", *, measure: bool = True, rewarm: bool = False
+        self,
+        fault_t: float | None,
+        notes: str = "",
+        *,
+        measure: bool = True,
+        rewarm: bool = False,
+        outcome: Outcome | None = None,
     ) -> Outcome:
+        """Account for the run's requests (``account``) into ``outcome`` (default: a
+        new ``Outcome``)."""
         o = account(
-            Outcome(self.name, notes=notes),
+            outcome or Outcome(self.name, notes=notes),
             self.d,
             self.rids,
             self.base,

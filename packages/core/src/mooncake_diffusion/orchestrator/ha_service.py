@@ -19,7 +19,9 @@ Commit: every accepted event is in etcd before its actions are returned. The bat
 is the service's group commit, one driver turn (every worker frame and API call
 ready at one poll, up to 512 frames): its events are msgpack-packed into one value
 per ``CHUNK_BYTES`` and each value is one etcd transaction guarded by the fencing
-token (``Candidate.append``). Usually one transaction per turn.
+token (``Candidate.put_entry``). Usually one transaction per turn. A transaction
+etcd does not answer (a Raft election) is retried under the same key, which it
+creates only if absent, so it is written at most once; the driver waits meanwhile.
 
 Fencing, both ways:
 - in etcd: a transaction commits only while the leader key has this term's create
@@ -29,14 +31,17 @@ Fencing, both ways:
   every ``lease/4`` and keeps ``valid_until`` = send time of the last successful
   renewal + lease - ``margin``: etcd counts the lease from the later moment it
   received that renewal, so ``valid_until`` comes first. No frame leaves after
-  ``valid_until`` (``LeaderService._push_frame``); the service stops then.
+  ``valid_until`` (``LeaderService._push_frame``): the driver waits up to a lease
+  for a renewal that finds the key still this term's, else the service stops.
   Workers do not check a token: they talk to one leader at a time (the announced
   one) and only a committed event's actions reach them.
 A deposed process becomes a standby again.
 
 Time: the core's clock is the wall clock (``WallClock``), so that a standby on
 another host continues the time base (hosts on NTP); it never goes back (the
-journal's offset rule). The journal grows without compaction, as the SQLite one.
+journal's offset rule), and a new leader resumes it at the journal's last event
+(the takeover is not counted against workers' heartbeat deadlines, nor requests'
+deadlines). The journal grows without compaction, as the SQLite one.
 """
 
 from __future__ import annotations
@@ -66,7 +71,9 @@ from mooncake_diffusion.orchestrator.model import (
     Dispatch,
     Event,
     OrchestratorConfig,
+    Rejected,
     RequestCompleted,
+    Submit,
 )
 from mooncake_diffusion.orchestrator.service import OrchestratorService, ServiceConfig
 
@@ -89,15 +96,24 @@ _Batch = list[tuple[float, bytes]]
 
 
 class WallClock:
-    """``time.time()`` that never goes back (a step back holds the last value)."""
+    """``time.time()`` that never goes back (a step back holds the last value), shifted
+    by ``resume_at``."""
 
     def __init__(self) -> None:
         self._last = 0.0
+        self._shift = 0.0
         self._lock = threading.Lock()
+
+    def resume_at(self, t: float) -> None:
+        """Make ``now()`` go on from ``t`` (earlier than now): a new leader resumes the
+        time of the journal's last event, so the takeover itself is not silence of
+        the workers (their heartbeat deadlines are then a full timeout after it)."""
+        with self._lock:
+            self._shift = min(0.0, t - time.time())
 
     def now(self) -> float:
         with self._lock:
-            self._last = max(self._last, time.time())
+            self._last = max(self._last, time.time() + self._shift)
             return self._last
 
 
@@ -124,6 +140,10 @@ class EtcdJournal:
         self._after = ""
         #: etcd transactions this object committed
         self.commits = 0
+        #: how long a commit is retried while etcd does not answer (``_put``)
+        self.retry_s = 2.0 * candidate.ttl_s
+        #: whether the lease is known lost (the leader sets it; retries stop then)
+        self.lost: Callable[[], bool] = lambda: False
 
     encode = Journal.encode
 
@@ -173,10 +193,22 @@ class EtcdJournal:
         self._put(batch[start:])
 
     def _put(self, events: _Batch) -> None:
-        if not self.candidate.append([self._enc.encode(events)]):
+        """One entry, retried under the same key while etcd does not answer (a Raft
+        election takes a second or two; the lease outlives it) for up to ``retry_s``
+        and until ``lost()``: a term's entry is written at most once."""
+        key, value = self.candidate.next_key(), self._enc.encode(events)
+        deadline = time.monotonic() + self.retry_s
+        while True:
+            try:
+                written = self.candidate.put_entry(key, value)
+                break
+            except EtcdUnavailableError as e:
+                if time.monotonic() >= deadline or self.lost():
+                    raise JournalError(f"journal {self.path}: etcd did not answer: {e}") from e
+                time.sleep(0.05)
+        if not written:
             raise JournalError(
-                f"journal {self.path}: not committed (term {self.candidate.token or 'lost'}): "
-                "this orchestrator lost the lease or cannot reach etcd"
+                f"journal {self.path}: not committed: this orchestrator lost the lease"
             )
         self.commits += 1
 
@@ -221,7 +253,10 @@ class EtcdJournal:
 class LeaseKeeper:
     """Renews ``candidate``'s lease every ``lease/4`` on a thread and says until when
     this process surely still leads (``valid``; module docstring). ``lost`` is set
-    once a renewal finds the lease or the key gone, or ``valid_until`` passed."""
+    once a renewal finds the lease or the key gone, or when nothing was renewed for a
+    lease past ``valid_until`` (a standby can lead by then). Between the two, the
+    leader is paused (sends nothing) and resumes if a renewal finds the key still its
+    own: nobody else can have led meanwhile, as the key never went away."""
 
     def __init__(self, candidate: Candidate, margin_s: float | None = None) -> None:
         self.candidate = candidate
@@ -234,10 +269,16 @@ class LeaseKeeper:
         self._thread: threading.Thread | None = None
 
     def valid(self) -> bool:
-        if time.monotonic() < self.valid_until:
-            return True
-        self._lose("the lease was not renewed in time")
-        return False
+        return not self.lost.is_set() and time.monotonic() < self.valid_until
+
+    def wait_valid(self, timeout: float) -> bool:
+        """Wait (up to ``timeout``) until ``valid`` or ``lost``; whether valid."""
+        deadline = time.monotonic() + timeout
+        while not self.valid():
+            if self.lost.is_set() or time.monotonic() >= deadline:
+                return False
+            time.sleep(0.02)
+        return True
 
     def _lose(self, why: str) -> None:
         if not self.lost.is_set():
@@ -277,8 +318,8 @@ class LeaseKeeper:
 
     def _run(self) -> None:
         while not self._stop.wait(self.ttl / 4) and not self.lost.is_set():
-            self.renew_once()
-            self.valid()
+            if not self.renew_once() and time.monotonic() > self.valid_until + self.ttl:
+                self._lose(f"the lease was not renewed for {self.ttl:.0f} s past its end")
 
     def stop(self) -> None:
         self._stop.set()
@@ -293,15 +334,41 @@ class LeaderService(OrchestratorService):
     def __init__(self, config: ServiceConfig, journal: EtcdJournal, lease: LeaseKeeper) -> None:
         super().__init__(config, clock=WallClock())
         self._etcd_journal = journal
+        journal.lost = lease.lost.is_set
         self.lease = lease
         #: frames held back because the lease was no longer surely ours
         self.fenced_frames = 0
+        self._met: set[bytes] = set()
 
     def _journal(self) -> EventLog:
-        return self._etcd_journal
+        """The etcd journal, read to its end, and the clock resumed at its last event's
+        time (``WallClock.resume_at``): every worker it lists was alive then, and the
+        recovery's heartbeats must find them so, not expired by the takeover."""
+        j = self._etcd_journal
+        try:
+            j.follow()
+        except EtcdUnavailableError as e:
+            raise JournalError(f"journal {j.path}: etcd unreachable: {e}") from e
+        if j._followed and isinstance(self._clock, WallClock):
+            self._clock.resume_at(j._followed[-1][0])
+        return j
+
+    def _on_frame(self, ident: bytes, frame: bytes) -> None:
+        """As the service's; and the first frame of a worker to this leader (it has just
+        found it through etcd) gets, at once, every item it is owed: sent before it
+        connected, they went nowhere. (A worker drops copies of what it runs.)"""
+        super()._on_frame(ident, frame)
+        if ident in self._met:
+            return
+        self._met.add(ident)
+        now = time.monotonic()
+        for ref in self._outstanding_of.get(ident.decode(errors="replace"), ()):
+            out = self._outstanding[ref]
+            out.sent_at = now
+            self._send_frame(ident, out.frame)
 
     def _push_frame(self, ident: bytes, frame: bytes) -> None:
-        if not self.lease.valid():
+        if not self.lease.valid() and not self.lease.wait_valid(self.lease.ttl):
             self.fenced_frames += 1
             self._counters["fenced_frames"] += 1
             if self.failure is None:
@@ -372,6 +439,7 @@ def _lead(
     say: Callable[[str], None],
 ) -> str:
     """Serve while leading; returns why it stopped."""
+    won = time.monotonic()
     lease = LeaseKeeper(cand)
     if not lease.start():
         return lease.why
@@ -385,7 +453,8 @@ def _lead(
             return "lost the lease before announcing"
         say(
             f"orchestrator leading: term {cand.token} api {api.url} "
-            f"workers {service.worker_address} events replayed {len(journal._followed)}"
+            f"workers {service.worker_address} events replayed {len(journal._followed)} "
+            f"in {time.monotonic() - won:.3f} s from winning the election"
         )
         while not stop.wait(0.05):
             if lease.lost.is_set():
@@ -409,11 +478,14 @@ class Audit:
     attempt)``: a worker that ran an item not in it acted on a deposed leader."""
 
     events: int = 0
+    submitted: set[str] = field(default_factory=set)
     completions: dict[str, int] = field(default_factory=dict)
     dispatched: set[tuple[str, str, int]] = field(default_factory=set)
 
     def saw(self, event: Event, actions: list[Action]) -> None:
         self.events += 1
+        if isinstance(event, Submit) and not any(isinstance(a, Rejected) for a in actions):
+            self.submitted.add(event.request_id)
         for a in actions:
             if isinstance(a, RequestCompleted):
                 self.completions[a.request_id] = self.completions.get(a.request_id, 0) + 1

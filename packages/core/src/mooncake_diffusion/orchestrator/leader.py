@@ -151,6 +151,39 @@ class Candidate:
             return False
         return True
 
+    def next_key(self) -> str:
+        """A journal key of this term after every earlier one (for ``put_entry``)."""
+        self._seq += 1
+        return f"{self.journal_prefix}{self.token:020d}-{self._seq:012d}"
+
+    def put_entry(self, key: str, value: bytes) -> bool:
+        """Write one journal entry at ``key`` (from ``next_key``) in one transaction,
+        only while this term holds the leader key and only if ``key`` is absent, so a
+        retry after an unknown outcome never writes it twice. ``True``: the entry is
+        there (now, or from an earlier try). ``False``: deposed, nothing written.
+        Raises ``EtcdUnavailableError`` (outcome unknown: retry with the same key)."""
+        if not self.token:
+            return False
+        k = _b64(key)
+        absent = {"key": k, "target": "CREATE", "result": "EQUAL", "create_revision": "0"}
+        out = self.etcd.call(
+            "kv/txn",
+            {
+                "compare": [self._guard(), absent],
+                "success": [{"request_put": {"key": k, "value": _b64(value)}}],
+                "failure": [{"request_range": {"key": k}}],
+            },
+        )
+        if out.get("succeeded"):
+            return True
+        responses = out.get("responses") or [{}]
+        assert isinstance(responses, list)
+        found = (responses[0].get("response_range") or {}).get("kvs")
+        if found:  # an earlier try of this key went through (only this term writes it)
+            return True
+        self.token = 0
+        return False
+
     def announce(self, value: bytes) -> bool:
         """Set the leader key's value (where this leader serves), keeping its lease and
         create revision (the token). ``False``: deposed or unreachable."""

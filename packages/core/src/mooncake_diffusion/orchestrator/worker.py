@@ -317,6 +317,9 @@ class StageWorker:
         poller.register(self._mail.fileno(), zmq.POLLIN)
         while not self._stop.is_set():
             if self._follow.sync(sock):  # another orchestrator leads: introduce ourselves
+                log.warning(
+                    "worker %s: following the leader to %s", self.worker_id, sock.LAST_ENDPOINT
+                )
                 send(self._hello(fresh=False))
             now = time.monotonic()
             if not self._welcomed.is_set() and now - started > self.connect_timeout_s:
