@@ -58,5 +58,4 @@ def test_ha_scenario(ha, fn):
         ha.release_all()
         settle(ha, list(ha.requests), timeout=120.0)
         raise
-    print(o.row())
     _check(o)
