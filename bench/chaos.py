@@ -80,27 +80,9 @@ def run_scenarios(work: Path, only: list[str]) -> tuple[list[dict[str, Any]], st
     why = available()
     if why is not None:
         return [], why
-    rows = []
-    with Hosts(HOSTS, str(work)) as net:
-        d = Deployment(net, work, heartbeat_timeout=HEARTBEAT_S)
-        try:
-            d.up()
-            scenarios.warm_up(d)
-            for fn in scenarios.SCENARIOS:
-                if only and fn.__name__[9:] not in only:
-                    continue
-                print(f"[chaos] scenario {fn.__name__[9:]} ...", file=sys.stderr, flush=True)
-                try:
-                    rows.append(fn(d).row())
-                except Exception as e:  # a scenario that breaks is a result, not a crash
-                    traceback.print_exc()
-                    rows.append({"name": fn.__name__[9:], "error": f"{type(e).__name__}: {e}"})
-        finally:
-            d.down()
-    after = net.leftovers()
-    if after:
-        print(f"[chaos] namespaces left behind: {after}", file=sys.stderr)
-    return rows, None
+    net = Hosts(HOSTS, str(work))
+    d = Deployment(net, work, heartbeat_timeout=HEARTBEAT_S)
+    return _rows(net, d, scenarios.SCENARIOS, "scenario", only), None
 
 
 def run_ha_scenarios(work: Path) -> tuple[list[dict[str, Any]], str | None]:
@@ -108,26 +90,36 @@ def run_ha_scenarios(work: Path) -> tuple[list[dict[str, Any]], str | None]:
     why = available()
     if why is not None:
         return [], why
+    net = EtcdHosts(HA_HOSTS, str(work))
+    d = HaDeployment(net, work, heartbeat_timeout=HEARTBEAT_S)
+    return _rows(net, d, ha_scenarios.HA_SCENARIOS, "ha scenario", []), None
+
+
+def _rows(net: Hosts, d: Deployment, fns: list[Any], kind: str, only: list[str]) -> list[Any]:
+    """Start ``d`` on ``net``, warm it up, run each of ``fns`` (those named in ``only``,
+    when given) for its row; a scenario that breaks is a row with its error."""
     rows = []
-    with EtcdHosts(HA_HOSTS, str(work)) as net:
-        d = HaDeployment(net, work, heartbeat_timeout=HEARTBEAT_S)
+    with net:
         try:
             d.up()
             scenarios.warm_up(d)
-            for fn in ha_scenarios.HA_SCENARIOS:
-                print(f"[chaos] ha scenario {fn.__name__[9:]} ...", file=sys.stderr, flush=True)
+            for fn in fns:
+                name = fn.__name__[9:]
+                if only and name not in only:
+                    continue
+                print(f"[chaos] {kind} {name} ...", file=sys.stderr, flush=True)
                 try:
                     rows.append(fn(d).row())
-                except Exception as e:
+                except Exception as e:  # a scenario that breaks is a result, not a crash
                     traceback.print_exc()
-                    rows.append({"name": fn.__name__[9:], "error": f"{type(e).__name__}: {e}"})
+                    rows.append({"name": name, "error": f"{type(e).__name__}: {e}"})
                     d.release_all()
         finally:
             d.down()
     after = net.leftovers()
     if after:
         print(f"[chaos] namespaces left behind: {after}", file=sys.stderr)
-    return rows, None
+    return rows
 
 
 def run_ha_loopback() -> list[dict[str, Any]]:

@@ -12,7 +12,7 @@ import pytest
 from ha_deploy import HA_HOSTS, HEARTBEAT_S, EtcdHosts, HaDeployment
 from ha_scenarios import HA_SCENARIOS, HaOutcome
 from hosts import available
-from scenarios import settle, warm_up
+from scenarios import running, settle
 
 pytestmark = pytest.mark.chaos
 
@@ -24,18 +24,8 @@ def ha(tmp_path_factory):
         pytest.skip(f"chaos tier not run: {why}")
     work = tmp_path_factory.mktemp("chaos-ha")
     net = EtcdHosts(HA_HOSTS, str(work))
-    with net:
-        d = HaDeployment(net, work, heartbeat_timeout=HEARTBEAT_S)
-        try:
-            d.up()
-            w = warm_up(d)
-            assert w.completed == 2 and not w.lost, w
-            yield d
-            rcs = d.down()
-            assert all(rc == 0 for rc in rcs.values()), rcs  # SIGTERM: each exits 0
-        finally:
-            d.down()
-    assert net.leftovers() == [], net.leftovers()
+    with running(net, HaDeployment(net, work, heartbeat_timeout=HEARTBEAT_S)) as d:
+        yield d
 
 
 def _check(o: HaOutcome) -> None:
