@@ -47,7 +47,7 @@ PREFIX = "/t/orch"
 class Orchestrator:
     """One ``mooncake-diffusion orchestrator --etcd`` process; its output in a file."""
 
-    def __init__(self, tmp: Path, name: str, endpoints: list[str]) -> None:
+    def __init__(self, tmp: Path, name: str, endpoints: list[str], heartbeat_s: float = 30) -> None:
         self.log = tmp / f"{name}.log"
         self._f = open(self.log, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
@@ -67,7 +67,7 @@ class Orchestrator:
                 "--worker-bind",
                 "tcp://127.0.0.1:0",
                 "--heartbeat-timeout",
-                "30",
+                str(heartbeat_s),
             ],
             stdout=self._f,
             stderr=subprocess.STDOUT,
@@ -111,8 +111,8 @@ class Group:
         self.workers: list[StageWorker] = []
         self.connectors: list[DiffusionConnector] = []
 
-    def start(self, name: str, text: str) -> Orchestrator:
-        o = Orchestrator(self.tmp, name, self.endpoints)
+    def start(self, name: str, text: str, heartbeat_s: float = 30) -> Orchestrator:
+        o = Orchestrator(self.tmp, name, self.endpoints, heartbeat_s)
         self.orch[name] = o
         o.wait_for(text)
         return o
@@ -226,6 +226,33 @@ def test_a_leader_without_its_lease_stops_acting_and_stands_by(group):
     seen = audit(group.endpoints, PREFIX)
     assert seen.completions == {"r1": 1, r2: 1}
     assert group.fenced_actions() == []
+
+
+def test_a_late_takeover_gives_up_on_no_worker(group):
+    """The standby starts only after the workers' last journaled heartbeats are older
+    than the heartbeat timeout: the takeover itself must not count as their silence
+    (the new leader resumes the journal's time), so no worker is removed and the
+    request held across it completes on its first attempt."""
+    a = group.start("a", "orchestrator leading", heartbeat_s=1.0)
+    group.pipeline()
+    group.hold("r1")
+    with group.client() as c:
+        c.submit({"prompt": "one"}, request_id="r1")
+        assert group.reached["r1"].wait(30)
+        a.proc.kill()
+        a.proc.wait()
+        time.sleep(3.0)  # three heartbeat timeouts with no leader
+        group.start("b", "orchestrator leading", heartbeat_s=1.0)
+        group.held["r1"].set()
+        assert c.wait("r1", timeout=60)["state"] == "completed"
+    seen = audit(group.endpoints, PREFIX)
+    assert seen.removed == []
+    assert seen.completions == {"r1": 1}
+    assert sorted(r[:3] for r in group.ran if r[0] == "r1") == [
+        ("r1", "decode", 1),
+        ("r1", "denoise", 1),
+        ("r1", "encode", 1),
+    ]
 
 
 def test_the_etcd_journal_commits_a_group_in_chunks_a_standby_replays_in_order(tmp_path):

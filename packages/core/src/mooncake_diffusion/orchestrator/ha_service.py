@@ -74,6 +74,7 @@ from mooncake_diffusion.orchestrator.model import (
     Rejected,
     RequestCompleted,
     Submit,
+    WorkerRemoved,
 )
 from mooncake_diffusion.orchestrator.service import OrchestratorService, ServiceConfig
 
@@ -481,6 +482,8 @@ class Audit:
     submitted: set[str] = field(default_factory=set)
     completions: dict[str, int] = field(default_factory=dict)
     dispatched: set[tuple[str, str, int]] = field(default_factory=set)
+    #: workers the core gave up on (no heartbeat in time), in order
+    removed: list[str] = field(default_factory=list)
 
     def saw(self, event: Event, actions: list[Action]) -> None:
         self.events += 1
@@ -491,6 +494,8 @@ class Audit:
                 self.completions[a.request_id] = self.completions.get(a.request_id, 0) + 1
             elif isinstance(a, Dispatch):
                 self.dispatched.add((a.item.request_id, a.item.stage, a.item.attempt))
+            elif isinstance(a, WorkerRemoved) and a.reason.startswith("no heartbeat"):
+                self.removed.append(a.worker_id)
 
 
 def audit(endpoints: list[str], prefix: str = DEFAULT_PREFIX) -> Audit:
