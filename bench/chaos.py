@@ -9,7 +9,15 @@ Runs, in one process and one report:
 2. the Hypothesis fuzz targets of ``tests/chaos/fuzz.py`` (cases run, crashes);
 3. the service soak of ``tests/chaos/soak.py`` (1,000 requests; 100 with --quick)
    with random cancels and worker SIGKILLs;
-4. concurrent takers of one mailbox key across processes (keys taken twice).
+4. concurrent takers of one mailbox key across processes (keys taken twice);
+5. the orchestrator group on etcd (``tests/chaos/ha_scenarios.py``: two
+   orchestrators, a three-member etcd, each on namespaced hosts): the leader's host
+   killed, cut off, cut off etcd alone, and the etcd member under it killed, with
+   work in flight; ``failover_s`` is the fault to the new leader's first dispatch
+   running on a worker;
+6. on loopback (``bench/ha.py``'s rows, real etcd and masters, not namespaced
+   hosts): one Mooncake master leader SIGKILL (``master_failover_s``) and one
+   spill burst 4x a 64 MiB pool (``spill_burst_completed``).
 
 ``--quick`` runs the same scenarios (each once, as in the full run) and the same
 fuzz targets, soak and race with fewer cases, requests and keys; fuzz cases go to
@@ -22,7 +30,16 @@ live peers are pool members, counted in pool_connections), leaked_threads (ours)
 leaked_fds_mooncake_master and leaked_threads_mooncake_master (the master binary's,
 reported apart: docs/chaos.md), replaced_threads and replaced_fds (processes the
 fault replaced, against their predecessors' baselines: reported apart), fuzz_cases,
-fuzz_crashes, max_detect_s (<= 2x heartbeat_timeout_s), mailbox_double_takes, soak_*.
+fuzz_crashes, max_detect_s (<= 2x heartbeat_timeout_s), mailbox_double_takes, soak_*,
+orchestrator_failover_s (the slowest orchestrator scenario; per scenario in
+orchestrator_failover_s_by_scenario) against orchestrator_lease_s, etcd_failover_s,
+failover_within_2x_lease, fenced_actions, master_failover_s, spill_burst_completed
+(of spill_burst_objects). lost_requests, duplicate_completions and leaked_keys count
+every part.
+
+Only the HA scenarios, cheap enough to run beside ``stress-ng --cpu 2``:
+``bench/chaos.py --quick --skip scenarios --skip fuzz --skip soak --skip race
+--skip ha_loopback --json F``.
 """
 
 from __future__ import annotations
@@ -43,40 +60,73 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "tests" / "chaos"), str(ROOT / "tests")]
 
 import fuzz  # noqa: E402
+import ha  # noqa: E402  (bench/ha.py: its master failover and spill rows)
+import ha_scenarios  # noqa: E402
 import mailbox_race  # noqa: E402
 import scenarios  # noqa: E402
 from deploy import HEARTBEAT_S, HOSTS, Deployment  # noqa: E402
+from ha_deploy import HA_HOSTS, LEASE_S, EtcdHosts, HaDeployment  # noqa: E402
 from hosts import Hosts, available  # noqa: E402
 from soak import soak  # noqa: E402
 
 from mooncake_diffusion._mooncake.cluster import LocalCluster  # noqa: E402
+from mooncake_diffusion.etcd import EtcdCluster  # noqa: E402
+
+#: the spill row's burst, in multiples of its 64 MiB pool (the same in --quick)
+SPILL_X = 4
 
 
 def run_scenarios(work: Path, only: list[str]) -> tuple[list[dict[str, Any]], str | None]:
     why = available()
     if why is not None:
         return [], why
+    net = Hosts(HOSTS, str(work))
+    d = Deployment(net, work, heartbeat_timeout=HEARTBEAT_S)
+    return _rows(net, d, scenarios.SCENARIOS, "scenario", only), None
+
+
+def run_ha_scenarios(work: Path) -> tuple[list[dict[str, Any]], str | None]:
+    """The orchestrator group's scenarios on namespaced hosts (one deployment)."""
+    why = available()
+    if why is not None:
+        return [], why
+    net = EtcdHosts(HA_HOSTS, str(work))
+    d = HaDeployment(net, work, heartbeat_timeout=HEARTBEAT_S)
+    return _rows(net, d, ha_scenarios.HA_SCENARIOS, "ha scenario", []), None
+
+
+def _rows(net: Hosts, d: Deployment, fns: list[Any], kind: str, only: list[str]) -> list[Any]:
+    """Start ``d`` on ``net``, warm it up, run each of ``fns`` (those named in ``only``,
+    when given) for its row; a scenario that breaks is a row with its error."""
     rows = []
-    with Hosts(HOSTS, str(work)) as net:
-        d = Deployment(net, work, heartbeat_timeout=HEARTBEAT_S)
+    with net:
         try:
             d.up()
             scenarios.warm_up(d)
-            for fn in scenarios.SCENARIOS:
-                if only and fn.__name__[9:] not in only:
+            for fn in fns:
+                name = fn.__name__[9:]
+                if only and name not in only:
                     continue
-                print(f"[chaos] scenario {fn.__name__[9:]} ...", file=sys.stderr, flush=True)
+                print(f"[chaos] {kind} {name} ...", file=sys.stderr, flush=True)
                 try:
                     rows.append(fn(d).row())
                 except Exception as e:  # a scenario that breaks is a result, not a crash
                     traceback.print_exc()
-                    rows.append({"name": fn.__name__[9:], "error": f"{type(e).__name__}: {e}"})
+                    rows.append({"name": name, "error": f"{type(e).__name__}: {e}"})
+                    d.release_all()
         finally:
             d.down()
     after = net.leftovers()
     if after:
         print(f"[chaos] namespaces left behind: {after}", file=sys.stderr)
-    return rows, None
+    return rows
+
+
+def run_ha_loopback() -> list[dict[str, Any]]:
+    """``bench/ha.py``'s master failover (OpLog on) and one spill burst, on loopback."""
+    with EtcdCluster(1) as etcd:
+        master = ha.failover_row(etcd, True, 8, 0)
+    return [master, ha.spill_row(True, SPILL_X)]
 
 
 #: inputs per Hypothesis example (the live HTTP API answers one request per case anyway)
@@ -104,7 +154,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer fuzz cases, soak requests, keys")
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
     ap.add_argument(
-        "--skip", action="append", default=[], choices=["scenarios", "fuzz", "soak", "race"]
+        "--skip",
+        action="append",
+        default=[],
+        choices=["scenarios", "fuzz", "soak", "race", "ha", "ha_loopback"],
     )
     ap.add_argument(
         "--scenario",
@@ -144,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     scen, not_run = (
         ([], "skipped") if "scenarios" in a.skip else run_scenarios(work / "net", a.scenario)
     )
+    ha_rows, ha_not_run = ([], "skipped") if "ha" in a.skip else run_ha_scenarios(work / "ha")
+    loop = [] if "ha_loopback" in a.skip else run_ha_loopback()
     fz = [] if "fuzz" in a.skip else run_fuzz(fuzz_total)
     sk: dict[str, Any] = {}
     race: dict[str, Any] = {}
@@ -160,8 +215,15 @@ def main(argv: list[str] | None = None) -> int:
         + [{"part": "fuzz", **r} for r in fz]
         + ([{"part": "soak", **sk}] if sk else [])
         + ([{"part": "mailbox_race", **race}] if race else [])
+        + [{"part": "ha_scenario", **r} for r in ha_rows]
+        + [{**r, "part": f"ha_loopback {r['part']}"} for r in loop]
     )
     ok = [r for r in scen if "error" not in r]
+    ha_ok = [r for r in ha_rows if "error" not in r]
+    orch = {r["name"]: r["failover_s"] for r in ha_ok if r["failover_of"] == "orchestrator"}
+    etcd_s = [r["failover_s"] for r in ha_ok if r["failover_of"] == "etcd"]
+    master = next((r for r in loop if r["part"] == "master failover"), None)
+    spill = next((r for r in loop if r["part"] == "spill burst"), None)
     detect = [r["detect_s"] for r in ok if r.get("detect_s") is not None]
     out["summary"] = {
         "scenarios": len(ok),
@@ -171,9 +233,9 @@ def main(argv: list[str] | None = None) -> int:
         "requests_completed": sum(r["completed"] for r in ok),
         "requests_failed_with_reason": sum(r["failed"] for r in ok),
         "reruns": sum(r.get("reruns", 0) for r in ok),
-        "lost_requests": sum(r["lost"] for r in ok) + sk.get("lost", 0),
-        "duplicate_completions": sum(r["duplicates"] for r in ok) + sk.get("duplicates", 0),
-        "leaked_keys": sum(r["leaked_keys"] for r in ok) + sk.get("leaked_keys", 0),
+        "lost_requests": sum(r["lost"] for r in ok + ha_ok) + sk.get("lost", 0),
+        "duplicate_completions": sum(r["duplicates"] for r in ok + ha_ok) + sk.get("duplicates", 0),
+        "leaked_keys": sum(r["leaked_keys"] for r in ok + ha_ok + loop) + sk.get("leaked_keys", 0),
         "leaked_fds": sum(r["leaked_fds"] for r in ok) + sk.get("leaked_fds", 0),
         "leaked_fds_mooncake_master": sum(r.get("leaked_fds_mooncake_master", 0) for r in ok),
         "pool_connections": sum(r.get("pool_connections", 0) for r in ok),
@@ -196,6 +258,22 @@ def main(argv: list[str] | None = None) -> int:
         "soak_failed": sk.get("failed"),
         "soak_worker_kills": sk.get("worker_kills"),
         "soak_leaked_processes": sk.get("leaked_processes"),
+        "ha_scenarios": len(ha_ok),
+        "ha_scenarios_not_run": ha_not_run,
+        "ha_scenario_errors": [r["name"] for r in ha_rows if "error" in r],
+        "orchestrator_failover_s": max(orch.values()) if orch else None,
+        "orchestrator_failover_s_by_scenario": orch,
+        "orchestrator_lease_s": LEASE_S,
+        "etcd_failover_s": max(etcd_s) if etcd_s else None,
+        "failover_within_2x_lease": (
+            all(v <= 2 * LEASE_S for v in [*orch.values(), *etcd_s]) if ha_ok else None
+        ),
+        "fenced_actions": sum(r["fenced_actions"] for r in ha_ok),
+        "master_failover_s": master["failover_s"] if master else None,
+        "master_failover_on": "loopback (bench/ha.py failover_row, OpLog on)" if master else None,
+        "spill_burst_completed": spill["intact"] if spill else None,
+        "spill_burst_objects": spill["objects"] if spill else None,
+        "spill_burst_on": f"loopback ({SPILL_X}x a 64 MiB pool, 8 MiB objects)" if spill else None,
         "wall_s": round(time.monotonic() - t0, 1),
     }
     print(table(out))
@@ -211,7 +289,7 @@ def table(out: dict[str, Any]) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in out["rows"]:
-        if r["part"] != "scenario":
+        if r["part"] not in ("scenario", "ha_scenario"):
             continue
         if "error" in r:
             lines.append(f"| {r['name']} | error: {r['error'][:80]} ||||||||||")
@@ -222,13 +300,22 @@ def table(out: dict[str, Any]) -> str:
             f"| {r['name']} | {r['accepted']} | {r['completed']} | {r['failed']}"
             f"{' (' + why + ')' if why else ''} | {r['lost']} | {r['duplicates']} | {det} | "
             f"{r['leaked_keys']} | {r['leaked_fds']} | {r['leaked_threads']} | "
-            f"{r.get('pool_connections', '-')} | {r['notes']} |"
+            f"{r.get('pool_connections', '-')} | {r['notes']}{_failover(r)} |"
         )
     lines.append("")
     lines.append("| summary | value |")
     lines.append("|---|---|")
     lines += [f"| {k} | {v} |" for k, v in out["summary"].items()]
     return "\n".join(lines)
+
+
+def _failover(r: dict[str, Any]) -> str:
+    if r.get("failover_s") is None:
+        return ""
+    return (
+        f"; {r['failover_of']} failover {r['failover_s']:.2f} s (lease {r['lease_s']} s), "
+        f"fenced actions {r['fenced_actions']}"
+    )
 
 
 if __name__ == "__main__":

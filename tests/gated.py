@@ -12,6 +12,10 @@ request's stage holds where the test asked:
   decode after ``k`` latent chunks; encode before it runs;
 - for every request's denoise: ``Gate.env(step)``, the step to hold at.
 
+Every start of a gated stage is noted (``Gate.ran()``: request, stage, attempt,
+time), so a test can check each item a worker ran against what the orchestrator
+committed to dispatching.
+
 ``failing_denoise`` is ``denoise`` that, after the gate (if any), raises a retryable
 error right after step ``Gate.env(fail=k)`` on every attempt: the request fails for
 good once its attempts are spent, with the checkpoints of the steps before ``k`` saved.
@@ -93,6 +97,16 @@ def _asked(rid: str, stage: str) -> tuple[int, str] | None:
     return None
 
 
+def _ran(item: Any) -> None:
+    """Note that this process started ``item`` (``Gate.ran``): one line per start, in a
+    file of its own pid, appended whole (one write)."""
+    root = _root()
+    if root is not None:
+        line = json.dumps([item.request_id, item.stage, item.attempt, time.time()]) + "\n"
+        with open(root / f"ran-{os.getpid()}.jsonl", "a") as f:
+            f.write(line)
+
+
 def _hold(ctx: Any, step: int, until: str = "release") -> None:
     """Hold ``ctx``'s item here if this is the first arrival (see the module doc)."""
     root, item = _root(), ctx.item
@@ -141,6 +155,7 @@ def _stepped(fn: Any) -> Any:
     """``fn`` (a denoise) held at the asked step; step 0 holds before it starts."""
 
     def run(item: Any, ctx: Any) -> Any:
+        _ran(item)
         asked = _asked(item.request_id, item.stage)
         if asked is None:
             return fn(item, ctx)
@@ -171,6 +186,7 @@ load = stages.load  # ``--fn gated``: a stage change loads as the reference pipe
 
 
 def encode(item: Any, ctx: Any) -> Any:
+    _ran(item)
     if _asked(item.request_id, item.stage) is not None:
         _hold(ctx, 0)
     return stages.encode(item, ctx)
@@ -219,6 +235,7 @@ class _Iter:
 
 
 def decode(item: Any, ctx: Any) -> Any:
+    _ran(item)
     asked = _asked(item.request_id, item.stage)
     if asked is not None:
         k = asked[0]
@@ -273,6 +290,16 @@ class Gate:
     def wait_reached(self, rid: str, timeout: float = 180.0) -> str:
         """Block until a worker holds ``rid``'s denoise at the gate; that worker's id."""
         return str(self.reached(rid, "denoise", timeout)["worker_id"])
+
+    def ran(self) -> list[tuple[str, str, int, float]]:
+        """Every item a gated stage started, in any worker: (request, stage, attempt,
+        wall time)."""
+        out = []
+        for path in sorted(self.root.glob("ran-*.jsonl")):
+            for line in path.read_text().splitlines():
+                rid, stage, attempt, t = json.loads(line)
+                out.append((rid, stage, int(attempt), float(t)))
+        return out
 
     def release(self, rid: str, stage: str = "denoise") -> None:
         """Let ``rid``'s ``stage`` go on from the gate (no-op if it was never held)."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from deploy import HEARTBEAT_S, HOSTS, Deployment
 from hosts import Hosts, available
-from scenarios import warm_up
+from scenarios import running
 
 
 @pytest.fixture(scope="module")
@@ -19,15 +19,5 @@ def deployment(tmp_path_factory):
         pytest.skip(f"chaos tier not run: {why}")
     work = tmp_path_factory.mktemp("chaos")
     net = Hosts(HOSTS, str(work))
-    with net:
-        d = Deployment(net, work, heartbeat_timeout=HEARTBEAT_S)
-        try:
-            d.up()
-            w = warm_up(d)
-            assert w.completed == 2 and not w.lost, w
-            yield d
-            rcs = d.down()
-            assert all(rc == 0 for rc in rcs.values()), rcs  # SIGTERM: each drains, exits 0
-        finally:
-            d.down()
-    assert net.leftovers() == [], net.leftovers()
+    with running(net, Deployment(net, work, heartbeat_timeout=HEARTBEAT_S)) as d:
+        yield d

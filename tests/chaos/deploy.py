@@ -75,6 +75,11 @@ class Deployment:
     def admin(self) -> str:
         return f"{self.net.ip('master')}:{ADMIN}"
 
+    @property
+    def orchestrator_address(self) -> str:
+        """What workers are given as ``--orchestrator``."""
+        return f"tcp://{self.net.ip('orch')}:{WPORT}"
+
     def env(self, host: str) -> dict[str, str]:
         return {
             "MOONCAKE_MASTER": self.master,
@@ -183,7 +188,7 @@ class Deployment:
                 "--fn",
                 f"gated:{stage}",
                 "--orchestrator",
-                f"tcp://{self.net.ip('orch')}:{WPORT}",
+                self.orchestrator_address,
                 "--worker-id",
                 host,
                 "--transfer-mode",

@@ -15,6 +15,7 @@ import signal
 import sys
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -333,10 +334,18 @@ class Run:
         return rid
 
     def finish(
-        self, fault_t: float | None, notes: str = "", *, measure: bool = True, rewarm: bool = False
+        self,
+        fault_t: float | None,
+        notes: str = "",
+        *,
+        measure: bool = True,
+        rewarm: bool = False,
+        outcome: Outcome | None = None,
     ) -> Outcome:
+        """Account for the run's requests (``account``) into ``outcome`` (default: a
+        new ``Outcome``)."""
         o = account(
-            Outcome(self.name, notes=notes),
+            outcome or Outcome(self.name, notes=notes),
             self.d,
             self.rids,
             self.base,
@@ -358,6 +367,24 @@ def _holder(d: Deployment, rid: str) -> str:
     wid = d.client.status(rid)["worker_id"]
     assert wid in WORKERS, wid
     return wid
+
+
+@contextlib.contextmanager
+def running(net: Any, d: Deployment) -> Iterator[Deployment]:
+    """``net`` up (namespaces), ``d`` started and warmed up (``warm_up``); afterwards
+    everything stopped, each of our processes asserted to have exited 0 after SIGTERM
+    when the block ended cleanly, and the namespaces asserted gone."""
+    with net:
+        try:
+            d.up()
+            w = warm_up(d)
+            assert w.completed == 2 and not w.lost, w
+            yield d
+            rcs = d.down()
+            assert all(rc == 0 for rc in rcs.values()), rcs  # SIGTERM: each drains, exits 0
+        finally:
+            d.down()
+    assert net.leftovers() == [], net.leftovers()
 
 
 # ------------------------------------------------------------------ scenarios

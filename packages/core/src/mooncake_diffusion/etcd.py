@@ -32,7 +32,14 @@ from typing import ClassVar
 from mooncake_diffusion.childproc import free_port, terminate
 from mooncake_diffusion.errors import ConfigError
 
-__all__ = ["EtcdClient", "EtcdCluster", "EtcdUnavailableError", "etcd_binary", "prefix_end"]
+__all__ = [
+    "EtcdClient",
+    "EtcdCluster",
+    "EtcdUnavailableError",
+    "etcd_binary",
+    "member_argv",
+    "prefix_end",
+]
 
 #: where Debian's etcd-server puts the binary; ``MCD_ETCD`` overrides it
 _DEFAULT_BINARY = "/usr/bin/etcd"
@@ -74,17 +81,21 @@ def prefix_end(prefix: str) -> bytes:
 
 class EtcdClient:
     """etcd's v3 JSON gateway over ``urllib``: each call goes to the first endpoint
-    that answers (``host:port``, tried in order)."""
+    that answers (``host:port``), starting from the last one that did: a member that
+    is cut off (its connections time out) costs one timeout, not one per call."""
 
     def __init__(self, endpoints: list[str]) -> None:
         if not endpoints:
             raise ConfigError("an etcd client needs at least one endpoint")
         self.endpoints = list(endpoints)
+        self._good = 0  # index of the endpoint that answered last
 
     def call(self, path: str, body: dict[str, object], timeout: float = 2.0) -> dict[str, object]:
         """POST ``body`` to ``/v3/{path}``; ``EtcdUnavailableError`` if no endpoint answers."""
         last = "no endpoint"
-        for ep in self.endpoints:
+        n, start = len(self.endpoints), self._good
+        for i in range(start, start + n):
+            ep = self.endpoints[i % n]
             req = urllib.request.Request(
                 f"http://{ep}/v3/{path}",
                 data=json.dumps(body).encode(),
@@ -93,7 +104,9 @@ class EtcdClient:
             )
             try:
                 with urllib.request.urlopen(req, timeout=timeout) as r:
-                    return json.loads(r.read() or b"{}")
+                    out = json.loads(r.read() or b"{}")
+                self._good = i % n
+                return out
             except (OSError, ValueError, urllib.error.URLError) as e:
                 last = f"{ep}: {e}"
         raise EtcdUnavailableError(last)
@@ -116,6 +129,28 @@ class EtcdClient:
             base64.b64decode(kv["key"]).decode(): base64.b64decode(kv.get("value", ""))
             for kv in kvs
         }
+
+
+def member_argv(
+    name: str, host: str, client_port: int, peer_port: int, data_dir: str, cluster: str, token: str
+) -> list[str]:
+    """The command line of one member of a new cluster: ``cluster`` is etcd's
+    ``--initial-cluster`` (``name=http://host:peer_port,...``), ``token`` tells this
+    cluster's members from another's."""
+    return [
+        etcd_binary(),
+        f"--name={name}",
+        f"--data-dir={data_dir}",
+        f"--listen-client-urls=http://{host}:{client_port}",
+        f"--advertise-client-urls=http://{host}:{client_port}",
+        f"--listen-peer-urls=http://{host}:{peer_port}",
+        f"--initial-advertise-peer-urls=http://{host}:{peer_port}",
+        f"--initial-cluster={cluster}",
+        "--initial-cluster-state=new",
+        f"--initial-cluster-token={os.path.basename(token)}",
+        "--logger=zap",
+        "--log-level=error",
+    ]
 
 
 @dataclass
@@ -163,22 +198,12 @@ class EtcdCluster:
     def _spawn(self, m: _Member) -> None:
         cluster = ",".join(f"{x.name}=http://{self.host}:{x.peer_port}" for x in self.members)
         log_path = os.path.join(self.log_dir, f"etcd-{m.name}.log") if self.log_dir else os.devnull
+        argv = member_argv(
+            m.name, self.host, m.client_port, m.peer_port, m.data_dir, cluster, self._root
+        )
         with open(log_path, "ab") as log:
             m.proc = subprocess.Popen(
-                [
-                    etcd_binary(),
-                    f"--name={m.name}",
-                    f"--data-dir={m.data_dir}",
-                    f"--listen-client-urls=http://{self.host}:{m.client_port}",
-                    f"--advertise-client-urls=http://{self.host}:{m.client_port}",
-                    f"--listen-peer-urls=http://{self.host}:{m.peer_port}",
-                    f"--initial-advertise-peer-urls=http://{self.host}:{m.peer_port}",
-                    f"--initial-cluster={cluster}",
-                    "--initial-cluster-state=new",
-                    f"--initial-cluster-token={os.path.basename(self._root)}",
-                    "--logger=zap",
-                    "--log-level=error",
-                ],
+                argv,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,

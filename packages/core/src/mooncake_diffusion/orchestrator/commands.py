@@ -109,32 +109,37 @@ def _run_orchestrator(args: argparse.Namespace) -> int:
         max_attempts=args.max_attempts,
         preemption=args.preemption,
     )
-    try:  # an unknown planner or option is the user's to fix: say so, no traceback
-        service = OrchestratorService(
-            ServiceConfig(
-                orchestrator=cfg,
-                worker_bind=worker_bind,
-                journal=args.journal,
-                token=token,
-                planner=args.planner,
-                planner_options=dict(args.planner_option),
-            )
-        )
-    except OrchestratorConfigError as e:
-        raise SystemExit(f"mooncake-diffusion: error: {e}") from None
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    service.start()
-    try:
-        front = FrontConfig(
-            hosts=tuple(args.allowed_host),
-            max_cost={**DEFAULT_MAX_COST, **dict(args.max_cost)},
-            cancel_on_disconnect=not args.keep_on_disconnect,
-        )
-        api = ApiServer(
+    front = FrontConfig(
+        hosts=tuple(args.allowed_host),
+        max_cost={**DEFAULT_MAX_COST, **dict(args.max_cost)},
+        cancel_on_disconnect=not args.keep_on_disconnect,
+    )
+
+    def api_of(service: OrchestratorService) -> ApiServer:
+        return ApiServer(
             service, args.host, args.port, token=token, outputs=args.outputs, front=front
         )
+
+    config = ServiceConfig(
+        orchestrator=cfg,
+        worker_bind=worker_bind,
+        journal=None if args.etcd else args.journal,
+        token=token,
+        planner=args.planner,
+        planner_options=dict(args.planner_option),
+    )
+    if args.etcd:
+        return _run_candidate(args, config, api_of, stop)
+    try:  # an unknown planner or option is the user's to fix: say so, no traceback
+        service = OrchestratorService(config)
+    except OrchestratorConfigError as e:
+        raise SystemExit(f"mooncake-diffusion: error: {e}") from None
+    service.start()
+    try:
+        api = api_of(service)
     except BaseException:
         service.close()
         raise
@@ -154,6 +159,21 @@ def _run_orchestrator(args: argparse.Namespace) -> int:
         service.close()
         api.close()
     return 0
+
+
+def _run_candidate(args: argparse.Namespace, config: Any, api_of: Any, stop: Any) -> int:
+    """``orchestrator --etcd``: one of the orchestrator group (``ha_service.serve``)."""
+    from mooncake_diffusion.orchestrator.ha_service import HaOptions, serve
+
+    if args.journal:
+        raise SystemExit("mooncake-diffusion: error: --journal and --etcd exclude each other")
+    opts = HaOptions(
+        [e for e in args.etcd.split(",") if e],
+        prefix=args.etcd_prefix,
+        name=args.name or f"{args.host}:{args.port}",
+        lease_s=args.lease,
+    )
+    return serve(opts, config, api_of, stop, lambda line: print(line, flush=True))
 
 
 def _run_worker(args: argparse.Namespace) -> int:
@@ -230,6 +250,26 @@ def add_commands(sub: Any) -> None:
     )
     o.add_argument("--worker-bind", help="worker endpoint, overrides --worker-port")
     o.add_argument("--journal", help="SQLite journal path: survive restarts (default: none)")
+    o.add_argument(
+        "--etcd",
+        metavar="HOST:PORT[,...]",
+        help="run as one of a group of orchestrators on this etcd: one leads, the others "
+        "stand by and take over (journal in etcd; workers and clients use "
+        "etcd://HOST:PORT[,...][/PREFIX]); excludes --journal",
+    )
+    o.add_argument(
+        "--etcd-prefix",
+        default="/mooncake-diffusion/orchestrator",
+        help="key prefix of the group's election and journal (default %(default)s)",
+    )
+    o.add_argument("--name", help="this candidate's name (default HOST:PORT)")
+    o.add_argument(
+        "--lease",
+        type=int,
+        default=2,
+        help="leader lease in whole seconds (default 2, etcd's minimum): a standby takes "
+        "over within about this after the leader is lost",
+    )
     o.add_argument(
         "--outputs",
         help="folder for the OpenAI-style routes' images and videos, written by the decode "
@@ -315,7 +355,8 @@ def add_commands(sub: Any) -> None:
     w.add_argument(
         "--orchestrator",
         default="tcp://127.0.0.1:7422",
-        help="the orchestrator's worker endpoint (default tcp://127.0.0.1:7422)",
+        help="the orchestrator's worker endpoint (default tcp://127.0.0.1:7422), or "
+        "etcd://HOST:PORT[,...][/PREFIX] to follow the leader of an --etcd group",
     )
     w.add_argument("--worker-id", help="stable id (default: STAGE-HOST-PID)")
     w.add_argument("--credits", type=int, default=1, help="items held at once (default 1)")

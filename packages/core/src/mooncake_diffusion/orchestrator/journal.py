@@ -64,7 +64,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from os import PathLike
 from types import TracebackType
-from typing import get_args
+from typing import Protocol, get_args
 
 import msgspec
 
@@ -87,7 +87,13 @@ from mooncake_diffusion.orchestrator.model import (
 )
 from mooncake_diffusion.orchestrator.policy import RoutingPolicy
 
-__all__ = ["JOURNAL_SCHEMA_VERSION", "Journal", "JournalError", "JournaledOrchestrator"]
+__all__ = [
+    "JOURNAL_SCHEMA_VERSION",
+    "EventLog",
+    "Journal",
+    "JournalError",
+    "JournaledOrchestrator",
+]
 
 #: Version of the tables below. 1: meta(key, value); events(seq, now, event msgpack).
 JOURNAL_SCHEMA_VERSION = 1
@@ -125,6 +131,24 @@ def _lock(path: str) -> int:
             f"journal {path} is in use by another orchestrator (lock {lock_path})"
         ) from None
     return fd
+
+
+class EventLog(Protocol):
+    """What ``JournaledOrchestrator`` needs of a journal (``Journal`` below is the
+    SQLite one; ``ha_service.EtcdJournal`` the replicated one). ``append`` between
+    ``begin`` and ``commit`` joins that transaction; ``commit`` raises
+    ``JournalError`` when the events are not durable (act on none of them)."""
+
+    path: str
+
+    def encode(self, event: Event) -> tuple[Event, bytes]: ...
+    def bind_config(self, config: OrchestratorConfig) -> None: ...
+    def append(self, now: float, blob: bytes) -> int: ...
+    def begin(self) -> None: ...
+    def commit(self) -> None: ...
+    def rollback(self) -> None: ...
+    def replay(self) -> Iterator[tuple[int, float, Event]]: ...
+    def close(self) -> None: ...
 
 
 class Journal:
@@ -280,7 +304,7 @@ class JournaledOrchestrator:
     are returned. Build it with ``open``; the call sequence is in the module docstring.
     """
 
-    def __init__(self, journal: Journal, core: Orchestrator, clock: Clock, offset: float) -> None:
+    def __init__(self, journal: EventLog, core: Orchestrator, clock: Clock, offset: float) -> None:
         """Use ``open``. ``offset`` is added to every ``clock.now()``."""
         self.journal = journal
         self.core = core
@@ -309,8 +333,22 @@ class JournaledOrchestrator:
         is unusable, was written under another config, or does not replay (a
         corrupt event; time going back).
         """
+        return cls.recover(Journal(path), config, clock=clock, policy=policy, observer=observer)
+
+    @classmethod
+    def recover(
+        cls,
+        journal: EventLog,
+        config: OrchestratorConfig | None = None,
+        *,
+        clock: Clock,
+        policy: RoutingPolicy | None = None,
+        observer: Callable[[Event, list[Action]], None] | None = None,
+    ) -> JournaledOrchestrator:
+        """``open`` on a journal object already opened (the SQLite ``Journal``, or
+        another ``EventLog`` such as ``ha_service.EtcdJournal``); it is closed if
+        recovery fails."""
         config = config if config is not None else OrchestratorConfig()
-        journal = Journal(path)
         try:
             journal.bind_config(config)
             core = Orchestrator(config, policy=policy)

@@ -17,9 +17,9 @@ under ``<prefix>/journal/<revision-ordered key>``; a standby reads them
 (``entries``) to follow. etcd 3.4 rounds a TTL below its election timeout up to
 2 s, so a crashed leader is replaced within about ``ttl_s`` plus one poll.
 
-What is built: the election, fencing and the fenced journal (this module and
-``tests/integration/test_leader.py``). Not built yet: the service running on it
-(``service.py`` keeps its SQLite journal) and workers following the leader.
+The service runs on it in ``ha_service.py`` (``mooncake-diffusion orchestrator
+--etcd``): the leader announces its addresses in the leader key's value
+(``announce``), workers and clients read them there (``follow.py``).
 """
 
 from __future__ import annotations
@@ -122,6 +122,15 @@ class Candidate:
         assert isinstance(kvs, list)
         return bool(kvs) and int(kvs[0].get("create_revision", 0)) == self.token
 
+    def _guard(self) -> dict[str, str]:
+        """The transaction condition: the leader key has this term's create revision."""
+        return {
+            "key": _b64(self.leader_key),
+            "target": "CREATE",
+            "result": "EQUAL",
+            "create_revision": str(self.token),
+        }
+
     def append(self, events: Sequence[bytes]) -> bool:
         """Commit ``events`` to the journal in one transaction, only while this term
         holds the leader key. ``True``: committed (in order, after every earlier
@@ -133,20 +142,60 @@ class Candidate:
             self._seq += 1
             key = f"{self.journal_prefix}{self.token:020d}-{self._seq:012d}"
             puts.append({"request_put": {"key": _b64(key), "value": _b64(ev)}})
-        guard = {
-            "key": _b64(self.leader_key),
-            "target": "CREATE",
-            "result": "EQUAL",
-            "create_revision": str(self.token),
-        }
         try:
-            out = self.etcd.call("kv/txn", {"compare": [guard], "success": puts})
+            out = self.etcd.call("kv/txn", {"compare": [self._guard()], "success": puts})
         except EtcdUnavailableError:
             return False  # unknown: treated as not committed; the caller must not act
         if not out.get("succeeded"):
             self.token = 0
             return False
         return True
+
+    def next_key(self) -> str:
+        """A journal key of this term after every earlier one (for ``put_entry``)."""
+        self._seq += 1
+        return f"{self.journal_prefix}{self.token:020d}-{self._seq:012d}"
+
+    def put_entry(self, key: str, value: bytes) -> bool:
+        """Write one journal entry at ``key`` (from ``next_key``) in one transaction,
+        only while this term holds the leader key and only if ``key`` is absent, so a
+        retry after an unknown outcome never writes it twice. ``True``: the entry is
+        there (now, or from an earlier try). ``False``: deposed, nothing written.
+        Raises ``EtcdUnavailableError`` (outcome unknown: retry with the same key)."""
+        if not self.token:
+            return False
+        k = _b64(key)
+        absent = {"key": k, "target": "CREATE", "result": "EQUAL", "create_revision": "0"}
+        out = self.etcd.call(
+            "kv/txn",
+            {
+                "compare": [self._guard(), absent],
+                "success": [{"request_put": {"key": k, "value": _b64(value)}}],
+                "failure": [{"request_range": {"key": k}}],
+            },
+        )
+        if out.get("succeeded"):
+            return True
+        responses = out.get("responses") or [{}]
+        assert isinstance(responses, list)
+        found = (responses[0].get("response_range") or {}).get("kvs")
+        if found:  # an earlier try of this key went through (only this term writes it)
+            return True
+        self.token = 0
+        return False
+
+    def announce(self, value: bytes) -> bool:
+        """Set the leader key's value (where this leader serves), keeping its lease and
+        create revision (the token). ``False``: deposed or unreachable."""
+        if not self.token or self.lease_id is None:
+            return False
+        key, lease = _b64(self.leader_key), self.lease_id
+        put = {"request_put": {"key": key, "value": _b64(value), "lease": lease}}
+        try:
+            out = self.etcd.call("kv/txn", {"compare": [self._guard()], "success": [put]})
+        except EtcdUnavailableError:
+            return False
+        return bool(out.get("succeeded"))
 
     def entries(self) -> list[bytes]:
         """Every journal entry, in commit order (what a standby replays)."""

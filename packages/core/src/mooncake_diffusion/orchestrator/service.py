@@ -84,7 +84,12 @@ from mooncake_diffusion.orchestrator.core import Orchestrator
 from mooncake_diffusion.orchestrator.elastic import Elastic, pool_sizes
 from mooncake_diffusion.orchestrator.errors import OrchestratorError
 from mooncake_diffusion.orchestrator.inbox import Inbox
-from mooncake_diffusion.orchestrator.journal import JournaledOrchestrator, JournalError
+from mooncake_diffusion.orchestrator.journal import (
+    EventLog,
+    Journal,
+    JournaledOrchestrator,
+    JournalError,
+)
 from mooncake_diffusion.orchestrator.metrics import ServiceMetrics
 from mooncake_diffusion.orchestrator.model import (
     Action,
@@ -311,9 +316,10 @@ class OrchestratorService:
     def _open_core(self) -> None:
         """In the driver thread (SQLite objects stay in the thread that made them)."""
         cfg = self.config.orchestrator
-        if self.config.journal:
-            self._core = JournaledOrchestrator.open(
-                self.config.journal,
+        journal = self._journal()
+        if journal is not None:
+            self._core = JournaledOrchestrator.recover(
+                journal,
                 cfg,
                 clock=self._clock,
                 policy=self._policy,
@@ -328,6 +334,11 @@ class OrchestratorService:
                 self._send_work(d)
         else:
             self._core = Orchestrator(cfg, clock=self._clock, policy=self._policy)
+
+    def _journal(self) -> EventLog | None:
+        """The journal to recover from, opened in the driver thread: the SQLite file
+        ``config.journal`` names, or None (``ha_service`` gives its etcd journal)."""
+        return Journal(self.config.journal) if self.config.journal else None
 
     def close(self) -> None:
         """Stop the driver and close sockets and the journal. Idempotent. Event streams end."""

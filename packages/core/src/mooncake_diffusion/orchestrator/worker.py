@@ -73,6 +73,7 @@ from mooncake_diffusion._mooncake import gil
 from mooncake_diffusion.connector import DiffusionConnector
 from mooncake_diffusion.errors import PayloadError
 from mooncake_diffusion.orchestrator.errors import OrchestratorError
+from mooncake_diffusion.orchestrator.follow import Follower
 from mooncake_diffusion.orchestrator.inbox import Inbox
 from mooncake_diffusion.orchestrator.lost_input import InputWatch
 from mooncake_diffusion.orchestrator.model import WorkItem
@@ -303,7 +304,9 @@ class StageWorker:
         sock.setsockopt(zmq.LINGER, 2000)
         sock.setsockopt(zmq.ROUTING_ID, self.worker_id.encode())
         sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
-        sock.connect(self.orchestrator)
+        # a tcp:// endpoint, or etcd://...: the announced leader, followed (follow.py)
+        self._follow = Follower(self.orchestrator, wake=self._mail.wake)
+        self._follow.sync(sock)
         pool = ThreadPoolExecutor(self.credits, thread_name_prefix=f"mcd-{self.worker_id}")
         # store calls of releases, off the loop: a dead master holds one for seconds.
         # Started now, not at the first release: a worker's threads are all there once
@@ -324,6 +327,7 @@ class StageWorker:
             pool.shutdown(wait=True, cancel_futures=True)
             self._releases.put(None)
             cleaner.join()  # every release asked for is done
+            self._follow.close()
             sock.close()
             ctx.term()
             if self._own_connector:
@@ -345,7 +349,8 @@ class StageWorker:
             sock.send(msg if isinstance(msg, bytes) else encode(msg))
 
         hello = self._hello(fresh=True)
-        send(hello)
+        if self._follow.address is not None:  # else sent once a leader is announced
+            send(hello)
         started = time.monotonic()
         interval = 1.0
         next_beat = started + interval
@@ -353,6 +358,11 @@ class StageWorker:
         poller.register(sock, zmq.POLLIN)
         poller.register(self._mail.fileno(), zmq.POLLIN)
         while not self._stop.is_set():
+            if self._follow.sync(sock):  # another orchestrator leads: introduce ourselves
+                log.warning(
+                    "worker %s: following the leader to %s", self.worker_id, sock.LAST_ENDPOINT
+                )
+                send(self._hello(fresh=False))
             now = time.monotonic()
             if not self._welcomed.is_set() and now - started > self.connect_timeout_s:
                 raise OrchestratorError(
@@ -403,7 +413,7 @@ class StageWorker:
                             late,
                             interval,
                         )
-                else:
+                elif self._follow.address is not None:
                     send(hello)  # the orchestrator may not have been up yet
                 next_beat = now + interval
                 for sent in beat_asked:
