@@ -51,6 +51,39 @@ def _recv(sock: zmq.Socket, kinds: tuple[type, ...]) -> object:
         assert sock.poll(20_000), "the worker said nothing"
 
 
+def _journaled(tmp_path, heartbeat_timeout: float):
+    """A service config on a free loopback port with a SQLite journal in ``tmp_path``."""
+    from servicestack import free_port
+
+    from mooncake_diffusion.orchestrator import OrchestratorConfig
+    from mooncake_diffusion.orchestrator.service import ServiceConfig
+
+    return ServiceConfig(
+        orchestrator=OrchestratorConfig(heartbeat_timeout=heartbeat_timeout),
+        worker_bind=f"tcp://127.0.0.1:{free_port()}",
+        journal=str(tmp_path / "orchestrator.db"),
+    )
+
+
+def _pipeline_workers(ctx: zmq.Context, bind: str) -> dict[str, zmq.Socket]:
+    """Bare worker sockets ``enc``, ``den``, ``dec`` (the test speaks for them)."""
+    socks = {}
+    for wid in ("enc", "den", "dec"):
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.ROUTING_ID, wid.encode())
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(bind)
+        socks[wid] = s
+    return socks
+
+
+def _close_all(svc, socks: dict[str, zmq.Socket], ctx: zmq.Context) -> None:
+    svc.close()
+    for s in socks.values():
+        s.close()
+    ctx.term()
+
+
 @pytest.mark.parametrize("older", ["finished", "running"])
 def test_a_newer_attempt_replaces_what_the_older_one_published(older):
     gate = threading.Event()
@@ -160,9 +193,10 @@ def test_a_stale_result_is_released_not_orphaned():
 
 
 def test_a_result_refused_after_an_orchestrator_restart_is_not_shown_done(tmp_path):
-    """The orchestrator was down longer than the heartbeat timeout while a worker held
-    an item: the restarted service (on its journal) gives that attempt up, so the
-    worker's result, flushed as soon as it reconnects, is refused as stale. The client
+    """A worker held an item across an orchestrator restart and stayed silent past the
+    restarted service's heartbeat deadline (the downtime itself does not count): the
+    service (on its journal) gives that attempt up, so the worker's result, flushed
+    as soon as it reconnects, is refused as stale. The client
     must not see the stage done for it, only for the attempt that is taken (the chaos
     tier's orch-restart saw a stage done twice: the refused result, then the re-run)."""
     from servicestack import free_port
@@ -195,8 +229,8 @@ def test_a_result_refused_after_an_orchestrator_restart_is_not_shown_done(tmp_pa
         first = next_of(Work)
         assert first.item.attempt == 1, first
         svc.close()
-        time.sleep(2.5)  # down for longer than the heartbeat timeout (load only adds)
         svc = OrchestratorService(cfg).start()
+        time.sleep(2.5)  # silent for longer than the heartbeat timeout (load only adds)
         rogue.send(encode(Done("enc", ItemRef(rid, "encode", 1), b"")))
         refused = next_of(Refused)
         assert refused.code == "stale_attempt", refused
@@ -278,25 +312,12 @@ def test_releases_a_restart_may_have_lost_are_sent_again(tmp_path):
     releases of the requests that ended last again, each to its producer once that
     worker speaks, and none to a worker that produced nothing. Here the first releases
     reach the workers and are ignored, as if lost."""
-    from servicestack import free_port
-
-    from mooncake_diffusion.orchestrator import OrchestratorConfig
-    from mooncake_diffusion.orchestrator.service import OrchestratorService, ServiceConfig
+    from mooncake_diffusion.orchestrator.service import OrchestratorService
     from mooncake_diffusion.orchestrator.wire import ItemRef
 
-    cfg = ServiceConfig(
-        orchestrator=OrchestratorConfig(heartbeat_timeout=30.0),
-        worker_bind=f"tcp://127.0.0.1:{free_port()}",
-        journal=str(tmp_path / "orchestrator.db"),
-    )
+    cfg = _journaled(tmp_path, heartbeat_timeout=30.0)
     ctx = zmq.Context()
-    socks = {}
-    for wid in ("enc", "den", "dec"):
-        s = ctx.socket(zmq.DEALER)
-        s.setsockopt(zmq.ROUTING_ID, wid.encode())
-        s.setsockopt(zmq.LINGER, 0)
-        s.connect(cfg.worker_bind)
-        socks[wid] = s
+    socks = _pipeline_workers(ctx, cfg.worker_bind)
 
     def take(wid: str, kind: type, within: float = 30.0) -> object | None:
         return from_service(socks[wid], kind, within)
@@ -325,8 +346,70 @@ def test_releases_a_restart_may_have_lost_are_sent_again(tmp_path):
         assert take("dec", Release, within=2.0) is None  # it produced nothing to drop
         assert svc.cluster()["counters"]["releases_resent"] == 2
     finally:
+        _close_all(svc, socks, ctx)
+    assert fabric_keys() == []
+
+
+def test_a_restart_longer_than_the_heartbeat_timeout_keeps_the_items_running(tmp_path):
+    """The orchestrator was down far longer than the heartbeat timeout while a worker
+    held an item. Workers cannot reach a stopped orchestrator, so the downtime is not
+    their silence: the restarted service (on its journal) resumes the journal's time,
+    keeps the attempt, takes its result and completes the request once, with no
+    re-queue, no second attempt and no worker removed. (It used to expire every
+    recovered worker at its first recovery heartbeat, re-queue what they held, and
+    throw away what that did, so the re-queued items were never sent.) Virtual
+    clocks: the second starts 1000 s after the first, no sleeping."""
+    from mooncake_diffusion.orchestrator import VirtualClock
+    from mooncake_diffusion.orchestrator.service import OrchestratorService
+    from mooncake_diffusion.orchestrator.wire import ItemRef
+
+    cfg = _journaled(tmp_path, heartbeat_timeout=10.0)
+    ctx = zmq.Context()
+    socks = _pipeline_workers(ctx, cfg.worker_bind)
+
+    def take(wid: str, kind: type, beat: tuple[ItemRef, ...] | None = None) -> object:
+        """The next ``kind`` for ``wid``; with ``beat``, beating (listing what it runs)
+        every 0.5 s while it waits, as a worker does: a frame sent before its
+        connection to a restarted service was up is re-sent after a beat."""
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if beat is not None:
+                socks[wid].send(encode(Beat(wid, beat)))
+            msg = from_service(socks[wid], kind, within=0.5 if beat is not None else 30)
+            if msg is not None:
+                return msg
+        raise AssertionError(f"no {kind.__name__} for {wid}")
+
+    stages = {"enc": "encode", "den": "denoise", "dec": "decode"}
+    svc = OrchestratorService(cfg, clock=VirtualClock(0.0)).start()
+    try:
+        for wid, stage in stages.items():
+            socks[wid].send(encode(Hello(wid, stage)))
+            take(wid, Welcome)
+        rid = svc.submit({"prompt": "held", "steps": 1})
+        assert take("enc", Work).item.attempt == 1
+        socks["enc"].send(encode(Done("enc", ItemRef(rid, "encode", 1), b"encode-handle")))
+        held = take("den", Work)  # the denoise worker holds it across the restart
+        assert held.item.attempt == 1, held
         svc.close()
-        for s in socks.values():
-            s.close()
-        ctx.term()
+        svc = OrchestratorService(cfg, clock=VirtualClock(1000.0)).start()
+        ref = ItemRef(rid, "denoise", 1)
+        for wid in stages:  # each worker's next beat reaches it, den's with what it runs
+            socks[wid].send(encode(Beat(wid, (ref,) if wid == "den" else ())))
+        socks["den"].send(encode(Done("den", ref, b"denoise-handle")))
+        last = take("dec", Work, beat=())
+        assert last.item.attempt == 1, last
+        socks["dec"].send(encode(Done("dec", ItemRef(rid, "decode", 1), b"")))
+        assert svc.wait(rid, timeout=30).state == "completed"
+        events = [(e.kind, e.stage, e.attempt) for e in svc.status(rid).events]
+        assert not [e for e in events if e[0] in ("requeued", "rerun", "failed")], events
+        assert {e[2] for e in events if e[0] in ("dispatched", "done")} == {1}, events
+        for stage in ("denoise", "decode"):  # (the encode's was before the restart)
+            assert events.count(("done", stage, 1)) == 1, events
+        counters = svc.cluster()["counters"]
+        assert counters.get("workers_removed", 0) == 0, counters
+        assert counters.get("driver_errors", 0) == 0, counters
+        assert counters.get("completed", 0) == 1, counters
+    finally:
+        _close_all(svc, socks, ctx)
     assert fabric_keys() == []

@@ -227,11 +227,13 @@ def test_a_restart_mid_run_completes_every_accepted_request_exactly_once(tmp_pat
     assert {d.worker_id for d in in_flight} == {"enc-0", "den-0", "den-1"}
     assert h1.outcomes  # some requests completed before the crash
     h1.core.close()  # the orchestrator process dies here
+    at_crash = clock.now()
 
     clock.advance(2.0)  # the restart takes 2 s; den-0 survived it, the others did not
     h2 = Harness(CONFIG)
     h2.clock = clock
     rec = recover(path, clock)
+    assert rec.now() == at_crash  # resumed: the downtime is not the workers' silence
     h2.core = rec  # type: ignore[assignment]
     assert as_sent(rec.recovered_dispatches) == as_sent(in_flight)
     assert not only(h2.feed(Heartbeat("den-0")), Rejected)  # a survivor makes contact
@@ -243,7 +245,10 @@ def test_a_restart_mid_run_completes_every_accepted_request_exactly_once(tmp_pat
     dead = [d for d in in_flight if d.worker_id != "den-0"]
     h2.finish(survivor)  # its result counts: no re-run needed
 
-    acts = h2.advance(CONFIG.heartbeat_timeout - 1.5)  # only the dead miss their deadline
+    acts = h2.advance(CONFIG.heartbeat_timeout / 2)
+    for wid in ("den-0", "enc-1", "den-2", "dec-1"):  # the living beat on
+        assert not only(h2.feed(Heartbeat(wid)), Rejected)
+    acts += h2.advance(CONFIG.heartbeat_timeout / 2 + 0.5)  # only the dead miss theirs
     removed = {a.worker_id for a in only(acts, WorkerRemoved)}
     assert removed == {"enc-0", "den-1", "dec-0"}
     requeued = {(a.request_id, a.stage, a.attempt) for a in only(acts, Requeued)}

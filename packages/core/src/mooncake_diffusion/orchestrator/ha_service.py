@@ -38,10 +38,10 @@ Fencing, both ways:
 A deposed process becomes a standby again.
 
 Time: the core's clock is the wall clock (``WallClock``), so that a standby on
-another host continues the time base (hosts on NTP); it never goes back (the
-journal's offset rule), and a new leader resumes it at the journal's last event
-(the takeover is not counted against workers' heartbeat deadlines, nor requests'
-deadlines). The journal grows without compaction, as the SQLite one.
+another host continues the time base (hosts on NTP); recovery resumes the core's
+time at the journal's last event (the journal's offset rule, as after a restart
+on SQLite), so the takeover is not counted against workers' heartbeat deadlines,
+nor requests' deadlines. The journal grows without compaction, as the SQLite one.
 """
 
 from __future__ import annotations
@@ -97,24 +97,17 @@ _Batch = list[tuple[float, bytes]]
 
 
 class WallClock:
-    """``time.time()`` that never goes back (a step back holds the last value), shifted
-    by ``resume_at``."""
+    """``time.time()`` that never goes back (a step back holds the last value). A new
+    leader's core resumes at the journal's last event whatever this reads
+    (``JournaledOrchestrator.recover``)."""
 
     def __init__(self) -> None:
         self._last = 0.0
-        self._shift = 0.0
         self._lock = threading.Lock()
-
-    def resume_at(self, t: float) -> None:
-        """Make ``now()`` go on from ``t`` (earlier than now): a new leader resumes the
-        time of the journal's last event, so the takeover itself is not silence of
-        the workers (their heartbeat deadlines are then a full timeout after it)."""
-        with self._lock:
-            self._shift = min(0.0, t - time.time())
 
     def now(self) -> float:
         with self._lock:
-            self._last = max(self._last, time.time() + self._shift)
+            self._last = max(self._last, time.time())
             return self._last
 
 
@@ -342,16 +335,13 @@ class LeaderService(OrchestratorService):
         self._met: set[bytes] = set()
 
     def _journal(self) -> EventLog:
-        """The etcd journal, read to its end, and the clock resumed at its last event's
-        time (``WallClock.resume_at``): every worker it lists was alive then, and the
-        recovery's heartbeats must find them so, not expired by the takeover."""
+        """The etcd journal, read to its end (recovery resumes the core's time at its
+        last event: the takeover is not silence of the workers)."""
         j = self._etcd_journal
         try:
             j.follow()
         except EtcdUnavailableError as e:
             raise JournalError(f"journal {j.path}: etcd unreachable: {e}") from e
-        if j._followed and isinstance(self._clock, WallClock):
-            self._clock.resume_at(j._followed[-1][0])
         return j
 
     def _on_frame(self, ident: bytes, frame: bytes) -> None:

@@ -39,10 +39,14 @@ driver then learns what the state expects:
 - One writer: a journal is held with ``flock`` on ``<path>.lock`` while open;
   a second orchestrator on the same file gets ``JournalError``. The lock dies
   with its process, so a crashed orchestrator never blocks its recovery.
-- Time never goes back: the core resumes at ``clock.now() + offset``, where the
-  offset (0 unless the clock restarted, e.g. a reboot resets the monotonic
-  clock) makes the first time at least the last journaled one. Downtime during
-  which the clock restarted is then invisible to deadlines.
+- Time never goes back, and downtime is not silence: the core resumes at the
+  journal's last event time (``now()`` is ``clock.now() + offset``, the offset
+  chosen at recovery), whatever the clock did meanwhile (a reboot resets the
+  monotonic clock; a new leader's wall clock differs). Workers could not reach
+  a stopped orchestrator, so the downtime is invisible to deadlines: a live
+  worker's heartbeat deadline is where the journal left it, and the driver's
+  first heartbeat for it (as if it had just made contact) gives it a full
+  timeout from the resumed time.
 
 Durability: WAL mode with ``synchronous=NORMAL``. A committed transaction
 survives a process crash; a power loss or OS crash may lose the last commits
@@ -58,6 +62,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import math
 import os
 import sqlite3
 import weakref
@@ -364,7 +369,8 @@ class JournaledOrchestrator:
                 last.track(actions)
                 if observer is not None:
                     observer(event, actions)
-            offset = max(0.0, core.now - clock.now())  # core.now is -inf if nothing replayed
+            # resume at the last journaled time (core.now is -inf if nothing replayed)
+            offset = core.now - clock.now() if math.isfinite(core.now) else 0.0
             jo = cls(journal, core, clock, offset)
             jo.recovered_dispatches = last.running(core.snapshot())
             return jo

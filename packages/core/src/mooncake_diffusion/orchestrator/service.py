@@ -325,13 +325,19 @@ class OrchestratorService:
                 policy=self._policy,
                 observer=self._replayed,
             )
-            # Workers could not reach us while we were down: give each recovered one a
-            # fresh heartbeat deadline from now, or the downtime alone would declare
-            # them dead and re-queue (and count as failed) everything they run.
-            for wid in self._core.live_workers():
-                self._core.handle(Heartbeat(wid))
-            for d in self._core.recovered_dispatches:
-                self._send_work(d)
+            # The core resumed at the journal's last event (workers could not reach us
+            # while we were down): re-send what it says is running, then give each
+            # recovered worker a full heartbeat deadline from there, executing what
+            # that does like any other actions (one whose deadline had already come
+            # is removed, its items re-queued and dispatched again).
+            with self._turn():
+                for d in self._core.recovered_dispatches:
+                    self._send_work(d)
+                for wid in self._core.live_workers():
+                    with contextlib.suppress(RequestRejected):  # it expired just now
+                        self._feed(Heartbeat(wid), None)
+            if self.failure is not None:
+                raise self.failure
         else:
             self._core = Orchestrator(cfg, clock=self._clock, policy=self._policy)
 
@@ -550,6 +556,8 @@ class OrchestratorService:
         try:
             self._open_core()
         except BaseException as e:
+            if isinstance(self._core, JournaledOrchestrator):
+                self._core.close()  # recovered, then failed: release the journal
             opened.set_exception(e)
             return
         opened.set_result(None)
