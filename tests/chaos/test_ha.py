@@ -13,6 +13,7 @@ from ha_deploy import HA_HOSTS, HEARTBEAT_S, EtcdHosts, HaDeployment
 from ha_scenarios import HA_SCENARIOS, HaOutcome
 from hosts import available
 from scenarios import running, settle
+from spill_scenario import scenario_spill_burst
 
 pytestmark = pytest.mark.chaos
 
@@ -49,3 +50,12 @@ def test_ha_scenario(ha, fn):
         settle(ha, list(ha.requests), timeout=120.0)
         raise
     _check(o)
+
+
+def test_spill_burst(ha):
+    """A soft-pinned burst 4x a spilling store host's pool, from another namespace
+    host: every object put and read back intact, nothing left in the store."""
+    o = scenario_spill_burst(ha)
+    assert o.exit_codes.get("client") == 0, o
+    assert o.put == o.objects and o.intact == o.objects, o
+    assert o.leaked_keys == 0, o
