@@ -12,6 +12,7 @@ import pytest
 from ha_deploy import HA_HOSTS, HEARTBEAT_S, EtcdHosts, HaDeployment
 from ha_scenarios import HA_SCENARIOS, HaOutcome
 from hosts import available
+from master_scenario import scenario_master_leader_kill
 from scenarios import running, settle
 from spill_scenario import scenario_spill_burst
 
@@ -58,4 +59,15 @@ def test_spill_burst(ha):
     o = scenario_spill_burst(ha)
     assert o.exit_codes.get("client") == 0, o
     assert o.put == o.objects and o.intact == o.objects, o
+    assert o.leaked_keys == 0, o
+
+
+def test_master_leader_kill(ha):
+    """The Mooncake master leader SIGKILLed with a store request held between its put
+    and its get: a standby on another host takes over, the request completes, nothing
+    is left in the store."""
+    o = scenario_master_leader_kill(ha)
+    assert o.failover_s is not None, o
+    assert o.completed, o
+    assert o.took_over and o.took_over != o.killed, o
     assert o.leaked_keys == 0, o
