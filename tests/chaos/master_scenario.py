@@ -34,6 +34,8 @@ from mooncake_diffusion._mooncake import mooncake_dir
 MASTER_HOSTS = ("master", "orch1")
 HA_RPC, HA_ADMIN = 50071, 9023
 CLUSTER_ID = "mcd_chaos_master_ha"
+#: the hosts of the store host and the client
+HOSTS_USED = ("store", "enc")
 
 
 @dataclass
@@ -159,7 +161,5 @@ def scenario_master_leader_kill(d: HaDeployment) -> MasterOutcome:
             o.exit_codes[f"master-{h}"] = p.stop()
     return o
 
-
-HOSTS_USED = ("store", "enc")
 
 __all__ = ["MASTER_HOSTS", "MasterOutcome", "scenario_master_leader_kill"]
