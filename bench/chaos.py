@@ -224,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     ns = {r["scenario"]: r for r in store_rows if "error" not in r}
     loop = run_ha_loopback() if len(ns) < 2 and "ha_loopback" not in a.skip else []
     why_ns = {  # why a namespace Store scenario gave no figure (then the loopback one)
-        k: ha_not_run or next((r["error"] for r in store_rows if r["scenario"] == k), "not run")
+        k: ha_not_run
+        or next((r["error"] for r in store_rows if r["scenario"] == k and "error" in r), "not run")
         for k in _STORE_KEYS
     }
     fz = [] if "fuzz" in a.skip else run_fuzz(fuzz_total)
