@@ -15,9 +15,16 @@ Runs, in one process and one report:
    killed, cut off, cut off etcd alone, and the etcd member under it killed, with
    work in flight; ``failover_s`` is the fault to the new leader's first dispatch
    running on a worker;
-6. on loopback (``bench/ha.py``'s rows, real etcd and masters, not namespaced
-   hosts): one Mooncake master leader SIGKILL (``master_failover_s``) and one
-   spill burst 4x a 64 MiB pool (``spill_burst_completed``).
+6. in the same namespaced deployment, on its three-member etcd: the Mooncake master
+   leader (two ``-enable_ha`` masters on different hosts) SIGKILLed with a store
+   request held between its put and its get (``tests/chaos/master_scenario.py``:
+   ``master_failover_s``, kill to a put and get working again), and a spill burst
+   4x a 64 MiB spilling pool from another host (``tests/chaos/spill_scenario.py``:
+   ``spill_burst_completed`` of ``spill_burst_objects``); ``master_failover_on`` and
+   ``spill_burst_on`` say where the figures came from;
+7. only where 6 could not run (no root, or the scenario broke): ``bench/ha.py``'s
+   loopback rows (real etcd and masters, not namespaced hosts) as the fallback, said
+   so in ``master_failover_on`` / ``spill_burst_on``.
 
 ``--quick`` runs the same scenarios (each once, as in the full run) and the same
 fuzz targets, soak and race with fewer cases, requests and keys; fuzz cases go to
@@ -63,7 +70,9 @@ import fuzz  # noqa: E402
 import ha  # noqa: E402  (bench/ha.py: its master failover and spill rows)
 import ha_scenarios  # noqa: E402
 import mailbox_race  # noqa: E402
+import master_scenario  # noqa: E402
 import scenarios  # noqa: E402
+import spill_scenario  # noqa: E402
 from deploy import HEARTBEAT_S, HOSTS, Deployment  # noqa: E402
 from ha_deploy import HA_HOSTS, LEASE_S, EtcdHosts, HaDeployment  # noqa: E402
 from hosts import Hosts, available  # noqa: E402
@@ -73,7 +82,9 @@ from mooncake_diffusion._mooncake.cluster import LocalCluster  # noqa: E402
 from mooncake_diffusion.etcd import EtcdCluster  # noqa: E402
 
 #: the spill row's burst, in multiples of its 64 MiB pool (the same in --quick)
-SPILL_X = 4
+SPILL_X = spill_scenario.SPILL_X
+#: the Store scenarios run in the HA deployment (their rows: part ``store_scenario``)
+STORE_SCENARIOS = [master_scenario.scenario_master_leader_kill, spill_scenario.scenario_spill_burst]
 
 
 def run_scenarios(work: Path, only: list[str]) -> tuple[list[dict[str, Any]], str | None]:
@@ -85,14 +96,24 @@ def run_scenarios(work: Path, only: list[str]) -> tuple[list[dict[str, Any]], st
     return _rows(net, d, scenarios.SCENARIOS, "scenario", only), None
 
 
-def run_ha_scenarios(work: Path) -> tuple[list[dict[str, Any]], str | None]:
-    """The orchestrator group's scenarios on namespaced hosts (one deployment)."""
+def run_ha_scenarios(work: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]], str | None]:
+    """The orchestrator group's scenarios and the Store's master-kill and spill
+    scenarios on namespaced hosts (one deployment): (orchestrator rows, Store
+    rows, why not run)."""
     why = available()
     if why is not None:
-        return [], why
+        return [], [], why
     net = EtcdHosts(HA_HOSTS, str(work))
     d = HaDeployment(net, work, heartbeat_timeout=HEARTBEAT_S)
-    return _rows(net, d, ha_scenarios.HA_SCENARIOS, "ha scenario", []), None
+    fns = [*ha_scenarios.HA_SCENARIOS, *STORE_SCENARIOS]
+    rows = _rows(net, d, fns, "ha scenario", [])  # one row per scenario, in order
+    n = len(ha_scenarios.HA_SCENARIOS)
+    store_rows = [{**r, "scenario": k} for r, k in zip(rows[n:], _STORE_KEYS, strict=True)]
+    return rows[:n], store_rows, None
+
+
+#: the Store scenarios' rows, in ``STORE_SCENARIOS``' order, say which they are thus
+_STORE_KEYS = ("master", "spill")
 
 
 def _rows(net: Hosts, d: Deployment, fns: list[Any], kind: str, only: list[str]) -> list[Any]:
@@ -197,8 +218,16 @@ def main(argv: list[str] | None = None) -> int:
     scen, not_run = (
         ([], "skipped") if "scenarios" in a.skip else run_scenarios(work / "net", a.scenario)
     )
-    ha_rows, ha_not_run = ([], "skipped") if "ha" in a.skip else run_ha_scenarios(work / "ha")
-    loop = [] if "ha_loopback" in a.skip else run_ha_loopback()
+    ha_rows, store_rows, ha_not_run = (
+        ([], [], "skipped") if "ha" in a.skip else run_ha_scenarios(work / "ha")
+    )
+    ns = {r["scenario"]: r for r in store_rows if "error" not in r}
+    loop = run_ha_loopback() if len(ns) < 2 and "ha_loopback" not in a.skip else []
+    why_ns = {  # why a namespace Store scenario gave no figure (then the loopback one)
+        k: ha_not_run
+        or next((r["error"] for r in store_rows if r["scenario"] == k and "error" in r), "not run")
+        for k in _STORE_KEYS
+    }
     fz = [] if "fuzz" in a.skip else run_fuzz(fuzz_total)
     sk: dict[str, Any] = {}
     race: dict[str, Any] = {}
@@ -216,14 +245,16 @@ def main(argv: list[str] | None = None) -> int:
         + ([{"part": "soak", **sk}] if sk else [])
         + ([{"part": "mailbox_race", **race}] if race else [])
         + [{"part": "ha_scenario", **r} for r in ha_rows]
+        + [{"part": "store_scenario", **r} for r in store_rows]
         + [{**r, "part": f"ha_loopback {r['part']}"} for r in loop]
     )
     ok = [r for r in scen if "error" not in r]
     ha_ok = [r for r in ha_rows if "error" not in r]
     orch = {r["name"]: r["failover_s"] for r in ha_ok if r["failover_of"] == "orchestrator"}
     etcd_s = [r["failover_s"] for r in ha_ok if r["failover_of"] == "etcd"]
-    master = next((r for r in loop if r["part"] == "master failover"), None)
-    spill = next((r for r in loop if r["part"] == "spill burst"), None)
+    master_loop = next((r for r in loop if r["part"] == "master failover"), None)
+    spill_loop = next((r for r in loop if r["part"] == "spill burst"), None)
+    store_ok = [r for r in store_rows if "error" not in r]
     detect = [r["detect_s"] for r in ok if r.get("detect_s") is not None]
     out["summary"] = {
         "scenarios": len(ok),
@@ -235,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
         "reruns": sum(r.get("reruns", 0) for r in ok),
         "lost_requests": sum(r["lost"] for r in ok + ha_ok) + sk.get("lost", 0),
         "duplicate_completions": sum(r["duplicates"] for r in ok + ha_ok) + sk.get("duplicates", 0),
-        "leaked_keys": sum(r["leaked_keys"] for r in ok + ha_ok + loop) + sk.get("leaked_keys", 0),
+        "leaked_keys": sum(r["leaked_keys"] for r in ok + ha_ok + store_ok + loop)
+        + sk.get("leaked_keys", 0),
         "leaked_fds": sum(r["leaked_fds"] for r in ok) + sk.get("leaked_fds", 0),
         "leaked_fds_mooncake_master": sum(r.get("leaked_fds_mooncake_master", 0) for r in ok),
         "pool_connections": sum(r.get("pool_connections", 0) for r in ok),
@@ -269,17 +301,57 @@ def main(argv: list[str] | None = None) -> int:
             all(v <= 2 * LEASE_S for v in [*orch.values(), *etcd_s]) if ha_ok else None
         ),
         "fenced_actions": sum(r["fenced_actions"] for r in ha_ok),
-        "master_failover_s": master["failover_s"] if master else None,
-        "master_failover_on": "loopback (bench/ha.py failover_row, OpLog on)" if master else None,
-        "spill_burst_completed": spill["intact"] if spill else None,
-        "spill_burst_objects": spill["objects"] if spill else None,
-        "spill_burst_on": f"loopback ({SPILL_X}x a 64 MiB pool, 8 MiB objects)" if spill else None,
+        "store_scenario_errors": [r["name"] for r in store_rows if "error" in r],
+        **_master_summary(ns.get("master"), master_loop, why_ns["master"]),
+        **_spill_summary(ns.get("spill"), spill_loop, why_ns["spill"]),
         "wall_s": round(time.monotonic() - t0, 1),
     }
     print(table(out))
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=2))
     return 0
+
+
+def _master_summary(
+    ns: dict[str, Any] | None, loop: dict[str, Any] | None, why: str
+) -> dict[str, Any]:
+    """``master_failover_*`` from the namespace scenario, else the loopback row."""
+    if ns is not None:
+        return {
+            "master_failover_s": ns["failover_s"],
+            "master_failover_on": "namespace hosts (two -enable_ha masters on the "
+            "three-member etcd, OpLog on; tests/chaos/master_scenario.py)",
+            "master_request_completed": ns["completed"],
+            "master_input_kept": ns["kept"],
+        }
+    return {
+        "master_failover_s": loop["failover_s"] if loop else None,
+        "master_failover_on": (
+            f"loopback (bench/ha.py failover_row, OpLog on): namespace scenario not run: {why}"
+            if loop
+            else None
+        ),
+    }
+
+
+def _spill_summary(
+    ns: dict[str, Any] | None, loop: dict[str, Any] | None, why: str
+) -> dict[str, Any]:
+    """``spill_burst_*`` from the namespace scenario, else the loopback row."""
+    where = f"{SPILL_X}x a 64 MiB pool, 8 MiB objects"
+    if ns is not None:
+        return {
+            "spill_burst_completed": ns["intact"],
+            "spill_burst_objects": ns["objects"],
+            "spill_burst_on": f"namespace hosts ({where}; tests/chaos/spill_scenario.py)",
+        }
+    return {
+        "spill_burst_completed": loop["intact"] if loop else None,
+        "spill_burst_objects": loop["objects"] if loop else None,
+        "spill_burst_on": (
+            f"loopback ({where}): namespace scenario not run: {why}" if loop else None
+        ),
+    }
 
 
 def table(out: dict[str, Any]) -> str:

@@ -12,7 +12,9 @@ import pytest
 from ha_deploy import HA_HOSTS, HEARTBEAT_S, EtcdHosts, HaDeployment
 from ha_scenarios import HA_SCENARIOS, HaOutcome
 from hosts import available
+from master_scenario import scenario_master_leader_kill
 from scenarios import running, settle
+from spill_scenario import scenario_spill_burst
 
 pytestmark = pytest.mark.chaos
 
@@ -49,3 +51,23 @@ def test_ha_scenario(ha, fn):
         settle(ha, list(ha.requests), timeout=120.0)
         raise
     _check(o)
+
+
+def test_spill_burst(ha):
+    """A soft-pinned burst 4x a spilling store host's pool, from another namespace
+    host: every object put and read back intact, nothing left in the store."""
+    o = scenario_spill_burst(ha)
+    assert o.exit_codes.get("client") == 0, o
+    assert o.put == o.objects and o.intact == o.objects, o
+    assert o.leaked_keys == 0, o
+
+
+def test_master_leader_kill(ha):
+    """The Mooncake master leader SIGKILLed with a store request held between its put
+    and its get: a standby on another host takes over, the request completes, nothing
+    is left in the store."""
+    o = scenario_master_leader_kill(ha)
+    assert o.failover_s is not None, o
+    assert o.completed, o
+    assert o.took_over and o.took_over != o.killed, o
+    assert o.leaked_keys == 0, o
