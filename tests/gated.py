@@ -48,7 +48,16 @@ from typing import Any
 from mooncake_diffusion.orchestrator import toy
 from mooncake_diffusion.pipeline import stages
 
-__all__ = ["Gate", "decode", "denoise", "encode", "failing_denoise", "held", "toy_denoise"]
+__all__ = [
+    "Gate",
+    "decode",
+    "denoise",
+    "encode",
+    "failing_denoise",
+    "held",
+    "load",
+    "toy_denoise",
+]
 
 DIR_ENV = "MCD_TEST_GATE_DIR"
 STEP_ENV = "MCD_TEST_GATE_STEP"
@@ -158,6 +167,7 @@ _failing.forget = stages.forget_denoise  # type: ignore[attr-defined]
 denoise = _stepped(stages.denoise)
 failing_denoise = _stepped(_failing)
 toy_denoise = _stepped(toy.denoise)
+load = stages.load  # ``--fn gated``: a stage change loads as the reference pipeline does
 
 
 def encode(item: Any, ctx: Any) -> Any:

@@ -175,7 +175,7 @@ class ServiceStack:
 
     def start_worker(
         self,
-        stage: str,
+        stage: str | tuple[str, ...],
         worker_id: str,
         credits: int = 1,
         *,
@@ -183,13 +183,14 @@ class ServiceStack:
         env: dict[str, str] | None = None,
         wait: bool = True,
     ) -> Proc:
-        """Start a worker process; with ``wait`` (the default) return once it is ready,
-        else at once (``ready()`` then waits for every worker started so)."""
+        """Start a worker process of ``stage`` (or of several: a tuple, with ``fn`` a
+        module that has a function per stage); with ``wait`` (the default) return once
+        it is ready, else at once (``ready()`` then waits for every worker started so)."""
+        stages = (stage,) if isinstance(stage, str) else stage
         argv = [
             *CLI,
             "worker",
-            "--stage",
-            stage,
+            *(a for s in stages for a in ("--stage", s)),
             "--fn",
             fn or f"{TOY}:{stage}",
             "--orchestrator",

@@ -259,11 +259,20 @@ def test_non_loopback_needs_a_token_and_the_token_is_enforced():
         s.close()
 
 
-def test_a_worker_that_drains_finishes_its_item_and_takes_no_more(stack):
-    drained = threading.Event()
+def test_a_worker_that_drains_hands_its_denoise_job_back_and_takes_no_more(stack):
+    """drain() (what SIGTERM calls) says Leave: the running denoise job is asked to
+    yield at its next step boundary and goes back to the queue, not failed; nothing
+    new is taken; the worker exits once it holds nothing."""
+    asked = threading.Event()
+
+    def until_asked(ctx, _k: int) -> None:  # held inside step 1 until asked to yield
+        deadline = time.monotonic() + 30
+        while not ctx.should_yield and time.monotonic() < deadline:
+            time.sleep(0.005)
+        asked.set()
+
     stack.worker("encode")
-    # the first item is held inside step 1 until the worker is draining
-    den = stack.worker("denoise", held(toy.denoise, 1, lambda _ctx, _k: drained.wait(30)))
+    den = stack.worker("denoise", held(toy.denoise, 1, until_asked))
     stack.worker("decode")
     first = stack.svc.submit({"steps": 5, "size": 64})
     for ev in stack.svc.events(first, timeout=30):
@@ -271,13 +280,17 @@ def test_a_worker_that_drains_finishes_its_item_and_takes_no_more(stack):
             break
     second = stack.svc.submit({"steps": 1, "size": 64})
     den.drain()
-    drained.set()
-    assert stack.svc.wait(first, timeout=30).state == "completed"
+    assert asked.wait(30)
     den.join(10)
-    assert den.items_done == 1
-    assert stack.svc.status(second).state == "queued"  # nobody left to denoise it
+    assert den.items_done == 0 and den.items_failed == 0
+    for rid in (first, second):  # nobody left to denoise them: they wait, not failed
+        st = stack.svc.status(rid)
+        assert st.state == "queued" and not st.reasons, st
     stack.worker("denoise")
-    assert stack.svc.wait(second, timeout=30).state == "completed"
+    for rid in (first, second):
+        assert stack.svc.wait(rid, timeout=30).state == "completed"
+    kinds = [e.kind for e in stack.svc.status(first).events]
+    assert "yielded" in kinds and "requeued" not in kinds, kinds
 
 
 def test_library_mode_wait_and_events_agree(stack):

@@ -42,13 +42,16 @@ def check_invariants(core: Orchestrator) -> None:
         for rid in w.running:
             r = reqs[rid]
             assert r.state == "running" and r.worker_id == w.worker_id, (w, r)
-            assert r.stage == w.stage, (w, r)
-    for stage in STAGES:
-        assert s.free_credits[stage] == sum(w.free for w in s.workers if w.stage == stage)
+            assert r.stage in w.stages, (w, r)
+        assert w.stages and w.stage == w.stages[0] and len(set(w.stages)) == len(w.stages), w
+        assert w.state != "loading" or not w.running, w  # it loads only once it holds nothing
+    for stage in STAGES:  # a worker's free credits count once in each stage it serves
+        serving = [w for w in s.workers if stage in w.stages and w.state == "serving"]
+        assert s.free_credits[stage] == sum(w.free for w in serving)
     holders = Counter(rid for w in s.workers for rid in w.running)
     for r in s.requests:
-        # a yield (preemption) is a dispatch that is not a failed attempt
-        assert 0 <= r.attempt <= core.config.max_attempts + core.config.max_preemptions, r
+        # a yield (preemption, stage change, drain) is a dispatch that is not a failed attempt
+        assert 0 <= r.yields <= r.attempt and r.attempt - r.yields <= core.config.max_attempts, r
         if r.state == "running":  # exactly one worker, alive, of the right stage
             assert holders[r.request_id] == 1 and r.worker_id in workers, r
             assert r.attempt >= 1, r
@@ -59,10 +62,15 @@ def check_invariants(core: Orchestrator) -> None:
     assert {rid for _, rid in queued} == {r.request_id for r in s.requests if r.state == "queued"}
     for stage, rid in queued:
         assert reqs[rid].stage == stage
+    # a denoise job on a worker that holds decode too reserves nothing: its credit is its own
     must_reserve = {
         r.request_id
         for r in s.requests
-        if (r.stage, r.state) in (("denoise", "running"), ("decode", "queued"))
+        if (r.stage, r.state) == ("decode", "queued")
+        or (
+            (r.stage, r.state) == ("denoise", "running")
+            and "decode" not in workers[r.worker_id].stages  # type: ignore[index]
+        )
     }
     assert {r.request_id for r in s.requests if r.reserved} == must_reserve
     assert s.decode_reserved == len(must_reserve)

@@ -18,13 +18,16 @@ from mooncake_diffusion.orchestrator import (
     STAGES,
     Cancel,
     Dispatch,
+    Drain,
     Event,
     Heartbeat,
     ItemDone,
     ItemFailed,
+    ItemYielded,
     LeastLoaded,
     Orchestrator,
     OrchestratorConfig,
+    Reassign,
     RegisterWorker,
     Submit,
     Tick,
@@ -63,16 +66,37 @@ def _labels(rng: random.Random) -> dict[str, str]:
     return labels
 
 
+def _stages(rng: random.Random) -> tuple[str, ...]:
+    """One stage mostly; sometimes several (a worker that holds more than one model)."""
+    if rng.random() < 0.6:
+        return (rng.choice(STAGES),)
+    return tuple(rng.sample(STAGES, rng.randrange(1, len(STAGES) + 1)))
+
+
 def _events(rng: random.Random, core: Orchestrator, live: list[str], n: int) -> Event:
     """One random event, chosen from the reference core's state."""
     snap = core.snapshot()
     running = [(w, rid) for w in snap.workers for rid in w.running]
     roll = rng.random()
     if roll < 0.08 or not live:
-        stage = rng.choice(STAGES)
-        wid = f"{stage}-{n}"
+        stages = _stages(rng)
+        wid = f"{stages[0]}-{n}"
         live.append(wid)
-        return RegisterWorker(wid, stage, rng.randrange(0, 4), _labels(rng), 30.0)
+        return RegisterWorker(wid, stages[0], rng.randrange(0, 4), _labels(rng), 30.0, stages)
+    loading = [w for w in snap.workers if w.state == "loading"]
+    if loading and rng.random() < 0.3:  # it loaded its new stages (maybe not the ones asked)
+        stages = _stages(rng)
+        w = rng.choice(loading)
+        return RegisterWorker(w.worker_id, stages[0], rng.randrange(0, 4), w.labels, 30.0, stages)
+    leaving = [(w, rid) for w, rid in running if w.state != "serving"]
+    if leaving and rng.random() < 0.3:  # a worker changing stage or draining gives one back
+        w, rid = rng.choice(leaving)
+        req = next(r for r in snap.requests if r.request_id == rid)
+        return ItemYielded(w.worker_id, rid, req.stage, req.attempt)
+    if roll < 0.1:
+        return Reassign(rng.choice(live), _stages(rng), "planner")
+    if roll < 0.11:
+        return Drain(rng.choice(live), "scale-down")
     if roll < 0.16:
         return Heartbeat(rng.choice(live), rng.choice([None, 0, 1, 2, 3, 5]))
     if roll < 0.19:
@@ -86,8 +110,8 @@ def _events(rng: random.Random, core: Orchestrator, live: list[str], n: int) -> 
         w, rid = rng.choice(running)
         req = next(r for r in snap.requests if r.request_id == rid)
         if rng.random() < 0.1:
-            return ItemFailed(w.worker_id, rid, w.stage, req.attempt, "flaky")
-        return ItemDone(w.worker_id, rid, w.stage, req.attempt, f"{w.worker_id}:{rid}".encode())
+            return ItemFailed(w.worker_id, rid, req.stage, req.attempt, "flaky")
+        return ItemDone(w.worker_id, rid, req.stage, req.attempt, f"{w.worker_id}:{rid}".encode())
     if roll < 0.93 and snap.requests:
         return Cancel(rng.choice(snap.requests).request_id)
     return Tick()
@@ -104,6 +128,7 @@ def test_an_index_decides_as_choose_over_every_candidate(name, options, seed):
     live: list[str] = []
     now = 0.0
     dispatches = 0
+    kinds: set[str] = set()
     for n in range(1500):
         now += rng.choice([0.0, 0.01, 0.5, 4.0])  # sometimes past a heartbeat deadline
         ev = _events(rng, reference, live, n)
@@ -111,11 +136,13 @@ def test_an_index_decides_as_choose_over_every_candidate(name, options, seed):
         got = indexed.handle(ev, now=now)
         assert msgspec.msgpack.encode(got) == msgspec.msgpack.encode(want), (n, ev)
         dispatches += sum(type(a) is Dispatch for a in got)
+        kinds.update(type(a).__name__ for a in got)
         live[:] = [w for w in live if w in reference._pools.workers]
         if n % 100 == 0:
             check_invariants(indexed)
     assert indexed.snapshot() == reference.snapshot()
     assert dispatches > 300  # the sequence made many decisions, not a few
+    assert {"LoadStages", "WorkerRemoved", "Preempt"} <= kinds  # changes and drains happened
 
 
 def test_affinity_groups_are_dropped_with_their_last_worker():

@@ -15,14 +15,19 @@ from mooncake_diffusion.orchestrator import (
     JOURNAL_SCHEMA_VERSION,
     Cancel,
     Dispatch,
+    Drain,
     Heartbeat,
     ItemDone,
+    ItemYielded,
     Journal,
     JournaledOrchestrator,
     JournalError,
+    LoadStages,
     OrchestratorConfig,
     OrchestratorError,
     PolicyContractError,
+    Preempt,
+    Reassign,
     RegisterWorker,
     Rejected,
     RequestCompleted,
@@ -170,6 +175,40 @@ def test_an_event_that_cannot_be_journaled_is_rejected_and_never_reaches_the_cor
         acts = jo.handle(object())  # type: ignore[arg-type]
         assert one(acts, Rejected).code == "bad_event"
         assert jo.snapshot().requests == () and len(jo.journal) == 0
+
+
+def test_stage_changes_and_drains_replay_to_the_same_state(tmp_path):
+    """Workers of several stages, one changing stage with a job to give back, one
+    loading, one re-registered with its new stages, one draining: the journal
+    rebuilds each state, each item and each reservation exactly."""
+    path = tmp_path / "orch.db"
+    h = journaled(path)
+    h.feed(RegisterWorker("ed-0", "encode", 2, {"node": "n0"}, None, ("encode", "decode")))
+    h.worker("den-0", "denoise", 1, node="n0")
+    h.worker("den-1", "denoise", 1, node="n1")
+    h.feed(RegisterWorker("all-0", "denoise", 1, {"node": "n2"}, None, ("denoise", "decode")))
+    for i in range(5):
+        h.clock.advance(0.5)
+        h.feed(Submit(f"r{i}", params=b"p", cached_embeddings=b"e" if i % 2 else None))
+    p = one(h.feed(Reassign("den-0", ("encode",), "images")), Preempt)
+    acts = h.feed(ItemYielded(p.worker_id, p.request_id, p.stage, p.attempt))
+    assert one(acts, LoadStages).worker_id == "den-0"
+    h.clock.advance(0.5)
+    assert not only(h.feed(RegisterWorker("den-0", "encode", 1, {"node": "n0"})), Rejected)
+    busy = next(d for d in h.running() if d.worker_id == "den-1")
+    q = one(h.feed(Drain("den-1", "SIGTERM")), Preempt)
+    assert q.request_id == busy.item.request_id
+    h.feed(Reassign("all-0", ("encode", "denoise", "decode"), "flex"))
+    h.clock.advance(0.5)
+    before = h.core.snapshot()
+    states = {w.worker_id: w.state for w in before.workers}
+    assert states["den-1"] == "draining" and states["den-0"] == "serving"
+    assert states["all-0"] in ("changing", "loading")
+    running = h.running()
+    h.core.close()
+    with recover(path, VirtualClock()) as rec:
+        assert rec.snapshot() == before
+        assert as_sent(rec.recovered_dispatches) == as_sent(running)
 
 
 # ----------------------------------------------------------------------------- restart

@@ -12,6 +12,11 @@ Routes (JSON in and out; bytes fields such as ``output`` are base64):
     GET    /v1/requests/{id}/events   -> 200 one JSON event per line until the request
                                          finishes (``?follow=0``: what happened so far)
     GET    /v1/cluster                -> 200 pools, queues, running requests
+    POST   /v1/workers/{id}/reassign  {"stages": [...], "reason"?} -> 200 {"worker_id",
+                                      "state"}: move a worker to other stages (elastic
+                                      pools; what a planner does, for operators)
+    POST   /v1/workers/{id}/drain     {"reason"?} -> 200 {"worker_id", "state"}: have it
+                                      leave (denoise jobs move at a step boundary)
     GET    /metrics                   -> Prometheus text
     GET    /healthz                   -> 200 {"status": "ok"} (no token needed)
     GET    /readyz                    -> 200 when every stage has a live worker, else 503
@@ -92,6 +97,8 @@ _CODES = {
     "duplicate_request": 409,
     "already_finished": 409,
     "unknown_request": 404,
+    "unknown_worker": 404,
+    "not_serving": 409,
 }
 _STATUS_CODES = {404: "not_found", 405: "method_not_allowed", 401: "unauthorized"}
 _SWAGGER = ("swagger-ui-bundle.js", "swagger-ui.css", "favicon.png")
@@ -118,6 +125,21 @@ class CancelRequest(BaseModel):
 
     model_config = ConfigDict(extra="ignore", strict=True)
     reason: str = "cancelled by client"
+
+
+class ReassignRequest(BaseModel):
+    """``POST /v1/workers/{id}/reassign``."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    stages: list[str] = Field(description='every stage it is to hold, e.g. ["decode"]')
+    reason: str = "operator"
+
+
+class DrainRequest(BaseModel):
+    """``POST /v1/workers/{id}/drain`` (the body is optional)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    reason: str = "operator"
 
 
 class ErrorDetail(BaseModel):
@@ -304,7 +326,7 @@ def build_app(
     @app.get("/readyz", tags=["ops"], responses=errors)
     async def readyz() -> Response:
         view = await anyio.to_thread.run_sync(service.cluster, limiter=threads["ops"])
-        have = {w["stage"] for w in view["workers"]}
+        have = {s for w in view["workers"] if w["state"] == "serving" for s in w["stages"]}
         missing = [s for s in _STAGES if s not in have]
         if missing:
             raise ApiError(503, "not_ready", f"no live worker for {', '.join(missing)}")
@@ -318,6 +340,29 @@ def build_app(
     @app.get("/v1/cluster", tags=["ops"], responses=errors)
     async def cluster() -> Response:
         return _json(await run_in_threadpool(service.cluster))
+
+    @app.post(
+        "/v1/workers/{worker_id}/reassign",
+        tags=["ops"],
+        responses=errors,
+        openapi_extra=_body_schema(ReassignRequest),
+    )
+    async def reassign(worker_id: str, request: Request) -> Response:
+        body = parse(ReassignRequest, await read_json(request) or {})
+        stages = tuple(body.stages)
+        state = await run_in_threadpool(service.reassign, worker_id, stages, body.reason)
+        return _json({"worker_id": worker_id, "state": state})
+
+    @app.post(
+        "/v1/workers/{worker_id}/drain",
+        tags=["ops"],
+        responses=errors,
+        openapi_extra=_body_schema(DrainRequest),
+    )
+    async def drain(worker_id: str, request: Request) -> Response:
+        body = parse(DrainRequest, await read_json(request, required=False) or {})
+        state = await run_in_threadpool(service.drain, worker_id, body.reason)
+        return _json({"worker_id": worker_id, "state": state})
 
     @app.post(
         "/v1/requests",

@@ -82,6 +82,15 @@ class OrchestratorClient:
     def cluster(self) -> dict[str, Any]:
         return self._request("GET", "/v1/cluster")
 
+    def reassign(self, worker_id: str, stages: list[str], reason: str = "operator") -> str:
+        """Move a worker to ``stages``; its state right after (``changing``/``loading``)."""
+        body = {"stages": list(stages), "reason": reason}
+        return self._request("POST", f"/v1/workers/{worker_id}/reassign", body)["state"]
+
+    def drain(self, worker_id: str, reason: str = "operator") -> str:
+        """Have a worker leave; its state right after (``draining``/``removed``)."""
+        return self._request("POST", f"/v1/workers/{worker_id}/drain", {"reason": reason})["state"]
+
     def metrics_text(self) -> str:
         return self._request("GET", "/metrics", raw=True)
 

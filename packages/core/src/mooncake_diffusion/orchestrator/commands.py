@@ -2,7 +2,8 @@
 
 ``add_commands(subparsers)`` adds both to the CLI; each runs until SIGTERM or
 Ctrl-C. The orchestrator prints one ``ready`` line with its addresses once it
-serves (scripts and tests wait for it); a worker prints one once welcomed.
+serves (scripts and tests wait for it); a worker prints one once welcomed, and
+one ``stage change`` line each time the orchestrator moved it to other stages.
 """
 
 from __future__ import annotations
@@ -47,6 +48,36 @@ def _load_fn(spec: str) -> Any:
         return getattr(importlib.import_module(mod), name)
     except (ImportError, AttributeError) as e:
         raise SystemExit(f"mooncake-diffusion: error: cannot load --fn {spec}: {e}") from None
+
+
+def _stage_fns(stages: list[str], fns: list[str]) -> tuple[dict[str, Any], Any]:
+    """The function of each ``--stage``, and a loader for any stage (or None).
+
+    ``--fn MODULE`` (one, no colon): every stage's function is ``MODULE:<stage>``,
+    for the stages given and for any the orchestrator moves the worker to later
+    (the loader calls ``MODULE.load(stage)`` first if there is one: it loads that
+    stage's model). ``--fn MODULE:FUNCTION`` once per ``--stage``, in order: those
+    stages only (a move to another stage is refused; the worker keeps its own).
+    """
+    if len(set(stages)) != len(stages):
+        raise SystemExit(f"mooncake-diffusion: error: --stage repeats: {stages}")
+    if len(fns) == 1 and ":" not in fns[0]:
+        module = fns[0]
+
+        def loader(stage: str) -> Any:
+            fn = _load_fn(f"{module}:{stage}")
+            load = getattr(importlib.import_module(module), "load", None)
+            if callable(load):
+                load(stage)
+            return fn
+
+        return {s: _load_fn(f"{module}:{s}") for s in stages}, loader
+    if len(fns) != len(stages):
+        raise SystemExit(
+            "mooncake-diffusion: error: give --fn MODULE (MODULE:<stage> for each stage) "
+            f"or one --fn MODULE:FUNCTION per --stage; got {len(fns)} for {len(stages)}"
+        )
+    return {s: _load_fn(f) for s, f in zip(stages, fns, strict=True)}, None
 
 
 def _run_orchestrator(args: argparse.Namespace) -> int:
@@ -109,7 +140,7 @@ def _run_worker(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(message)s")
     # its Transfer Engine listens on the configured host only under the bind shim
     bindshim.check(MooncakeSettings.from_env(master=args.master).local_hostname)
-    fn = _load_fn(args.fn)
+    fns, loader = _stage_fns(args.stage, args.fn)
     if args.outputs:  # where the stage function writes files (pipeline.stages: MCD_OUTPUTS)
         os.environ["MCD_OUTPUTS"] = args.outputs
     # a long-lived worker recycles its store clients when a store host goes away
@@ -117,9 +148,18 @@ def _run_worker(args: argparse.Namespace) -> int:
     # environment so that every client of the process (connectors made from_env) does
     os.environ.setdefault("MOONCAKE_DIFFUSION_STORE_WATCH_S", str(WORKER_STORE_WATCH_S))
     settings = MooncakeSettings.from_env(master=args.master)
+    first, *rest = args.stage
+
+    def changed(stages: tuple[str, ...], load_s: float) -> None:
+        print(
+            f"stage change: {worker.worker_id} now holds {'+'.join(stages)} "
+            f"(loaded in {load_s:.3f} s)",
+            flush=True,
+        )
+
     worker = StageWorker(
-        args.stage,
-        fn,
+        first,
+        fns[first],
         args.orchestrator,
         worker_id=args.worker_id,
         credits=args.credits,
@@ -129,6 +169,9 @@ def _run_worker(args: argparse.Namespace) -> int:
         token=args.token or os.environ.get(TOKEN_ENV),
         heartbeat_timeout=args.heartbeat_timeout,
         connect_timeout_s=args.connect_timeout,
+        extra_stages={s: fns[s] for s in rest},
+        loader=loader,
+        on_stage_change=changed,
     )
     announce = threading.Thread(target=_announce, args=(worker,), daemon=True)
     announce.start()
@@ -140,7 +183,8 @@ def _run_worker(args: argparse.Namespace) -> int:
 def _announce(worker: Any) -> None:
     if worker._welcomed.wait(worker.connect_timeout_s + 1):
         print(
-            f"worker ready: {worker.worker_id} stage {worker.stage} credits {worker.credits} "
+            f"worker ready: {worker.worker_id} stage {'+'.join(worker.stages)} "
+            f"credits {worker.credits} "
             f"orchestrator {worker.orchestrator}",
             flush=True,
         )
@@ -210,13 +254,26 @@ def add_commands(sub: Any) -> None:
     w = sub.add_parser(
         "worker",
         help="serve a stage function to the orchestrator",
-        description="Register with the orchestrator, take items of one stage, run the "
+        description="Register with the orchestrator, take items of its stages, run the "
         "stage function (module:function, called as fn(item, ctx)), publish its output "
-        "through the connector and acknowledge it. SIGTERM drains: running items "
-        "finish, nothing new is taken.",
+        "through the connector and acknowledge it. SIGTERM drains: running denoise jobs "
+        "move to another worker at a step boundary (from their step checkpoint), other "
+        "running items finish, nothing new is taken.",
     )
-    w.add_argument("--stage", required=True, choices=["encode", "denoise", "decode"])
-    w.add_argument("--fn", required=True, help="the stage function, module:function")
+    w.add_argument(
+        "--stage",
+        required=True,
+        action="append",
+        choices=["encode", "denoise", "decode"],
+        help="a stage it serves; repeat for a worker that holds several (one GPU, shared)",
+    )
+    w.add_argument(
+        "--fn",
+        required=True,
+        action="append",
+        help="MODULE (MODULE:<stage> for every stage, also for stage changes later) or "
+        "MODULE:FUNCTION once per --stage",
+    )
     w.add_argument(
         "--orchestrator",
         default="tcp://127.0.0.1:7422",

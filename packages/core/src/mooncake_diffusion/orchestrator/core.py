@@ -24,14 +24,32 @@ Rules:
   group, by its leader), and stays there until it is done; never per step.
 - Queue order is ``queues.ClassQueue``: priority between SLO classes, FIFO
   within one, and a bounded wait for classes with ``max_wait``.
+- Workers: a worker holds one or more stages (``RegisterWorker.stages``) and
+  one set of credits shared by them (one GPU); it is a candidate of each of its
+  stages. A fleet in which every worker holds every stage is colocated serving.
 - Credits: a dispatch holds one credit of its worker until the item is done,
   failed, revoked or its worker is gone. A denoise job is admitted only when
-  a decode credit can be reserved for its latent: free decode credits (live
+  a decode credit can be reserved for its latent: free decode credits (serving
   workers) must exceed the reservations already made. The reservation lives
   while the job runs and while its decode item waits, and becomes a held
-  decode credit at dispatch. So a slow decode pool stops denoise admission
-  before latents pile up. (A decode worker lost or shrunk can leave more
+  decode credit at dispatch. A job running on a worker that also holds decode
+  reserves nothing while it runs: the credit it holds becomes a free decode
+  credit when it ends (its own latent's), and taking that credit left at least
+  as many free decode credits as reservations. So a slow decode pool stops
+  denoise admission before latents pile up. (A decode worker lost, shrunk,
+  changing stage or lending its credit to an encode item can leave more
   reservations than free credits; admission then waits until that recovers.)
+- Stage changes (``Reassign``) and scale-down (``Drain``): the worker stops
+  serving at once (``changing`` / ``draining``: nothing more is dispatched to
+  it), each of its running denoise jobs gets one ``Preempt`` (whatever
+  ``config.preemption`` says, not counted against ``max_preemptions``), and its
+  encode and decode items finish or come back with ``ItemYielded`` (accepted
+  for any item of such a worker; not a failed attempt, the item is queued again
+  keeping its place). When it holds nothing: a changing worker gets
+  ``LoadStages`` (state ``loading``; heartbeats keep it live) and its next
+  ``RegisterWorker`` under the same id replaces it, serving the new stages; a
+  draining worker is removed (``WorkerRemoved`` with the drain's reason). A
+  worker lost or silent in any of these states is handled as any other.
 - Affinity: each item carries the labels of the worker that produced its input
   (``WorkItem.hint``); the routing policy may prefer workers that match.
 - Failures: a worker silent for longer than its heartbeat timeout, or reported
@@ -80,13 +98,16 @@ from mooncake_diffusion.orchestrator.model import (
     Cancel,
     CoreSnapshot,
     Dispatch,
+    Drain,
     Event,
     Heartbeat,
     ItemDone,
     ItemFailed,
     ItemYielded,
+    LoadStages,
     OrchestratorConfig,
     Preempt,
+    Reassign,
     RegisterWorker,
     RejectCode,
     Rejected,
@@ -105,6 +126,7 @@ from mooncake_diffusion.orchestrator.model import (
     WorkerLost,
     WorkerRemoved,
     WorkerSnapshot,
+    WorkerState,
     WorkItem,
 )
 from mooncake_diffusion.orchestrator.policy import RoutingPolicy
@@ -152,6 +174,7 @@ class _Request:
         "token",
         "tried",
         "worker",
+        "yielded",
         "yields",
     )
 
@@ -182,7 +205,9 @@ class _Request:
         self.reserved = False
         self.reasons: list[str] = []
         self.handles: list[bytes] = []
-        self.yields = 0  # dispatches that ended in ItemYielded (not failures)
+        self.yields = 0  # priority preemptions that ended in ItemYielded (max_preemptions)
+        #: per stage, dispatches that ended in ItemYielded (any cause): not failed attempts
+        self.yielded: dict[str, int] = {}
         self.preempting = False  # a Preempt was sent for the running attempt
         self.started = now  # when the running attempt was dispatched
         self.reruns = 0  # Rerun actions taken for this request
@@ -192,6 +217,11 @@ class _Request:
     @property
     def stage(self) -> Stage:
         return self.stages[self.index]
+
+    @property
+    def spent(self) -> int:
+        """Dispatches of the current stage that count against ``max_attempts``."""
+        return self.attempt - self.yielded.get(self.stages[self.index], 0)
 
 
 class Orchestrator:
@@ -228,6 +258,8 @@ class Orchestrator:
         self._decode_reserved = 0
         #: running denoise jobs for the preemption rule (None: preemption is off)
         self._victims = Victims(self.config.max_preemptions) if self.config.preemption else None
+        #: workers that stopped serving and may hold nothing now: settled after the event
+        self._settle: list[Worker] = []
         self._handlers: dict[type, Callable[[Any, float, list[Action]], None]] = {
             Submit: self._on_submit,
             Cancel: self._on_cancel,
@@ -237,6 +269,8 @@ class Orchestrator:
             ItemDone: self._on_done,
             ItemFailed: self._on_failed,
             ItemYielded: self._on_yielded,
+            Reassign: self._on_reassign,
+            Drain: self._on_drain,
             Tick: self._on_tick,
         }
 
@@ -271,6 +305,8 @@ class Orchestrator:
                 out.append(Rejected("bad_event", f"{name} is not an orchestrator event", name))
             else:
                 handler(event, now, out)
+            if self._settle:
+                self._settle_workers(out)
             self._pump(now, out)
         except PolicyContractError as e:
             e.actions = out
@@ -303,6 +339,8 @@ class Orchestrator:
                 w.free,
                 w.expires_at,
                 tuple(w.running),
+                w.stages,
+                w.state,
             )
             for w in self._pools.workers.values()
         )
@@ -316,6 +354,7 @@ class Orchestrator:
                 r.worker.worker_id if r.worker is not None else None,
                 r.reserved,
                 r.since,
+                r.yielded.get(r.stage, 0),
             )
             for r in self._requests.values()
         )
@@ -369,10 +408,14 @@ class Orchestrator:
         wid = ev.worker_id
         if not _ok_id(wid):
             return _reject(out, "bad_value", f"worker_id must be 1..{MAX_ID} characters", ev)
-        if ev.stage not in STAGES:
-            msg = f"unknown stage {ev.stage!r}; stages: {', '.join(STAGES)}"
-            return _reject(out, "unknown_stage", msg, ev)
-        if wid in self._pools.workers:
+        stages = _stages(ev.stages or (ev.stage,), out, ev)
+        if stages is None:
+            return None
+        if ev.stage not in stages:
+            return _reject(out, "bad_value", f"stage {ev.stage!r} is not in stages", ev)
+        stages = (ev.stage, *(s for s in stages if s != ev.stage))  # ``stage`` first
+        old = self._pools.workers.get(wid)
+        if old is not None and old.state != "loading":
             return _reject(out, "duplicate_worker", f"worker {wid!r} is already live", ev)
         if not _ok_credits(ev.credits):
             return _reject(out, "bad_value", f"credits must be an int >= 0: {ev.credits!r}", ev)
@@ -389,7 +432,9 @@ class Orchestrator:
             timeout = self.config.heartbeat_timeout
         elif not timeout > 0:
             return _reject(out, "bad_value", f"heartbeat_timeout must be > 0: {timeout}", ev)
-        self._pools.add(wid, cast(Stage, ev.stage), ev.credits, dict(labels), timeout, now)
+        if old is not None:  # it loaded the stages LoadStages named: its old record goes
+            self._pools.remove(old)
+        self._pools.add(wid, stages, ev.credits, dict(labels), timeout, now)
 
     def _on_heartbeat(self, ev: Heartbeat, now: float, out: list[Action]) -> None:
         w = self._pools.workers.get(ev.worker_id)
@@ -442,7 +487,7 @@ class Orchestrator:
             return False
         upstream = req.stages[req.index - 1]
         budget = self.config.max_attempts
-        return req.attempt - req.yields < budget and req.tried.get(upstream, 0) < budget
+        return req.spent < budget and req.tried.get(upstream, 0) < budget
 
     def _rerun(self, req: _Request, reason: str, out: list[Action]) -> None:
         """The current stage's input is gone: go back to the stage that produced it."""
@@ -462,16 +507,81 @@ class Orchestrator:
         req = self._held(ev, out)
         if req is None:
             return
-        if not req.preempting:
+        w = req.worker
+        assert w is not None
+        leaving = w.state != "serving"  # changing stage or draining: any item may come back
+        if not (req.preempting or leaving):
             what = f"{ev.stage} attempt {ev.attempt} of {ev.request_id!r}"
             return _reject(out, "bad_value", f"{what} was not asked to yield", ev)
         self._release_worker(req, now)
-        req.yields += 1
+        req.yielded[req.stage] = req.yielded.get(req.stage, 0) + 1
+        if not leaving:
+            req.yields += 1  # a priority preemption: bounded by max_preemptions
         self._unreserve(req)  # admission reserves again
         self._enqueue(req, req.since)
 
+    def _on_reassign(self, ev: Reassign, now: float, out: list[Action]) -> None:
+        w = self._leaving(ev, out)
+        if w is None:
+            return
+        stages = _stages(ev.stages, out, ev)
+        if stages is None:
+            return
+        if set(stages) == set(w.stages):
+            msg = f"worker {w.worker_id!r} already holds {', '.join(stages)}"
+            return _reject(out, "bad_value", msg, ev)
+        w.target = stages
+        self._stop_serving(w, "changing", ev.reason[:MAX_REASON], "stage change", out)
+
+    def _on_drain(self, ev: Drain, now: float, out: list[Action]) -> None:
+        w = self._leaving(ev, out, also=("changing", "loading"))  # leaving wins over a change
+        if w is None:
+            return
+        self._stop_serving(w, "draining", ev.reason[:MAX_REASON], "drain", out)
+
     def _on_tick(self, ev: Tick, now: float, out: list[Action]) -> None:
         pass  # expiry already ran in handle()
+
+    # ------------------------------------------------------------------ stage changes, drains
+    def _leaving(
+        self, ev: Reassign | Drain, out: list[Action], also: tuple[WorkerState, ...] = ()
+    ) -> Worker | None:
+        """The live worker ``ev`` names, if it may start leaving its stages; else reject."""
+        w = self._pools.workers.get(ev.worker_id)
+        if w is None:
+            return _reject(out, "unknown_worker", _unknown_worker(ev.worker_id), ev)
+        if w.state != "serving" and w.state not in also:
+            return _reject(out, "not_serving", f"worker {w.worker_id!r} is {w.state}", ev)
+        return w
+
+    def _stop_serving(
+        self, w: Worker, state: WorkerState, reason: str, what: str, out: list[Action]
+    ) -> None:
+        """Take ``w`` out of service; ask each running denoise job to yield (once)."""
+        w.reason = reason
+        self._pools.set_state(w, state)
+        why = f"{what}: {reason}"
+        for req in w.running.values():
+            if req.stage == "denoise" and not req.preempting:
+                if self._victims is not None:
+                    self._victims.stopped(req)  # not a victim of the priority rule any more
+                req.preempting = True
+                out.append(Preempt(w.worker_id, req.rid, "denoise", req.attempt, why))
+        if not w.running:
+            self._settle.append(w)
+
+    def _settle_workers(self, out: list[Action]) -> None:
+        """Workers that stopped serving and hold nothing now: load, or leave."""
+        pending, self._settle = self._settle, []
+        for w in pending:
+            if self._pools.workers.get(w.worker_id) is not w or w.running:
+                continue  # gone already (lost, expired), or settled by an earlier entry
+            if w.state == "changing":
+                self._pools.set_state(w, "loading")
+                out.append(LoadStages(w.worker_id, w.target, w.reason))
+            elif w.state == "draining":
+                self._pools.remove(w)
+                out.append(WorkerRemoved(w.worker_id, w.reason, (), ()))
 
     # ------------------------------------------------------------------ lifecycle
     def _held(self, ev: ItemDone | ItemFailed | ItemYielded, out: list[Action]) -> _Request | None:
@@ -510,6 +620,8 @@ class Orchestrator:
         del w.running[req.rid]
         self._pools.release(w)
         self._pools.touch(w, now)
+        if w.state != "serving" and not w.running:
+            self._settle.append(w)
         if self._victims is not None:
             self._victims.stopped(req)
         req.worker = None
@@ -529,7 +641,7 @@ class Orchestrator:
         """After a failed attempt (not running any more): re-queue, or fail the request.
         Returns whether it was re-queued."""
         req.reasons.append(reason)
-        if retryable and req.attempt - req.yields < self.config.max_attempts:
+        if retryable and req.spent < self.config.max_attempts:
             out.append(Requeued(req.rid, req.stage, req.attempt, reason))
             if req.stage == "denoise":
                 self._unreserve(req)  # admission reserves again
@@ -566,6 +678,8 @@ class Orchestrator:
         if w is not None:  # cancelled while running
             del w.running[req.rid]
             self._pools.release(w)
+            if w.state != "serving" and not w.running:
+                self._settle.append(w)
             if self._victims is not None:
                 self._victims.stopped(req)
             req.worker = None
@@ -636,10 +750,15 @@ class Orchestrator:
             req.token = q.push(req, req.cls.name, req.since)
             raise PolicyContractError(f"routing policy raised on {stage} item: {e!r}") from e
         wid = getattr(w, "worker_id", None)
-        if pools.workers.get(wid) is not w or w.stage != stage or w.free < 1:  # type: ignore[arg-type]
+        if (
+            pools.workers.get(wid) is not w  # type: ignore[arg-type]
+            or stage not in w.stages
+            or w.state != "serving"
+            or w.free < 1
+        ):
             req.token = q.push(req, req.cls.name, req.since)
             raise PolicyContractError(
-                f"routing policy chose {w!r}, not a live {stage} worker with a free credit"
+                f"routing policy chose {w!r}, not a serving {stage} worker with a free credit"
             )
         req.attempt = attempt
         req.tried[stage] = attempt
@@ -648,7 +767,8 @@ class Orchestrator:
         w.running[req.rid] = req
         pools.hold(w)
         if stage == "denoise":
-            self._reserve(req)
+            if "decode" not in w.stages:  # else its own credit is its latent's (docstring)
+                self._reserve(req)
             if self._victims is not None:
                 self._victims.started(req)
         elif stage == "decode":
@@ -658,6 +778,19 @@ class Orchestrator:
 
 def _ok_credits(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _stages(given: object, out: list[Action], ev: object) -> tuple[Stage, ...] | None:
+    """``given`` as a tuple of known stages, non-empty and without repeats; else reject."""
+    if not isinstance(given, tuple | list) or not given:
+        return _reject(out, "bad_value", "stages must name at least one stage", ev)
+    for s in given:
+        if s not in STAGES:
+            msg = f"unknown stage {s!r}; stages: {', '.join(STAGES)}"
+            return _reject(out, "unknown_stage", msg, ev)
+    if len(set(given)) != len(given):
+        return _reject(out, "bad_value", f"stages repeat: {list(given)}", ev)
+    return cast(tuple[Stage, ...], tuple(given))
 
 
 def _unknown_worker(wid: str) -> str:

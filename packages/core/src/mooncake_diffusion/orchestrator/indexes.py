@@ -10,6 +10,11 @@ credits changed; ``remove``: gone), and each decision asks ``pick(item)``:
     index.update(w) / index.remove(w) # by Pools, as credits move
     w = index.pick(item)             # per decision: the worker choose() would return
 
+A worker that holds several stages (``w.stages``) is a member of each of
+those stages' structures; ``update`` and ``remove`` cost that many times the
+figures below. The core calls ``remove`` when a worker stops serving (it is
+changing stage or draining) and never ``update`` until it serves again.
+
 Obligation: ``pick(item)`` returns exactly the worker that
 ``policy.choose(item, candidates)`` would, for the same state and call
 sequence (tests check this against ``choose`` on random event sequences), or
@@ -59,15 +64,17 @@ class RoundRobinIndex:
         if w.free > 0:
             if seq not in self._free:
                 self._free[seq] = w
-                insort(self._seqs.setdefault(w.stage, []), seq)
+                for s in w.stages:
+                    insort(self._seqs.setdefault(s, []), seq)
         elif seq in self._free:
             self.remove(w)
 
     def remove(self, w: WorkerView) -> None:
         seq = w.seq
         if self._free.pop(seq, None) is not None:
-            seqs = self._seqs[w.stage]
-            del seqs[bisect_right(seqs, seq) - 1]
+            for s in w.stages:
+                seqs = self._seqs[s]
+                del seqs[bisect_right(seqs, seq) - 1]
 
     def pick(self, item: WorkItem) -> WorkerView | None:
         seqs = self._seqs.get(item.stage)
@@ -149,27 +156,32 @@ class _Stamps:
 
 
 class LeastLoadedIndex:
-    """One ``_LoadHeap`` per stage."""
+    """One ``_LoadHeap`` per stage; a worker of several stages is in each one's heap."""
 
     def __init__(self) -> None:
         self._stamps = _Stamps()
         self._heaps: dict[str, _LoadHeap] = {}
 
     def update(self, w: WorkerView) -> None:
-        h = self._heaps.get(w.stage)
-        if h is None:
-            h = self._heaps[w.stage] = _LoadHeap()
-        if w.seq not in h.members:
-            h.join(w)
+        heaps = []
+        for s in w.stages:
+            h = self._heaps.get(s)
+            if h is None:
+                h = self._heaps[s] = _LoadHeap()
+            if w.seq not in h.members:
+                h.join(w)
+            heaps.append(h)
         e = self._stamps.entry(w)
         if e is not None:
-            h.add(e, self._stamps.of)
+            for h in heaps:
+                h.add(e, self._stamps.of)
 
     def remove(self, w: WorkerView) -> None:
         self._stamps.of.pop(w.seq, None)
-        h = self._heaps.get(w.stage)
-        if h is not None:
-            h.leave(w)
+        for s in w.stages:
+            h = self._heaps.get(s)
+            if h is not None:
+                h.leave(w)
 
     def pick(self, item: WorkItem) -> WorkerView | None:
         h = self._heaps.get(item.stage)
@@ -180,7 +192,8 @@ _Group = tuple[str, int, tuple[str, ...]]  # stage, mask, the masked keys' value
 
 
 class AffinityIndex:
-    """A ``_LoadHeap`` per (stage, matched-key mask, those keys' values).
+    """A ``_LoadHeap`` per (stage, matched-key mask, those keys' values); a worker of
+    several stages is in each stage's groups.
 
     Mask bit ``1 << (k - 1 - i)`` stands for ``keys[i]``, so masks compare as
     ``AffinityLeastLoaded.score`` does. A worker is in the group of every mask
@@ -221,15 +234,16 @@ class AffinityIndex:
     def _join(self, w: WorkerView) -> list[tuple[_Group, _LoadHeap]]:
         vals = tuple(map(w.labels.get, self._keys))
         out: list[tuple[_Group, _LoadHeap]] = []
-        for m, bits in self._masks:
-            if all(vals[i] is not None for i in bits):
-                key = (w.stage, m, tuple(vals[i] for i in bits))
-                h = self._groups.get(key)
-                if h is None:
-                    h = self._groups[key] = _LoadHeap()
-                    self._plans.clear()
-                h.join(w)
-                out.append((key, h))
+        for stage in w.stages:
+            for m, bits in self._masks:
+                if all(vals[i] is not None for i in bits):
+                    key = (stage, m, tuple(vals[i] for i in bits))
+                    h = self._groups.get(key)
+                    if h is None:
+                        h = self._groups[key] = _LoadHeap()
+                        self._plans.clear()
+                    h.join(w)
+                    out.append((key, h))
         return out  # type: ignore[return-value]
 
     def remove(self, w: WorkerView) -> None:

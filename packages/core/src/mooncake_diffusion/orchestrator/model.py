@@ -89,7 +89,8 @@ RejectCode = Literal[
     "duplicate_request",  # the id is live or finished recently
     "unknown_request",  # never submitted (or finished too long ago to remember)
     "already_finished",  # cancel of a request that completed, failed or was cancelled
-    "duplicate_worker",  # a live worker already has this id
+    "duplicate_worker",  # a live worker already has this id (and is not loading new stages)
+    "not_serving",  # Reassign/Drain of a worker already changing stage, loading or draining
     "unknown_worker",  # never registered, or declared dead: register again
     "not_held",  # the worker does not hold that (request, stage, attempt)
     "stale_attempt",  # a result for an attempt that is no longer current: dropped
@@ -499,7 +500,9 @@ class WorkerSnapshot(msgspec.Struct, frozen=True):
 
 class RequestSnapshot(msgspec.Struct, frozen=True):
     """A live request. ``reserved``: it holds a decode credit reservation (denoise
-    running, or decode queued)."""
+    running on a worker that does not hold decode, or decode queued). ``yields``:
+    dispatches that ended in ``ItemYielded`` (preemption, stage change, drain),
+    which are not failed attempts: ``attempt - yields <= max_attempts``."""
 
     request_id: str
     slo_class: str
@@ -509,6 +512,7 @@ class RequestSnapshot(msgspec.Struct, frozen=True):
     worker_id: str | None
     reserved: bool
     queued_since: float
+    yields: int = 0
 
 
 class CoreSnapshot(msgspec.Struct, frozen=True):

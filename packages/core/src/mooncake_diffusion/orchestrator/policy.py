@@ -30,7 +30,9 @@ __all__ = ["RoutingPolicy", "WorkerView"]
 class WorkerView(Protocol):
     """What a policy may read about a worker. Read-only: never mutate it.
 
-    ``seq`` orders workers by registration (unique, increasing). ``advertised``
+    ``seq`` orders workers by registration (unique, increasing). ``stages``: every
+    stage it serves (``stage`` is the first); its credits are shared by all of
+    them, so a worker is a candidate of each of its stages. ``advertised``
     is the worker's credit advertisement, ``held`` the credits its running
     items hold, ``free`` how many more items it may take now.
     """
@@ -39,6 +41,8 @@ class WorkerView(Protocol):
     def worker_id(self) -> str: ...
     @property
     def stage(self) -> Stage: ...
+    @property
+    def stages(self) -> tuple[Stage, ...]: ...
     @property
     def seq(self) -> int: ...
     @property
@@ -56,7 +60,7 @@ class RoutingPolicy(Protocol):
     """Chooses the worker for one dispatch.
 
     ``choose`` is called once per dispatch decision with a non-empty
-    ``candidates`` sequence: every live worker of ``item.stage`` with
+    ``candidates`` sequence: every serving worker that holds ``item.stage`` with
     ``free >= 1``, in registration order. It must return one of those objects
     (not a copy), must not block, and must be deterministic given the same
     sequence of calls (any state it keeps is its own, e.g. a round-robin

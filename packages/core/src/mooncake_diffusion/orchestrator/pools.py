@@ -1,14 +1,22 @@
-"""Worker pools: who is alive, in which stage, and how many credits each has free.
+"""Worker pools: who is alive, in which stages, and how many credits each has free.
 
 Used only by the core, which calls, per event:
 
     pools.expired(now)                  first: workers past their heartbeat deadline
-    pools.add(...) / pools.remove(w)    RegisterWorker / WorkerLost or expiry
+    pools.add(...) / pools.remove(w)    RegisterWorker / WorkerLost, expiry, a drain done
     pools.touch(w, now)                 any event from a live worker
     pools.advertise(w, credits)         RegisterWorker / Heartbeat(credits=...)
     pools.hold(w) / pools.release(w)    a dispatch / that item done, failed or revoked
+    pools.set_state(w, state)           Reassign / Drain / LoadStages: it stops serving
     pools.candidates(stage)             per decision, for a policy without an index:
-                                        workers with a free credit, O(workers)
+                                        serving workers with a free credit, O(workers)
+
+A worker holds one or more stages (``stages``; ``stage`` is the first) and one
+set of credits (one GPU) shared by all of them: it is a member of every one of
+its stages' pools, and one free credit counts once in each of those stages'
+``free_total``. Only a ``serving`` worker takes work: a worker changing stage,
+loading its new models or draining keeps its record (heartbeats, running items,
+credits) but counts in no ``free_total`` and is out of the routing index.
 
 With a routing index (``indexes.py``), every membership and credit change is
 reported to it (``index.update(w)`` / ``index.remove(w)``) so the core's
@@ -17,7 +25,8 @@ decisions need no scan; ``candidates`` is then never called.
 Credits: a worker advertises ``advertised`` receive slots; each running item
 holds one. ``free = max(0, advertised - held)``: a lower advertisement never
 revokes held credits, it retires them as their items finish. ``free_total``
-per stage is kept incrementally so "can anything be dispatched?" is O(1).
+per stage is kept incrementally (O(stages of the worker) per change) so "can
+anything be dispatched?" is O(1).
 """
 
 from __future__ import annotations
@@ -25,7 +34,7 @@ from __future__ import annotations
 import heapq
 from typing import TYPE_CHECKING, Any
 
-from mooncake_diffusion.orchestrator.model import STAGES, Stage
+from mooncake_diffusion.orchestrator.model import STAGES, Stage, WorkerState
 
 if TYPE_CHECKING:
     from mooncake_diffusion.orchestrator.indexes import RoutingIndex
@@ -38,22 +47,38 @@ class Worker:
 
     __slots__ = (
         "advertised",
+        "counted",
         "expires_at",
         "free",
         "held",
         "labels",
+        "reason",
         "running",
         "seq",
         "stage",
+        "stages",
+        "state",
+        "target",
         "timeout",
         "worker_id",
     )
 
     def __init__(
-        self, worker_id: str, stage: Stage, seq: int, labels: dict[str, str], timeout: float
+        self,
+        worker_id: str,
+        stages: tuple[Stage, ...],
+        seq: int,
+        labels: dict[str, str],
+        timeout: float,
     ) -> None:
         self.worker_id = worker_id
-        self.stage: Stage = stage
+        self.stages = stages
+        self.stage: Stage = stages[0]
+        self.state: WorkerState = "serving"
+        #: the stages a ``Reassign`` moves it to, and why (set while ``changing``/``loading``)
+        self.target: tuple[Stage, ...] = ()
+        self.reason = ""
+        self.counted = 0  # what it adds to each of its stages' free_total
         self.seq = seq
         self.labels = labels
         self.timeout = timeout
@@ -66,8 +91,8 @@ class Worker:
 
     def __repr__(self) -> str:
         return (
-            f"Worker({self.worker_id!r}, {self.stage}, held={self.held}/{self.advertised}, "
-            f"running={list(self.running)})"
+            f"Worker({self.worker_id!r}, {'+'.join(self.stages)}, {self.state}, "
+            f"held={self.held}/{self.advertised}, running={list(self.running)})"
         )
 
 
@@ -87,17 +112,19 @@ class Pools:
     def add(
         self,
         worker_id: str,
-        stage: Stage,
+        stages: tuple[Stage, ...],
         credits: int,
         labels: dict[str, str],
         timeout: float,
         now: float,
     ) -> Worker:
-        """A new live worker; the id must not be live already (the core checks)."""
+        """A new live, serving worker of ``stages`` (non-empty, no repeats); the id must
+        not be live already (the core checks)."""
         self._seq += 1
-        w = Worker(worker_id, stage, self._seq, labels, timeout)
+        w = Worker(worker_id, stages, self._seq, labels, timeout)
         self.workers[worker_id] = w
-        self.by_stage[stage].append(w)
+        for s in stages:
+            self.by_stage[s].append(w)
         self.advertise(w, credits)
         self.touch(w, now)
         heapq.heappush(self._deadlines, (w.expires_at, w.seq, worker_id))
@@ -106,11 +133,22 @@ class Pools:
     def remove(self, w: Worker) -> None:
         """Forget ``w`` and its credits. Its ``running`` items are the caller's to re-home."""
         del self.workers[w.worker_id]
-        self.by_stage[w.stage].remove(w)
-        self.free_total[w.stage] -= w.free
-        w.free = 0
-        if self.index is not None:
+        for s in w.stages:
+            self.by_stage[s].remove(w)
+            self.free_total[s] -= w.counted
+        w.free = w.counted = 0
+        if self.index is not None and w.state == "serving":
             self.index.remove(w)
+
+    def set_state(self, w: Worker, state: WorkerState) -> None:
+        """Move ``w`` to ``state``. Leaving ``serving`` takes its free credits out of
+        ``free_total`` and it out of the routing index; running items stay held."""
+        if state == w.state:
+            return
+        if w.state == "serving" and self.index is not None:
+            self.index.remove(w)
+        w.state = state
+        self._refresh(w)
 
     # ---- liveness
     def touch(self, w: Worker, now: float) -> None:
@@ -153,9 +191,15 @@ class Pools:
         free = w.advertised - w.held
         if free < 0:
             free = 0
-        self.free_total[w.stage] += free - w.free
         w.free = free
-        if self.index is not None:
+        if w.state != "serving":
+            free = 0
+        if free != w.counted:
+            total = self.free_total
+            for s in w.stages:
+                total[s] += free - w.counted
+            w.counted = free
+        if self.index is not None and w.state == "serving":
             self.index.update(w)
 
     def advertise(self, w: Worker, credits: int) -> None:
@@ -171,5 +215,5 @@ class Pools:
         self._refresh(w)
 
     def candidates(self, stage: Stage) -> list[Worker]:
-        """Live workers of ``stage`` with a free credit, in registration order."""
-        return [w for w in self.by_stage[stage] if w.free]
+        """Serving workers of ``stage`` with a free credit, in registration order."""
+        return [w for w in self.by_stage[stage] if w.counted]

@@ -10,6 +10,8 @@ same object:
     for ev in svc.events(rid): ...             # submitted, dispatched, progress, done, ...
     svc.wait(rid, timeout=60).output           # the last stage's output handle
     svc.cancel(rid); svc.status(rid); svc.cluster(); svc.metrics_text()
+    svc.reassign("den-1", ("decode",), "mix moved")   # elastic pools (a planner calls these)
+    svc.drain("den-2", "scale-down")
     svc.close()                                # stops the driver; the journal keeps the rest
 
 Threads: one driver thread owns the core, the ROUTER socket and the request
@@ -42,6 +44,15 @@ resume it): its last denoise item goes in a ``Release`` to the worker that ran i
 or to another live denoise worker (``worker.Resumable``); with none alive, they
 stay (soft-pinned: evictable).
 
+Stage changes and drains: ``reassign`` and ``drain`` feed the core's
+``Reassign`` and ``Drain`` (a worker's own ``Leave``, on SIGTERM, is a ``Drain``
+too); its ``Preempt`` actions go out as ``Yield``. ``LoadStages`` goes to the
+worker as ``Load``; its next ``Hello`` registers it with the new stages, and
+the seconds it spent loading are logged and kept (``stage_changes``: the last
+``_RECENT``, with ``cluster()``'s view and the ``stage_changes`` counter). A
+worker drained by the service is told to exit (``Retire``) once the core
+removed it.
+
 Errors raised to API callers: ``RequestRejected`` (``code`` as the core's
 ``Rejected``: ``duplicate_request``, ``unknown_class``, ``bad_value``,
 ``unknown_request``, ``already_finished``) and ``ServiceUnavailable`` (closed or
@@ -58,7 +69,7 @@ import queue
 import threading
 import time
 import uuid
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -78,13 +89,16 @@ from mooncake_diffusion.orchestrator.model import (
     Action,
     Cancel,
     Dispatch,
+    Drain,
     Event,
     Heartbeat,
     ItemDone,
     ItemFailed,
     ItemYielded,
+    LoadStages,
     OrchestratorConfig,
     Preempt,
+    Reassign,
     RegisterWorker,
     Rejected,
     ReleasePayloads,
@@ -115,9 +129,12 @@ from mooncake_diffusion.orchestrator.wire import (
     Failed,
     Hello,
     ItemRef,
+    Leave,
+    Load,
     Progress,
     Refused,
     Release,
+    Retire,
     Welcome,
     WireError,
     Work,
@@ -225,6 +242,12 @@ class OrchestratorService:
         #: request -> its producers still owed one
         self._redeliver: OrderedDict[str, set[str]] = OrderedDict()
         self._authed: set[bytes] = set()
+        #: workers sent ``Load`` and not registered again: worker -> (stages, reason, t)
+        self._loading: dict[str, tuple[tuple[str, ...], str, float]] = {}
+        #: workers whose Drain the core accepted and has not removed yet
+        self._draining: set[str] = set()
+        #: the last stage changes, oldest first: worker_id, stages, reason, load_s, s
+        self.stage_changes: deque[dict[str, Any]] = deque(maxlen=_RECENT)
         #: during a driver turn (``_turn``): frames and API answers held for its commit
         self._frames: list[tuple[bytes, bytes]] | None = None
         self._answers: list[tuple[Future, Any, BaseException | None]] = []
@@ -426,6 +449,28 @@ class OrchestratorService:
                 break
         return self.status(request_id)
 
+    def reassign(self, worker_id: str, stages: tuple[str, ...], reason: str = "planner") -> str:
+        """Move a live worker to ``stages`` (the core's ``Reassign``; module docstring).
+        Thread-safe; returns its state right after (``changing``, or ``loading`` if it
+        held nothing). Raises ``RequestRejected`` (``unknown_worker``, ``not_serving``,
+        ``unknown_stage``, ``bad_value``), ``ServiceUnavailable``."""
+        ev = Reassign(worker_id, tuple(stages), reason)
+        return self._call(lambda: self._worker_event(ev))
+
+    def drain(self, worker_id: str, reason: str = "drain") -> str:
+        """Have a live worker leave (the core's ``Drain``): its denoise jobs move at a
+        step boundary, its other items finish, then it is removed and told to exit.
+        Thread-safe; returns its state right after (``draining``, or ``removed`` if it
+        held nothing). Raises ``RequestRejected``, ``ServiceUnavailable``."""
+        return self._call(lambda: self._worker_event(Drain(worker_id, reason)))
+
+    def _worker_event(self, ev: Reassign | Drain) -> str:
+        """On the driver: feed ``ev``; the worker's state after it."""
+        self._feed(ev, None)
+        assert self._core is not None
+        snap = self._core.snapshot()  # O(workers): planner decisions are rare
+        return next((w.state for w in snap.workers if w.worker_id == ev.worker_id), "removed")
+
     def cluster(self) -> dict[str, Any]:
         """Pools, queues and running requests, for dashboards and the demo's live view."""
         return self._call(self._cluster_view)
@@ -597,6 +642,8 @@ class OrchestratorService:
             self._table_submitted(event)
         if rejected is None and accepted is not None:
             accepted()
+        if rejected is None and isinstance(event, Drain):
+            self._draining.add(event.worker_id)
         for a in actions:
             self._execute(a, ident)
         if rejected is not None and ident is None:
@@ -612,7 +659,16 @@ class OrchestratorService:
             self._table_submitted(event)
         if isinstance(event, ItemDone) and event.output:
             self._producers.setdefault(event.request_id, set()).add(event.worker_id)
+        if isinstance(event, RegisterWorker):
+            self._loading.pop(event.worker_id, None)
+        elif isinstance(event, Drain) and not any(isinstance(a, Rejected) for a in actions):
+            self._draining.add(event.worker_id)
         for a in actions:
+            if isinstance(a, LoadStages):
+                self._loading[a.worker_id] = (a.stages, a.reason, time.monotonic())
+            elif isinstance(a, WorkerRemoved):
+                self._loading.pop(a.worker_id, None)
+                self._draining.discard(a.worker_id)
             self.table.apply(a)
             self._resumable_of(a)
             if isinstance(a, ReleasePayloads):
@@ -655,11 +711,28 @@ class OrchestratorService:
             self._counters["failed"] += 1
         elif isinstance(a, RequestCancelled):
             self._counters["cancelled"] += 1
+        elif isinstance(a, LoadStages):
+            self._counters["stage_changes"] += 1
+            self._loading[a.worker_id] = (a.stages, a.reason, time.monotonic())
+            log.warning(
+                "orchestrator: stage change: worker %s loads %s (%s)",
+                a.worker_id,
+                "+".join(a.stages),
+                a.reason,
+            )
+            self._send(a.worker_id.encode(), Load(a.stages, a.reason))
         elif isinstance(a, WorkerRemoved):
             for ref in list(self._outstanding_of.get(a.worker_id, ())):
                 self._forget(ref)  # re-queued (a new attempt) or failed: nothing to resend
+            self._loading.pop(a.worker_id, None)
             self._counters["workers_removed"] += 1
-            log.warning("orchestrator: worker %s removed: %s", a.worker_id, a.reason)
+            if a.worker_id in self._draining:  # drained: it holds nothing and may exit
+                self._draining.discard(a.worker_id)
+                self._counters["drained"] += 1
+                self._send(a.worker_id.encode(), Retire(a.reason))
+                log.warning("orchestrator: worker %s drained: %s", a.worker_id, a.reason)
+            else:
+                log.warning("orchestrator: worker %s removed: %s", a.worker_id, a.reason)
         elif isinstance(a, Rejected):
             self._counters[f"rejected:{a.code}"] += 1
             log.info("orchestrator: rejected %s: %s", a.event, a.reason)
@@ -706,7 +779,7 @@ class OrchestratorService:
         """Have ``item``'s worker, or another live worker of its stage, drop what would
         resume it (a ``Release`` carrying the item)."""
         assert self._core is not None
-        live = [w.worker_id for w in self._core.snapshot().workers if w.stage == item.stage]
+        live = [w.worker_id for w in self._core.snapshot().workers if item.stage in w.stages]
         target = wid if wid in live else next(iter(live), None)
         if target is None:
             log.info(
@@ -809,9 +882,13 @@ class OrchestratorService:
                 self.table.yielded(r, wid)
         elif isinstance(msg, Progress):
             self.table.progress(msg.item, wid, msg.step, msg.total)
+        elif isinstance(msg, Leave):
+            self._feed(Drain(wid, msg.reason), ident)
         elif isinstance(msg, Bye):
             self._authed.discard(ident)
-            self._feed(WorkerLost(wid, msg.reason), ident)
+            assert self._core is not None
+            if self._core.is_live(wid):  # else drained and removed already
+                self._feed(WorkerLost(wid, msg.reason), ident)
 
     def _on_hello(self, ident: bytes, msg: Hello) -> None:
         token = self.config.token
@@ -821,21 +898,53 @@ class OrchestratorService:
             return
         self._authed.add(ident)
         assert self._core is not None
-        known = self._core.is_live(msg.worker_id)
-        if known and msg.fresh:  # a new process under an old id: its items go back
-            self._feed(WorkerLost(msg.worker_id, "worker restarted"), ident)
+        wid = msg.worker_id
+        known = self._core.is_live(wid)
+        loaded = self._loading.get(wid) if known else None
+        if known and msg.fresh and loaded is None:  # a new process under an old id:
+            self._feed(WorkerLost(wid, "worker restarted"), ident)  # its items go back
             known = False
-        if known:  # re-authenticating after a service restart
-            acts = self._feed(Heartbeat(msg.worker_id, msg.credits), ident)
-        else:
+        if known and loaded is None:  # re-authenticating after a service restart
+            acts = self._feed(Heartbeat(wid, msg.credits), ident)
+        else:  # a new worker, or one that loaded the stages of a Load (LoadStages)
+            stages = tuple(msg.stages)
             reg = RegisterWorker(
-                msg.worker_id, msg.stage, msg.credits, dict(msg.labels), msg.heartbeat_timeout
+                wid, msg.stage, msg.credits, dict(msg.labels), msg.heartbeat_timeout, stages
             )
             acts = self._feed(reg, ident)
         if _rejected(acts, "RegisterWorker") or _rejected(acts, "Heartbeat"):
             return
+        if loaded is not None:
+            self._stage_changed(wid, tuple(msg.stages) or (msg.stage,), loaded, msg.load_s)
         timeout = msg.heartbeat_timeout or self.config.orchestrator.heartbeat_timeout
         self._send(ident, Welcome(msg.worker_id, timeout / 4))
+
+    def _stage_changed(
+        self,
+        wid: str,
+        stages: tuple[str, ...],
+        asked: tuple[tuple[str, ...], str, float],
+        load_s: float | None,
+    ) -> None:
+        """``wid`` registered again after a ``Load``: log and keep the change."""
+        self._loading.pop(wid, None)
+        want, reason, since = asked
+        change = {
+            "worker_id": wid,
+            "stages": list(stages),
+            "asked": list(want),
+            "reason": reason,
+            "load_s": load_s,
+            "s": round(time.monotonic() - since, 3),  # Load sent -> registered again
+        }
+        self.stage_changes.append(change)
+        load = "?" if load_s is None else f"{load_s:.3f}"
+        log.warning(
+            "orchestrator: stage change done: worker %s serves %s (loaded in %s s)",
+            wid,
+            "+".join(stages),
+            load,
+        )
 
     def _redeliver_to(self, wid: str) -> None:
         """Send ``wid`` the releases a restart may have lost that it is owed, and those
@@ -903,6 +1012,8 @@ class OrchestratorService:
                 {
                     "worker_id": w.worker_id,
                     "stage": w.stage,
+                    "stages": list(w.stages),
+                    "state": w.state,
                     "labels": w.labels,
                     "held": w.held,
                     "free": w.free,
@@ -917,6 +1028,7 @@ class OrchestratorService:
             "decode_reserved": snap.decode_reserved,
             "counters": dict(self._counters),
             "recent": [st.request_id for st in self.table.recent(_RECENT)],
+            "stage_changes": list(self.stage_changes),
         }
 
     def _metrics(self) -> str:

@@ -7,8 +7,9 @@ A decoder rejects another magic, another version and malformed bodies with
 
 Call sequence (worker W, service S; W's ZeroMQ routing id is its worker id):
 
-    W -> S  Hello      join a stage pool (``fresh``: a new process; what an older
-                       process of the same id held goes back to its queue)
+    W -> S  Hello      join the pools of ``stages`` (``stage`` first; ``fresh``: a new
+                       process; what an older process of the same id held goes back
+                       to its queue)
     S -> W  Welcome    accepted; heartbeat every ``heartbeat_interval`` seconds
     S -> W  Work       an item to run (may repeat: a worker ignores a copy of an item
                        it runs, and answers a copy of one it finished with its Done again)
@@ -24,10 +25,21 @@ Call sequence (worker W, service S; W's ZeroMQ routing id is its worker id):
                        with ``item`` (the request failed or was cancelled after that
                        denoise attempt): also drop what would resume it (``Resumable``)
     S -> W  Refused    a message was not accepted, and why (``code`` as the core's)
+    W -> S  Leave      it is leaving (SIGTERM with notice): the core's ``Drain``; its
+                       denoise items get ``Yield``, the others finish (or come back
+                       as ``Yielded``); it says ``Bye`` once it holds nothing
+    S -> W  Load       the core's ``LoadStages``: it holds nothing; load ``stages``'
+                       models, then say ``Hello`` again (``fresh=False``) with the new
+                       ``stages`` and ``load_s``, the seconds loading took
+    S -> W  Retire     it was drained (``Drain`` from the service, or its own
+                       ``Leave``) and holds nothing: exit
     W -> S  Bye        leaving (drained); nothing it holds is lost
 
 Version history: 1 (initial; ``Release.item`` added later, optional with a
-default, so a decoder that predates it reads such a frame and ignores it).
+default, so a decoder that predates it reads such a frame and ignores it; so
+were ``Hello.stages`` and ``Hello.load_s``; ``Leave``, ``Load`` and ``Retire``
+are new messages, which a peer that predates them refuses as a bad frame, so a
+stage change or a drain needs both sides of this build).
 """
 
 from __future__ import annotations
@@ -47,9 +59,12 @@ __all__ = [
     "Failed",
     "Hello",
     "ItemRef",
+    "Leave",
+    "Load",
     "Progress",
     "Refused",
     "Release",
+    "Retire",
     "Welcome",
     "WireError",
     "Work",
@@ -87,6 +102,10 @@ class Hello(msgspec.Struct, frozen=True, tag=True):
     heartbeat_timeout: float | None = None
     token: str = ""
     fresh: bool = True
+    #: every stage it holds, ``stage`` first (empty: ``stage`` alone)
+    stages: tuple[str, ...] = ()
+    #: after a ``Load``: the seconds loading the new stages took
+    load_s: float | None = None
 
 
 class Beat(msgspec.Struct, frozen=True, tag=True):
@@ -134,6 +153,11 @@ class Yielded(msgspec.Struct, frozen=True, tag=True):
     item: ItemRef
 
 
+class Leave(msgspec.Struct, frozen=True, tag=True):
+    worker_id: str
+    reason: str = "leaving"
+
+
 class Bye(msgspec.Struct, frozen=True, tag=True):
     worker_id: str
     reason: str = "drained"
@@ -164,14 +188,23 @@ class Release(msgspec.Struct, frozen=True, tag=True):
     item: WorkItem | None = None
 
 
+class Load(msgspec.Struct, frozen=True, tag=True):
+    stages: tuple[str, ...]
+    reason: str = ""
+
+
+class Retire(msgspec.Struct, frozen=True, tag=True):
+    reason: str = ""
+
+
 class Refused(msgspec.Struct, frozen=True, tag=True):
     code: str
     reason: str
     about: str
 
 
-FromWorker = Hello | Beat | Progress | Done | Failed | Yielded | Bye
-FromService = Welcome | Work | Drop | Yield | Release | Refused
+FromWorker = Hello | Beat | Progress | Done | Failed | Yielded | Leave | Bye
+FromService = Welcome | Work | Drop | Yield | Load | Retire | Release | Refused
 
 _enc = msgspec.msgpack.Encoder()
 _env = msgspec.msgpack.Decoder(Envelope)

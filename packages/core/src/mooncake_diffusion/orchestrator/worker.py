@@ -31,11 +31,24 @@ resume its items (the reference denoise: step checkpoints) may offer ``forget``
 (``Resumable``): the worker calls it when the orchestrator says that an item's
 request ended failed or cancelled, so that state goes too.
 
-Shutdown: ``drain()`` (SIGTERM when ``run()`` is on the main thread)
-advertises zero credits, hands back items that arrive meanwhile (``Failed``,
-retryable: they go back to the queue at once), waits for running items to
-finish and be acknowledged, then says ``Bye`` and closes. ``stop()`` is the
-same without waiting.
+Several stages: ``extra_stages`` gives more ``{stage: fn}`` served by the same
+credits (one GPU that holds several models); an item runs the function of its
+stage. Stage changes: when the orchestrator moves the worker to other stages
+(``Load``, sent once it holds nothing), a thread builds each new stage's
+function with ``loader(stage)`` (loading its model; the beats go on meanwhile),
+drops the others, and the worker says ``Hello`` again with the new stages and
+the seconds the load took (``load_s``, which the service reports). Without a
+``loader``, or if it raises, the worker keeps the stages it has and says so.
+
+Shutdown: ``drain()`` (SIGTERM when ``run()`` is on the main thread) tells
+the orchestrator it is leaving (``Leave``: the core's ``Drain``). Nothing more
+is dispatched to it; its running denoise items are asked to yield at their next
+step boundary (``Yield``: a stage that checkpoints resumes elsewhere from its
+step checkpoint; one that does not check ``should_yield`` just finishes); other
+running items finish and are acknowledged; an item that arrives meanwhile goes
+back at once (``Yielded``: not a failed attempt). Once it holds nothing it says
+``Bye`` and closes. A ``Retire`` from the orchestrator (it was drained by the
+planner) is the same. ``stop()`` leaves without waiting.
 """
 
 from __future__ import annotations
@@ -72,9 +85,12 @@ from mooncake_diffusion.orchestrator.wire import (
     Hello,
     Info,
     ItemRef,
+    Leave,
+    Load,
     Progress,
     Refused,
     Release,
+    Retire,
     Welcome,
     WireError,
     Work,
@@ -85,7 +101,7 @@ from mooncake_diffusion.orchestrator.wire import (
 )
 from mooncake_diffusion.payload import StagePayload
 
-__all__ = ["Resumable", "StageContext", "StageFn", "StageWorker"]
+__all__ = ["Resumable", "StageContext", "StageFn", "StageLoader", "StageWorker"]
 
 log = logging.getLogger("mooncake_diffusion.worker")
 _REMEMBER_DONE = 256
@@ -139,6 +155,9 @@ class StageContext:
 
 
 StageFn = Callable[[WorkItem, StageContext], StagePayload | bytes | None]
+#: ``loader(stage)``: load ``stage``'s model in this process and return its function
+#: (blocks while loading; raises if it cannot)
+StageLoader = Callable[[str], StageFn]
 
 
 @runtime_checkable
@@ -162,7 +181,10 @@ def _ref(item: WorkItem) -> ItemRef:
 
 class StageWorker:
     """Serve ``fn`` for ``stage`` to the orchestrator at ``orchestrator`` (a ZeroMQ
-    endpoint). ``connector``: one to publish and consume with (default: built from
+    endpoint). ``extra_stages``: more stages and their functions, on the same
+    credits; ``loader``: builds a stage's function on a stage change (module
+    docstring); ``on_stage_change(stages, load_s)`` is called after one (e.g. to
+    print it). ``connector``: one to publish and consume with (default: built from
     ``transfer_mode`` and ``settings``; either way the worker closes it at the end
     only if it built it). ``connect_timeout_s``: how long ``run()`` waits for the
     first ``Welcome`` before raising ``OrchestratorError``."""
@@ -183,11 +205,22 @@ class StageWorker:
         heartbeat_timeout: float | None = None,
         publish_timeout_s: float = 60.0,
         connect_timeout_s: float = 30.0,
+        extra_stages: dict[str, StageFn] | None = None,
+        loader: StageLoader | None = None,
+        on_stage_change: Callable[[tuple[str, ...], float], None] | None = None,
     ) -> None:
         if credits < 1:
             raise OrchestratorError(f"credits must be >= 1, got {credits}")
         self.stage = stage
         self.fn = fn
+        #: the function of every stage it holds, ``stage``'s first
+        self.fns: dict[str, StageFn] = {stage: fn}
+        for s, f in (extra_stages or {}).items():
+            self.fns.setdefault(s, f)
+        self.loader = loader
+        self.on_stage_change = on_stage_change
+        #: seconds each stage change's load took, in order (``Load``)
+        self.load_seconds: list[float] = []
         self.orchestrator = orchestrator
         self.worker_id = worker_id or f"{stage}-{socket.gethostname()}-{os.getpid()}"
         self.credits = credits
@@ -206,6 +239,8 @@ class StageWorker:
         #: publications of finished items, until their request is released (supersede)
         self._pubs: dict[ItemRef, Any] = {}
         self._draining = threading.Event()
+        self._announced = False  # the orchestrator was told (Leave) or told us (Retire)
+        self._loading: threading.Thread | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._welcomed = threading.Event()
@@ -231,8 +266,14 @@ class StageWorker:
         with contextlib.suppress(OrchestratorError):
             self.run(install_signal_handlers=False)
 
+    @property
+    def stages(self) -> tuple[str, ...]:
+        """Every stage it holds now, ``stage`` first."""
+        return tuple(self.fns)
+
     def drain(self) -> None:
-        """Finish what is running, take nothing new, leave (thread- and signal-safe)."""
+        """Leave: denoise items yield at a step boundary, others finish, nothing new is
+        taken (module docstring). Thread- and signal-safe; returns at once."""
         self._draining.set()
         self._mail.wake()
 
@@ -263,7 +304,7 @@ class StageWorker:
         sock.setsockopt(zmq.ROUTING_ID, self.worker_id.encode())
         sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
         sock.connect(self.orchestrator)
-        pool = ThreadPoolExecutor(self.credits, thread_name_prefix=f"mcd-{self.stage}")
+        pool = ThreadPoolExecutor(self.credits, thread_name_prefix=f"mcd-{self.worker_id}")
         # store calls of releases, off the loop: a dead master holds one for seconds.
         # Started now, not at the first release: a worker's threads are all there once
         # it serves (the chaos tier's baselines count them)
@@ -276,6 +317,8 @@ class StageWorker:
         finally:
             gil.unlisten(self._beat_now)
             self._serving = None
+            if self._loading is not None:
+                self._loading.join()
             for c in self._running.values():
                 c._cancelled.set()
             pool.shutdown(wait=True, cancel_futures=True)
@@ -306,7 +349,6 @@ class StageWorker:
         started = time.monotonic()
         interval = 1.0
         next_beat = started + interval
-        drain_announced = False
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(self._mail.fileno(), zmq.POLLIN)
@@ -318,6 +360,10 @@ class StageWorker:
                     f"{self.connect_timeout_s} s"
                 )
             ready = dict(poller.poll(max(0.0, next_beat - now) * 1000))
+            if self._draining.is_set() and not self._announced and self._welcomed.is_set():
+                # before any frame is read: an item that arrives from now on goes back
+                send(Leave(self.worker_id, "worker leaving (SIGTERM)"))
+                self._announced = True
             if sock in ready:
                 while True:
                     try:
@@ -333,19 +379,21 @@ class StageWorker:
             for msg in self._mail.drain():
                 if msg[0] == "beat":
                     beat_asked.append(msg[1])
+                elif msg[0] == "loaded":
+                    self._loading = None
+                    hello = self._hello(fresh=False, load_s=msg[1])
+                    send(hello)  # again each beat until welcomed (a copy is a heartbeat)
+                    self._welcomed.clear()
+                    started = time.monotonic()
                 else:
                     self._on_mail(msg, send)
-            if self._draining.is_set() and not drain_announced and self._welcomed.is_set():
-                send(Beat(self.worker_id, self._refs(), credits=0))
-                drain_announced = True
-            if drain_announced and not self._running:
+            if self._announced and not self._running and self._loading is None:
                 send(Bye(self.worker_id, "drained"))
                 return
             now = time.monotonic()
             if beat_asked or now >= next_beat:
                 if self._welcomed.is_set():
-                    credits = 0 if drain_announced else None
-                    send(Beat(self.worker_id, self._refs(), credits=credits))
+                    send(Beat(self.worker_id, self._refs()))
                     late = now - next_beat
                     if late > interval:  # the orchestrator may have given up on us
                         log.warning(
@@ -361,15 +409,18 @@ class StageWorker:
                 for sent in beat_asked:
                     sent.set()
 
-    def _hello(self, *, fresh: bool) -> Hello:
+    def _hello(self, *, fresh: bool, load_s: float | None = None) -> Hello:
+        stages = self.stages
         return Hello(
             self.worker_id,
-            self.stage,
+            stages[0],
             self.credits,
             self.labels,
             self.heartbeat_timeout,
             self.token,
             fresh=fresh,
+            stages=stages,
+            load_s=load_s,
         )
 
     def _refs(self) -> tuple[ItemRef, ...]:
@@ -402,11 +453,52 @@ class StageWorker:
                 for r in [r for r in self._pubs if r.request_id == msg.request_id]:
                     del self._pubs[r]
             return None
+        if isinstance(msg, Load):
+            self._load(tuple(msg.stages), msg.reason)
+            return None
+        if isinstance(msg, Retire):
+            log.info("worker %s: retired: %s", self.worker_id, msg.reason)
+            self._announced = True  # drained by the orchestrator: nothing to tell it
+            self._draining.set()
+            return None
         if isinstance(msg, Refused):
             return self._on_refused(msg)
         return None
 
+    def _load(self, stages: tuple[str, ...], reason: str) -> None:
+        """A stage change: load ``stages`` on a thread of its own (the loop beats on
+        meanwhile), then say Hello with them (module docstring)."""
+        if self._loading is not None or self._running:
+            log.warning("worker %s: Load %s while busy: ignored", self.worker_id, stages)
+            return
+        log.info("worker %s: loading %s (%s)", self.worker_id, "+".join(stages), reason)
+        t = threading.Thread(
+            target=self._load_stages, args=(stages,), name=f"mcd-load-{self.worker_id}"
+        )
+        self._loading = t
+        t.start()
+
+    def _load_stages(self, stages: tuple[str, ...]) -> None:
+        t0 = time.perf_counter()
+        try:
+            if self.loader is None:
+                raise OrchestratorError("this worker has no loader for other stages")
+            fns = {s: self.fns[s] if s in self.fns else self.loader(s) for s in stages}
+        except Exception as e:  # keep what it holds; the orchestrator learns it from Hello
+            log.warning("worker %s: cannot load %s: %s", self.worker_id, stages, e)
+            fns = dict(self.fns)
+        load_s = time.perf_counter() - t0
+        self.fns = fns
+        self.stage, self.fn = next(iter(fns.items()))
+        self.load_seconds.append(load_s)
+        log.info("worker %s: holds %s, loaded in %.3f s", self.worker_id, "+".join(fns), load_s)
+        if self.on_stage_change is not None:
+            self.on_stage_change(self.stages, load_s)
+        self._post(("loaded", load_s))
+
     def _on_refused(self, msg: Refused) -> Any:
+        if self._announced and msg.code == "unknown_worker":
+            return None  # leaving, and the orchestrator has forgotten us already: fine
         if msg.code in ("unknown_worker", "unauthorized") and msg.about != "Hello":
             # the orchestrator forgot us (restarted without a journal, or re-auth needed)
             return self._hello(fresh=False)
@@ -429,8 +521,9 @@ class StageWorker:
             request_id, item = job
             try:
                 self.connector.cleanup(request_id)
-                if item is not None and isinstance(self.fn, Resumable):
-                    self.fn.forget(item, StageContext(self, item))
+                fn = self.fns.get(item.stage) if item is not None else None
+                if item is not None and isinstance(fn, Resumable):
+                    fn.forget(item, StageContext(self, item))
             except Exception as e:  # nothing re-sends it: say what is left
                 log.warning("worker %s: release of %s failed: %s", self.worker_id, request_id, e)
 
@@ -440,8 +533,10 @@ class StageWorker:
             return None  # a copy of what we run
         if ref in self._done:
             return self._done[ref]  # a copy of what we finished: say Done again
-        if self._draining.is_set():
-            return Failed(self.worker_id, ref, "worker is draining", retryable=True)
+        if self._announced:  # leaving: it goes back, not a failed attempt
+            return Yielded(self.worker_id, ref)
+        if item.stage not in self.fns or self._loading is not None:
+            return Failed(self.worker_id, ref, f"worker does not hold {item.stage}")
         self._supersede(ref)
         ctx = StageContext(self, item)
         self._running[ref] = ctx
@@ -477,7 +572,7 @@ class StageWorker:
     def _execute(self, ctx: StageContext) -> None:
         ref = _ref(ctx.item)
         try:
-            out = self.fn(ctx.item, ctx)
+            out = self.fns[ctx.item.stage](ctx.item, ctx)
             if out is None and ctx.should_yield:
                 self._post(("yielded", ref))
                 return

@@ -3,6 +3,8 @@
     mooncake-diffusion worker --stage encode  --fn mooncake_diffusion.pipeline.stages:encode
     mooncake-diffusion worker --stage denoise --fn mooncake_diffusion.pipeline.stages:denoise
     mooncake-diffusion worker --stage decode  --fn mooncake_diffusion.pipeline.stages:decode
+    # a worker that holds several stages, and may be moved to others (``load``)
+    mooncake-diffusion worker --stage encode --stage decode --fn mooncake_diffusion.pipeline.stages
 
 Request params (JSON): the ``GenerationParams`` fields, plus ``save`` (true: decode
 writes ``<request_id>.png`` or ``.gif`` into the worker's own output folder,
@@ -61,6 +63,7 @@ __all__ = [
     "forget_denoise",
     "frames_digest",
     "generation_params",
+    "load",
     "outputs_folder",
     "pipeline",
 ]
@@ -81,6 +84,21 @@ def pipeline() -> ReferencePipeline:
         if raw not in _pipes:
             _pipes[raw] = ReferencePipeline(msgspec.convert(json.loads(raw), PipelineConfig))
         return _pipes[raw]
+
+
+def load(stage: str) -> None:
+    """Load ``stage``'s model into this process: what a worker the orchestrator moved
+    to ``stage`` does before it serves it (the worker times this call and reports
+    it as the stage change's load cost). The reference models come from a seed,
+    not from weight files, and one ``ReferencePipeline`` holds all three, so this
+    builds the pipeline afresh (what its constructor does) and serves from it: the
+    same bytes as before, and a floor on what loading real weights costs."""
+    if stage not in ("encode", "denoise", "decode"):
+        raise ValueError(f"unknown stage {stage!r}")
+    raw = os.environ.get(CONFIG_ENV, "{}")
+    fresh = ReferencePipeline(msgspec.convert(json.loads(raw), PipelineConfig))
+    with _lock:
+        _pipes[raw] = fresh
 
 
 def generation_params(params: dict[str, Any]) -> GenerationParams:
