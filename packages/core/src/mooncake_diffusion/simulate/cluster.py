@@ -46,6 +46,19 @@ each a switch (``Mechanisms``):
   share the cache through Mooncake Store too, so the ablation turns it on there.
   The shared negative prompt is cached per instance on both sides.
 
+Flex (``Layout("flex", n)``): every GPU hosts an encode, a denoise and a decode
+worker (the fractional host of every GPU); the core places each stage, and the
+routing keeps a request's next stage on the GPU that made its input when that
+worker has a free credit (then the GPU with the fewest items, then least
+loaded). Elastic (``Layout("elastic", n, aux=k, planner=NAME)``): the static
+split, resized during the run by a registry planner (``elastic.py``).
+
+Memory (``simulate(memory=...)``): ``"resident"`` (issue 29's runs) assumes every
+GPU holds every model of its mix; ``"swap"`` (``memory.py``; flex and elastic
+always) loads a model a GPU does not hold at ``costs.LOAD_GBPS`` before the item
+that needs it, evicting the least recently used, on every layout alike; routing
+then prefers the GPUs that load least.
+
 Heterogeneous pools are a layout, not a switch: ``Layout.aux_gpu`` puts Encode
 and Decode on a cheaper GPU type, slower by the bandwidth ratio; compare cost
 with ``Layout.price_per_hour``. A mix that shifts during the run
@@ -54,8 +67,7 @@ with ``Layout.price_per_hour``. A mix that shifts during the run
 Assumptions not modelled (so no gain is claimed for them): larger denoise
 batches from the memory freed by moving the VAE off the DiT GPUs (no public
 measurement of batch scaling for these DiTs in docs/sources.md), network
-contention, sequence parallelism (every denoise worker is one GPU), failures,
-re-sizing pools during a run.
+contention, sequence parallelism (every denoise worker is one GPU), failures.
 """
 
 from __future__ import annotations
