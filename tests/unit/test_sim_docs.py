@@ -57,5 +57,6 @@ def test_evaluation_has_the_flex_and_elastic_lines_of_the_committed_run():
     s = committed_summary()
     evaluation = (ROOT / "docs" / "evaluation.md").read_text()
     assert s["elastic_sentence"] in evaluation
+    assert s["elastic_sentence"] in (ROOT / "README.md").read_text()
     for line in s["elastic_lines"]:
         assert line in evaluation
