@@ -47,11 +47,14 @@ each a switch (``Mechanisms``):
   The shared negative prompt is cached per instance on both sides.
 
 Flex (``Layout("flex", n)``): every GPU hosts an encode, a denoise and a decode
-worker (the fractional host of every GPU); the core places each stage, and the
-routing keeps a request's next stage on the GPU that made its input when that
-worker has a free credit (then the GPU with the fewest items, then least
-loaded). Elastic (``Layout("elastic", n, aux=k, planner=NAME)``): the static
-split, resized during the run by a registry planner (``elastic.py``).
+worker (the fractional host of every GPU). A request's Encode runs inline on the
+GPU the core places its Denoise on (one item, as colocated: the core's queue and
+preemption order whole requests), its Decode is an item of its own that the core
+places, on the same GPU when that worker has a free credit (then the GPU with
+the fewest items, then least loaded); a Decode landing on a GPU that runs a
+denoise job runs at that job's next step boundary. Elastic
+(``Layout("elastic", n, aux=k, planner=NAME)``): the static split, resized during
+the run by a registry planner (``elastic.py``).
 
 Memory (``simulate(memory=...)``): ``"resident"`` (issue 29's runs) assumes every
 GPU holds every model of its mix; ``"swap"`` (``memory.py``; flex and elastic
@@ -485,6 +488,9 @@ class _Sim:
         self.unfit: set[str] = set()
         self._gaps = o.arrivals.gaps(self.rng, o.rate) if o.rate is not None else None
         self.swap = o.memory == "swap"
+        #: colocated and flex: a request's Encode runs inline on the GPU that runs its
+        #: Denoise (the core places the two as one item; flex's Decode is its own item)
+        self.inline_encode = o.layout.mode in ("colocated", "flex")
         self.gpu_of: dict[str, _Gpu] = {}
         self.completed = 0
         self.stage_changes: list[tuple[float, str, tuple[str, ...], tuple[str, ...]]] = []
@@ -549,7 +555,8 @@ class _Sim:
         return got
 
     def _models_of(self, kind: RequestKind, stage: str, gpu: _Gpu, encode: bool) -> list[Model]:
-        colocated = gpu.pool == "colocated"
+        # colocated, and flex's denoise item: the GPU encodes inline before the steps
+        colocated = gpu.pool == "colocated" or self.o.layout.mode == "flex"
         role = self._role(gpu, "aux" if stage == "encode" else "denoise")
         if self._placement(kind, role).offload:
             return []
@@ -588,17 +595,13 @@ class _Sim:
         none, those that load the fewest GB for it (a paused job's weights evicted
         only where no candidate avoids it)."""
         rec = self.o.records[item.request_id]
-        flex = item.stage == "encode" and self.o.layout.mode == "flex"
         gpus = [self.gpu_of.get(w.labels.get("gpu", "")) for w in candidates]
-        needs: list[list[Model]] = []
-        for gpu in gpus:
-            if gpu is None or gpu.cache is None:
-                needs.append([])
-                continue
-            models = self._models(rec.kind, item.stage, gpu, not rec.encode_skipped)
-            if flex:  # its denoise stays on this GPU when it can
-                models = models + self._models(rec.kind, "denoise", gpu)
-            needs.append(models)
+        needs: list[list[Model]] = [
+            []
+            if gpu is None or gpu.cache is None
+            else self._models(rec.kind, item.stage, gpu, not rec.encode_skipped)
+            for gpu in gpus
+        ]
         warm = [
             w
             for w, gpu, m in zip(candidates, gpus, needs, strict=True)
@@ -833,13 +836,14 @@ class _Sim:
             took = self._load_s(gpu, kind, "encode") + self._encode_s(kind, gpu)
         elif item.stage == "denoise":
             done_steps = self.progress.get(item.request_id, 0)
-            inline = colocated and not done_steps and not rec.encode_skipped
-            load = self._load_s(gpu, kind, "denoise", inline)
-            if colocated and not done_steps:  # encode inline (unless the cache held it)
-                pre = 0.0 if rec.encode_skipped else self._encode_s(kind, gpu)
-            elif item.request_id in self.paused:  # resumes where it paused, on this GPU
+            paused = item.request_id in self.paused
+            fresh = self.inline_encode and not done_steps and not paused
+            load = self._load_s(gpu, kind, "denoise", fresh and not rec.encode_skipped)
+            if paused:  # resumes where it paused, on this GPU
                 self.paused.discard(item.request_id)
                 pre = 0.0
+            elif fresh:  # encode inline (unless the cache held it)
+                pre = 0.0 if rec.encode_skipped else self._encode_s(kind, gpu)
             else:  # the embeddings (or a checkpoint) arrive over one transfer
                 pre = TRANSFER_S
             pre += load
@@ -982,7 +986,7 @@ class _Sim:
         hit = self._cache_hit(colocated)
         rec = RequestRecord(rid, kind, now, now + kind.slo_s, encode_skipped=hit)
         o.records[rid] = rec
-        skip = colocated or hit  # colocated: the GPU encodes inline, never the core
+        skip = self.inline_encode or hit  # the GPU encodes inline, never the core
         cached = b"emb:" + rid.encode() if skip else None
         ev = Submit(
             rid,
