@@ -17,7 +17,10 @@ bench's JSON renders without a change here. Per file, in file-name order:
     summary     every key of ``summary``
 
 Nothing in the page is typed by hand: edit a bench, rerun it with ``--json``, rerun
-this.
+this. A docs page may carry one section of a bench's ``markdown`` between
+``<!-- generated: BENCH "### Heading start" -->`` and ``<!-- /generated -->``;
+``-o`` refreshes every such block under ``docs/`` from the same JSON (the section
+runs from the heading to the next ``###``), and ``--check`` fails when one is stale.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import argparse
 import ast
 import json
 import math
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -126,6 +130,47 @@ def section(doc: dict[str, Any], name: str) -> list[str]:
     return [*out, ""]
 
 
+MARKED = re.compile(r'(<!-- generated: (\w+) "([^"]+)" -->\n)(.*?)(<!-- /generated -->)', re.S)
+
+
+def md_section(markdown: str, heading: str) -> str:
+    """The part of ``markdown`` from the line starting with ``heading`` to the next
+    ``###`` heading (exclusive), stripped; "" when there is no such line."""
+    lines = markdown.splitlines()
+    start = next((i for i, x in enumerate(lines) if x.startswith(heading)), None)
+    if start is None:
+        return ""
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("### ")), None)
+    return "\n".join(lines[start:end]).strip()
+
+
+def refresh_marked(page: str, docs: dict[str, dict[str, Any]]) -> str:
+    """``page`` with every marked block replaced by its bench's section."""
+
+    def fill(m: re.Match[str]) -> str:
+        doc = docs.get(m.group(2))
+        if doc is None or not isinstance(doc.get("markdown"), str):
+            return m.group(0)
+        body = md_section(doc["markdown"], m.group(3))
+        return f"{m.group(1)}{body}\n{m.group(5)}" if body else m.group(0)
+
+    return MARKED.sub(fill, page)
+
+
+def marked_pages(paths: list[Path]) -> dict[Path, str]:
+    """Each page under ``docs/`` with a marked block, as it should read."""
+    docs = {}
+    for p in paths:
+        doc = json.loads(p.read_text())
+        docs[str(doc.get("bench"))] = doc
+    out = {}
+    for page in sorted((ROOT / "docs").glob("*.md")):
+        text = page.read_text()
+        if "<!-- generated: " in text:
+            out[page] = refresh_marked(text, docs)
+    return out
+
+
 def render(paths: list[Path]) -> str:
     out = [HEADER]
     for p in sorted(paths, key=lambda x: x.name):
@@ -143,17 +188,23 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         ap.error(f"no such file: {', '.join(missing)}")
     text = render(a.json)
+    pages = marked_pages(a.json)
     if a.check:
         if a.out is None:
             ap.error("--check needs --out")
-        if not a.out.is_file() or a.out.read_text() != text:
-            print(f"{a.out} is stale: run ./dev docs", file=sys.stderr)
+        stale = [str(a.out)] if not a.out.is_file() or a.out.read_text() != text else []
+        stale += [str(p) for p, t in pages.items() if p.read_text() != t]
+        if stale:
+            print(f"{', '.join(stale)} stale: run ./dev docs", file=sys.stderr)
             return 1
         return 0
     if a.out is None:
         sys.stdout.write(text)
     else:
         a.out.write_text(text)
+        for p, t in pages.items():
+            if p.read_text() != t:
+                p.write_text(t)
     return 0
 
 

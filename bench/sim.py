@@ -48,6 +48,7 @@ from mooncake_diffusion.simulate import (
     FLUX_1024,
     H100,
     L40S,
+    LOAD_GBPS,
     QWEN_1024,
     QWEN_4090,
     QWEN_4090_50,
@@ -151,7 +152,10 @@ class Plan:
     """How much each search runs: seeds that judge, seeds that choose the split,
     arrivals per probe, bisection tolerance."""
 
-    def __init__(self, seeds: int, select: int, arrivals_n: int, rel_tol: float) -> None:
+    def __init__(
+        self, seeds: int, select: int, arrivals_n: int, rel_tol: float, planner: str = "reactive"
+    ) -> None:
+        self.planner = planner
         self.seeds = list(range(seeds))
         self.select = list(SELECT_SEEDS[:select])
         self.arrivals_n = arrivals_n
@@ -167,7 +171,7 @@ def kinds_of(w: Workload) -> list:
     return [k for k, _ in w.kinds + (w.later or ())]
 
 
-def caps(w, lay, mech, base, slos, seeds, plan, arrivals=None) -> list:
+def caps(w, lay, mech, base, slos, seeds, plan, arrivals=None, memory=None) -> list:
     out = []
     for s in seeds:
         c = capacity_at_slo(
@@ -180,6 +184,7 @@ def caps(w, lay, mech, base, slos, seeds, plan, arrivals=None) -> list:
             arrivals=arrivals,
             arrivals_n=plan.arrivals_n,
             rel_tol=plan.rel_tol,
+            memory=memory,
         )
         CONFIGS.extend(c.configs)
         plan.probes.append(len(c.probes))
@@ -286,6 +291,7 @@ def capacity_cell(w: Workload, gpu: GpuType, n: int, plan: Plan) -> dict[str, An
         lat[key + "_disaggregated"] = statistics.fmean(x[key] for x in lat_b) if lat_b else None
         lat[key.replace("_s", "_ratio")] = paired(lat_c, lat_b, lambda x, k=key: x[k])
     CELL_STATE[name] = {"w": w, "gpu": gpu, "n": n, "base": base, "colo": c, "best": best}
+    el = elastic_block(w, gpu, n, base, best, c, b, plan, rule_res=(rule, rl))
     r, h = ratio[HEADLINE.label]
     return {
         "part": "capacity",
@@ -309,7 +315,98 @@ def capacity_cell(w: Workload, gpu: GpuType, n: int, plan: Plan) -> dict[str, An
         "latency_at_common_rate": lat,
         "verdict": verdict(r, h),
         "sizing_rule_verdict": verdict(*rule_ratio),
+        "elastic": el,
     }
+
+
+def swap_matters(w: Workload) -> bool:
+    """Whether the memory rule can change a run: with one kind, every GPU keeps its
+    stages' models of that kind resident from the start (or the kind's placement
+    offloads, priced by its measured times), so ``swap`` and ``resident`` runs are
+    the same run (``test_sim_elastic`` checks it)."""
+    return len({k.name for k in kinds_of(w)}) > 1
+
+
+def elastic_block(
+    w, gpu, n, base, best, c_res, b_res, plan, arrivals=None, rule_res=None
+) -> dict[str, Any]:
+    """Under the memory rule (``memory="swap"``, the same for every layout): colocated,
+    the best static split (chosen on the tuning seeds), ``flex`` (every GPU holds
+    every stage) and ``elastic`` (that split, resized online by the planner), on the
+    judging seeds; paired per-seed ratios against colocated and the static split.
+    ``rule_res``: (the sizing rule's layout, its resident capacities): where that
+    split has two or more aux GPUs, elastic also starts from it with Encode and
+    Decode on separate GPUs (which the planners may move), against that static
+    split under the memory rule."""
+    swap = swap_matters(w)
+    h = (HEADLINE,)
+    colo = Layout("colocated", n, gpu=gpu)
+
+    def run(lay, seeds=plan.seeds):
+        return caps(w, lay, None, base, h, seeds, plan, arrivals, memory="swap")
+
+    if swap and arrivals is None:  # the best static split under the memory rule
+        sel = {}
+        for lay in candidates(w, gpu, n):
+            got = run(lay, plan.select)
+            sel[lay.split] = (statistics.fmean(c.rate[HEADLINE] for c in got) / n, lay)
+        best = max(sel.values(), key=lambda v: v[0])[1]
+        log(f"elastic: {cell_name(w, gpu, n)}: best split under the memory rule {best.split}")
+
+    cs = run(colo) if swap or arrivals is not None else c_res
+    bs = run(best) if swap or arrivals is not None else b_res
+    if arrivals is None:
+        CELL_STATE[cell_name(w, gpu, n)]["best_swap"] = best
+    fx = run(Layout("flex", n, gpu=gpu)) if arrivals is None else None
+    el_lay = replace(best, mode="elastic", planner=plan.planner)
+    el = run(el_lay)
+
+    def per_gpu(cs_):
+        return statistics.fmean(x.per_gpu(HEADLINE) for x in cs_)
+
+    def ratio(a, b_):
+        m, hw = paired(a, b_, lambda x: x.per_gpu(HEADLINE))
+        return {"ratio": m, "ci95": hw, "verdict": verdict(m, hw)}
+
+    out: dict[str, Any] = {
+        "memory_rule": "swap",
+        "planner": plan.planner,
+        "start_split": best.split,
+        "elastic_layout": el_lay.split,
+        "colocated_per_gpu": per_gpu(cs),
+        "static_per_gpu": per_gpu(bs),
+        "elastic_per_gpu": per_gpu(el),
+        "elastic_vs_colocated": ratio(cs, el),
+        "elastic_vs_best_static": ratio(bs, el),
+        "static_vs_colocated": ratio(cs, bs),
+        "stage_changes_per_search": statistics.fmean(x.stage_changes for x in el),
+        "loaded_gb_per_search": {
+            "colocated": statistics.fmean(x.loaded_gb for x in cs),
+            "static": statistics.fmean(x.loaded_gb for x in bs),
+            "elastic": statistics.fmean(x.loaded_gb for x in el),
+        },
+        "same_as_resident": not swap and arrivals is None,
+    }
+    if rule_res is not None and rule_res[0].aux >= 2:
+        rule, rl = rule_res
+        rs = run(rule) if swap else rl
+        er_lay = replace(rule, mode="elastic", planner=plan.planner, split_aux=True)
+        er = run(er_lay)
+        out["from_sizing_rule"] = {
+            "static_split": rule.split,
+            "elastic_layout": er_lay.split,
+            "static_per_gpu": per_gpu(rs),
+            "elastic_per_gpu": per_gpu(er),
+            "elastic_vs_static": ratio(rs, er),
+            "elastic_vs_colocated": ratio(cs, er),
+            "elastic_vs_best_static": ratio(bs, er),
+            "stage_changes_per_search": statistics.fmean(x.stage_changes for x in er),
+        }
+    if fx is not None:
+        out["flex_per_gpu"] = per_gpu(fx)
+        out["flex_vs_colocated"] = ratio(cs, fx)
+        out["loaded_gb_per_search"]["flex"] = statistics.fmean(x.loaded_gb for x in fx)
+    return out
 
 
 def lightx2v(requests: int = 100) -> list[dict[str, Any]]:
@@ -400,6 +497,10 @@ def arrivals_part(plan: Plan) -> list[dict[str, Any]]:
             c, _ = headline_pair(st, colo, None, plan, proc)
             b, (r, h) = headline_pair(st, st["best"], None, plan, proc, base_caps=c)
             cv = proc.cv(1.0) if isinstance(proc, Bursty) else None
+            el = None
+            if isinstance(proc, Bursty):
+                best = st.get("best_swap", st["best"])
+                el = elastic_block(st["w"], st["gpu"], n, st["base"], best, c, b, plan, proc)
             rows.append(
                 {
                     "part": "arrivals",
@@ -413,6 +514,7 @@ def arrivals_part(plan: Plan) -> list[dict[str, Any]]:
                     "capacity_ratio": r,
                     "capacity_ratio_ci95": h,
                     "verdict": verdict(r, h),
+                    "elastic": el,
                 }
             )
     return rows
@@ -565,6 +667,7 @@ def markdown(rows: list[dict], sched: Scheduler, plan: Plan, smoke: bool) -> str
             f"| {f(lat['p99_latency_s_colocated'], '.1f')} / "
             f"{f(lat['p99_latency_s_disaggregated'], '.1f')} |"
         )
+    out += elastic_markdown(rows, plan)
     out += [
         "",
         "### Memory: what each GPU must hold for the whole mix (every model resident; "
@@ -654,6 +757,76 @@ def markdown(rows: list[dict], sched: Scheduler, plan: Plan, smoke: bool) -> str
     return "\n".join(out)
 
 
+def elastic_lines(rows: list[dict]) -> list[str]:
+    """Generated sentences: flex and elastic verdicts against colocated."""
+    cap = [r for r in rows if r["part"] == "capacity" and r.get("elastic")]
+    out = []
+    for key, name in (("flex_vs_colocated", "flex"), ("elastic_vs_colocated", "elastic")):
+        for v in ("lose", "tie", "win"):
+            cells = [
+                f"{r['cell']} ({r['elastic'][key]['ratio']:.2f}x)"
+                for r in cap
+                if key in r["elastic"] and r["elastic"][key]["verdict"] == v
+            ]
+            out.append(f"- {name} **{v}** ({len(cells)}): {', '.join(cells) or 'none'}")
+    return out
+
+
+def elastic_markdown(rows: list[dict], plan: Plan) -> list[str]:
+    h = HEADLINE.label
+    out = [
+        "",
+        f"### Flex and elastic pools ({h}), every layout under the memory rule "
+        f"(models swap at {LOAD_GBPS:g} GB/s), planner `{plan.planner}`",
+        "",
+        *elastic_lines(rows),
+        "",
+        "| cell | arrivals | C req/s/GPU | static split | S/C | flex/C | verdict "
+        "| elastic/C | verdict | elastic/S | verdict | moves per search |",
+        "|---|---|---:|---|---:|---:|---|---:|---|---:|---|---:|",
+    ]
+    for r in rows:
+        e = r.get("elastic") if r["part"] in ("capacity", "arrivals") else None
+        if not e:
+            continue
+        fx = e.get("flex_vs_colocated")
+        ev, es = e["elastic_vs_colocated"], e["elastic_vs_best_static"]
+        sc = e["static_vs_colocated"]
+        out.append(
+            f"| {r['cell']} | {r.get('arrivals', 'poisson')} | {e['colocated_per_gpu']:.4g} "
+            f"| {e['start_split']} | {pm(sc['ratio'], sc['ci95'])} "
+            f"| {pm(fx['ratio'], fx['ci95']) if fx else '-'} | {fx['verdict'] if fx else '-'} "
+            f"| {pm(ev['ratio'], ev['ci95'])} | {ev['verdict']} "
+            f"| {pm(es['ratio'], es['ci95'])} | {es['verdict']} "
+            f"| {e['stage_changes_per_search']:.1f} |"
+        )
+    out += [
+        "",
+        "Elastic started from the shipped sizing rule's split, Encode and Decode on "
+        "separate GPUs (single-stage workers the planner may move), where that split "
+        "has two or more aux GPUs:",
+        "",
+        "| cell | sizing rule | rule/C | elastic from it / rule | verdict | elastic/C "
+        "| elastic/best static | moves per search |",
+        "|---|---|---:|---:|---|---:|---:|---:|",
+    ]
+    for r in rows:
+        e = r.get("elastic") if r["part"] == "capacity" else None
+        if not e or "from_sizing_rule" not in e:
+            continue
+        fr = e["from_sizing_rule"]
+        vs, vc = fr["elastic_vs_static"], fr["elastic_vs_colocated"]
+        vb = fr["elastic_vs_best_static"]
+        out.append(
+            f"| {r['cell']} | {fr['static_split']} "
+            f"| {fr['static_per_gpu'] / e['colocated_per_gpu']:.2f} "
+            f"| {pm(vs['ratio'], vs['ci95'])} | {vs['verdict']} "
+            f"| {pm(vc['ratio'], vc['ci95'])} | {pm(vb['ratio'], vb['ci95'])} "
+            f"| {fr['stage_changes_per_search']:.1f} |"
+        )
+    return out
+
+
 def full_verdicts(path: str) -> dict[str, Any] | None:
     """The verdicts of the committed full run, if ``path`` holds one."""
     try:
@@ -664,7 +837,12 @@ def full_verdicts(path: str) -> dict[str, Any] | None:
     s = doc.get("summary", {})
     if s.get("smoke_run", True):
         return None
-    return {"verdicts": s.get("verdicts"), "verdict": s.get("verdict")}
+    return {
+        "verdicts": s.get("verdicts"),
+        "verdict": s.get("verdict"),
+        "flex_verdicts": s.get("flex_verdicts"),
+        "elastic_verdicts": s.get("elastic_verdicts"),
+    }
 
 
 def summarize_rows(rows: list[dict], sched: Scheduler, plan: Plan, smoke: bool) -> dict:
@@ -755,14 +933,90 @@ def summarize_rows(rows: list[dict], sched: Scheduler, plan: Plan, smoke: bool) 
         f"({len(plan.seeds)} seeds): {own['win']} win, {own['tie']} tie, {own['lose']} lose."
     )
     summary["verdict_lines"] = verdict_lines(rows)
+    summary.update(elastic_summary(rows, plan))
+    fv, ev = summary["flex_verdicts"], summary["elastic_verdicts"]
+    summary["elastic_sentence"] = ("Smoke run, not verdicts: " if smoke else "") + (
+        f"Under the memory rule, against colocated over {sum(ev.values())} cells at "
+        f"{HEADLINE.scale:g}x / {HEADLINE.target:.0%} ({len(plan.seeds)} seeds): flex "
+        f"{fv['win']} win, {fv['tie']} tie, {fv['lose']} lose; elastic ({plan.planner}) "
+        f"{ev['win']} win, {ev['tie']} tie, {ev['lose']} lose."
+    )
+    summary["elastic_lines"] = elastic_lines(rows)
     if smoke:
         summary["smoke_verdicts"] = own
+        summary["smoke_flex_verdicts"] = summary["flex_verdicts"]
+        summary["smoke_elastic_verdicts"] = summary["elastic_verdicts"]
         full = full_verdicts(
             os.path.join(os.path.dirname(__file__), "..", "docs", "results", "sim.json")
         )
         if full is not None:
             summary["verdicts"], summary["verdict"] = full["verdicts"], full["verdict"]
+            for key in ("flex_verdicts", "elastic_verdicts"):
+                if full.get(key) is not None:
+                    summary[key] = full[key]
     return summary
+
+
+MEMORY_RULE = (
+    "swap: a GPU holds the models of the stages it serves while they fit in 90 % of its "
+    "memory less the decode peak it keeps free; an item whose model is not resident "
+    "first loads it at load_gbps (evicting the least recently used), the GPU serving "
+    "nothing meanwhile; the same rule for colocated, static, flex and elastic; a stage "
+    "change loads the new stages' models the same way"
+)
+
+
+def elastic_summary(rows: list[dict], plan: Plan) -> dict[str, Any]:
+    """The flex / elastic keys: verdicts against colocated (same scheduler, same memory
+    rule) over the capacity cells, and elastic against the best static split on every
+    workload (the bursty arrival cells included)."""
+    cap = {r["cell"]: r["elastic"] for r in rows if r["part"] == "capacity" and r.get("elastic")}
+    arr = {
+        f"{r['cell']} {r['arrivals']}": r["elastic"]
+        for r in rows
+        if r["part"] == "arrivals" and r.get("elastic")
+    }
+
+    def counts(key: str) -> dict[str, int]:
+        return {
+            v: sum(e[key]["verdict"] == v for e in cap.values() if key in e)
+            for v in ("win", "tie", "lose")
+        }
+
+    def vs_static(e: dict) -> dict:
+        return {**e["elastic_vs_best_static"], "static_split": e["start_split"]}
+
+    return {
+        "memory_rule": MEMORY_RULE,
+        "load_gbps": LOAD_GBPS,
+        "planner": plan.planner,
+        "flex_verdicts": counts("flex_vs_colocated"),
+        "elastic_verdicts": counts("elastic_vs_colocated"),
+        "flex_ratio": {k: e["flex_vs_colocated"] for k, e in cap.items()},
+        "elastic_ratio": {k: e["elastic_vs_colocated"] for k, e in cap.items()},
+        "elastic_vs_colocated_bursty": {k: e["elastic_vs_colocated"] for k, e in arr.items()},
+        "elastic_vs_best_static": {
+            **{k: vs_static(e) for k, e in cap.items()},
+            **{k: vs_static(e) for k, e in arr.items()},
+        },
+        "static_vs_colocated_under_memory_rule": {
+            k: e["static_vs_colocated"] for k, e in {**cap, **arr}.items()
+        },
+        "stage_changes_per_search": {
+            k: e["stage_changes_per_search"] for k, e in {**cap, **arr}.items()
+        },
+        "elastic_from_sizing_rule": {
+            k: {
+                "static_split": e["from_sizing_rule"]["static_split"],
+                "vs_static": e["from_sizing_rule"]["elastic_vs_static"],
+                "vs_colocated": e["from_sizing_rule"]["elastic_vs_colocated"],
+                "vs_best_static": e["from_sizing_rule"]["elastic_vs_best_static"],
+                "stage_changes_per_search": e["from_sizing_rule"]["stage_changes_per_search"],
+            }
+            for k, e in cap.items()
+            if "from_sizing_rule" in e
+        },
+    }
 
 
 def machine_info() -> dict[str, Any]:
@@ -785,6 +1039,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--arrivals", type=int, default=ARRIVALS_N, help="arrivals per probe")
     p.add_argument("--cells", nargs="*", help="only these cells (e.g. image-8xh100)")
     p.add_argument("--json", metavar="PATH", help="also write results as JSON here")
+    p.add_argument(
+        "--planner", default="reactive", help="the elastic layout's planner (registry name)"
+    )
     a = p.parse_args(argv)
     if a.seeds is not None and a.seeds < 1:
         p.error("--seeds must be >= 1")
@@ -796,7 +1053,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     n = a.seeds if a.seeds is not None else (2 if a.quick else 8)
     smoke = n < 8 or a.arrivals < ARRIVALS_N or bool(a.cells)
-    plan = Plan(n, 1 if smoke else len(SELECT_SEEDS), a.arrivals, REL_TOL)
+    plan = Plan(n, 1 if smoke else len(SELECT_SEEDS), a.arrivals, REL_TOL, a.planner)
     sched = Scheduler()
     CONFIGS.clear()
     CELL_STATE.clear()
@@ -829,6 +1086,9 @@ def main(argv: list[str] | None = None) -> int:
                 "slos": [asdict(s) for s in SLOS],
                 "cells": [cell_name(w, g, k) for w, g, k in CELLS],
                 "scheduler": asdict(sched),
+                "planner": plan.planner,
+                "memory_rule": MEMORY_RULE,
+                "load_gbps": LOAD_GBPS,
                 "kinds": {
                     k.name: asdict(k)
                     for k in (WAN_720P, QWEN_1024, FLUX_1024, QWEN_4090, QWEN_4090_50)

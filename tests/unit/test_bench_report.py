@@ -53,3 +53,22 @@ def test_a_file_that_is_not_a_bench_json_is_named(tmp_path):
     p.write_text(json.dumps({"bench": "x", "rows": []}))
     with pytest.raises(ValueError, match=r"x\.json.*summary"):
         report.render([p])
+
+
+def test_marked_blocks_carry_their_bench_section():
+    md = "### A\n| a |\n\n### Flex and elastic (x)\n| r1 |\n| r2 |\n\n### Memory\n| m |"
+    page = (
+        "intro\n"
+        '<!-- generated: sim "### Flex and elastic" -->\nold text\n<!-- /generated -->\n'
+        '<!-- generated: other "### A" -->\nkept\n<!-- /generated -->\nend\n'
+    )
+    got = report.refresh_marked(page, {"sim": {"markdown": md}})
+    assert "old text" not in got and "| r1 |\n| r2 |" in got and "| m |" not in got
+    assert "kept" in got  # no JSON for that bench: left as it is
+    assert report.refresh_marked(got, {"sim": {"markdown": md}}) == got  # stable
+
+
+def test_committed_marked_blocks_equal_the_generated_ones():
+    results = sorted((ROOT / "docs" / "results").glob("*.json"))
+    for page, text in report.marked_pages(results).items():
+        assert page.read_text() == text, f"{page.name} is stale: run ./dev docs"

@@ -32,6 +32,8 @@ from mooncake_diffusion.simulate import (
 
 pytestmark = pytest.mark.unit
 
+VERDICTS = ("win", "tie", "lose")
+
 MIXED = Workload("mixed", ((QWEN_1024, 0.45), (FLUX_1024, 0.45), (WAN_720P, 0.10)))
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -277,3 +279,16 @@ def test_bench_smoke_writes_the_summary(tmp_path):
     for key in ("no_memory_limit_ratio", "lightx2v_setting_qps_ratio"):
         assert isinstance(s[key], float)
     assert s["no_memory_limit_ratio"] < 1 < s["lightx2v_setting_qps_ratio"]
+    # issue 30: flex and elastic under the memory rule, beside colocated and the best split
+    assert s["smoke_flex_verdicts"].keys() == s["smoke_elastic_verdicts"].keys()
+    assert sum(s["smoke_flex_verdicts"].values()) == sum(s["smoke_elastic_verdicts"].values())
+    assert sum(s["smoke_elastic_verdicts"].values()) == len(cells)
+    assert set(s["flex_ratio"]) == set(s["elastic_ratio"]) == set(cells)
+    assert set(cells) <= set(s["elastic_vs_best_static"])
+    for c in cells:
+        e = s["elastic_vs_best_static"][c]
+        assert isinstance(e["ratio"], float) and "ci95" in e and e["verdict"] in VERDICTS
+    assert s["planner"] == "reactive" and s["load_gbps"] > 0 and "swap" in s["memory_rule"]
+    if full.get("flex_verdicts") is not None:
+        assert s["flex_verdicts"] == full["flex_verdicts"]
+        assert s["elastic_verdicts"] == full["elastic_verdicts"]

@@ -11,6 +11,9 @@
     arrivals.py Poisson, Bursty (two-state MMPP), Diurnal arrival processes
     capacity.py capacity_at_slo(): the highest rate at which a share of requests
                 meets scale x its base latency (the headline metric)
+    memory.py   ModelCache: the models a GPU holds under memory="swap"
+    elastic.py  the elastic layout's driver: a registry planner moves GPUs between
+                stages during a run
 
 Pure Python over ``mooncake_diffusion.orchestrator``; no torch, no Mooncake.
 """
@@ -39,6 +42,7 @@ from mooncake_diffusion.simulate.costs import (
     GPUS,
     H100,
     L40S,
+    LOAD_GBPS,
     QWEN_1024,
     QWEN_4090,
     QWEN_4090_50,
@@ -58,6 +62,7 @@ __all__ = [
     "GPUS",
     "H100",
     "L40S",
+    "LOAD_GBPS",
     "QWEN_1024",
     "QWEN_4090",
     "QWEN_4090_50",

@@ -35,6 +35,7 @@ from mooncake_diffusion.simulate.arrivals import Arrivals
 from mooncake_diffusion.simulate.cluster import (
     Layout,
     Mechanisms,
+    Memory,
     RunResult,
     Scheduler,
     Workload,
@@ -164,7 +165,8 @@ class Capacity:
     """``rate``: requests/s per SLO; ``per_gpu`` and ``per_usd_hour`` (x3600: requests
     per dollar of GPU time) alike; ``probes``: (rate, attainment per scale) runs;
     ``cannot_fit``: as ``RunResult.cannot_fit``; ``configs``: the core configurations
-    the runs used."""
+    the runs used; ``stage_changes`` and ``loaded_gb``: summed over the probes
+    (elastic moves begun; weights loaded under ``memory="swap"``)."""
 
     rate: dict[Slo, float]
     gpus: int
@@ -172,6 +174,8 @@ class Capacity:
     probes: list[tuple[float, dict[float, float]]] = field(default_factory=list)
     cannot_fit: list[str] = field(default_factory=list)
     configs: list[OrchestratorConfig] = field(default_factory=list)
+    stage_changes: int = 0
+    loaded_gb: float = 0.0
 
     def per_gpu(self, slo: Slo) -> float:
         return self.rate[slo] / self.gpus
@@ -195,17 +199,20 @@ def capacity_at_slo(
     warmup_min_s: float | None = None,
     hi_load: float = 1.25,
     rel_tol: float = 0.01,
+    memory: Memory | None = None,
 ) -> Capacity:
     """Capacity of ``layout`` for ``workload`` at each SLO (``search_capacity`` over
     steady-state runs of ``simulate``). ``hi_load``: the first upper bound, as a
     share of the isolated capacity ``gpus / workload.mean_gpu_seconds()``;
-    ``warmup_min_s`` defaults to twice the longest kind's base latency."""
+    ``warmup_min_s`` defaults to twice the longest kind's base latency; ``memory``
+    as ``simulate``'s."""
     kinds = [k for k, _ in workload.kinds + (workload.later or ())]
     warm_min = warmup_min_s if warmup_min_s is not None else 2 * max(base[k.name] for k in kinds)
     scales = sorted({s.scale for s in slos})
     price = [0.0]
     unfit: set[str] = set()
     configs: list[OrchestratorConfig] = []
+    moved = [0, 0.0]
 
     def probe(rate: float) -> dict[float, float]:
         horizon, warm = steady_horizon(rate, arrivals_n, warmup_share, warm_min)
@@ -219,7 +226,10 @@ def capacity_at_slo(
             warmup=warm,
             arrivals=arrivals,
             seed=seed,
+            memory=memory,
         )
+        moved[0] += len(r.stage_changes)
+        moved[1] += r.loaded_gb
         price[0] = r.price_per_hour
         unfit.update(r.cannot_fit)
         if r.config not in configs:
@@ -228,4 +238,6 @@ def capacity_at_slo(
 
     hi = hi_load * layout.gpus / workload.mean_gpu_seconds()
     rates, probes = search_capacity(probe, slos, hi, rel_tol)
-    return Capacity(rates, layout.gpus, price[0], probes, sorted(unfit), configs)
+    return Capacity(
+        rates, layout.gpus, price[0], probes, sorted(unfit), configs, int(moved[0]), moved[1]
+    )

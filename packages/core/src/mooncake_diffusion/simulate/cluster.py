@@ -46,6 +46,22 @@ each a switch (``Mechanisms``):
   share the cache through Mooncake Store too, so the ablation turns it on there.
   The shared negative prompt is cached per instance on both sides.
 
+Flex (``Layout("flex", n)``): every GPU hosts an encode, a denoise and a decode
+worker (the fractional host of every GPU). A request's Encode runs inline on the
+GPU the core places its Denoise on (one item, as colocated: the core's queue and
+preemption order whole requests), its Decode is an item of its own that the core
+places, on the same GPU when that worker has a free credit (then the GPU with
+the fewest items, then least loaded); a Decode landing on a GPU that runs a
+denoise job runs at that job's next step boundary. Elastic
+(``Layout("elastic", n, aux=k, planner=NAME)``): the static split, resized during
+the run by a registry planner (``elastic.py``).
+
+Memory (``simulate(memory=...)``): ``"resident"`` (issue 29's runs) assumes every
+GPU holds every model of its mix; ``"swap"`` (``memory.py``; flex and elastic
+always) loads a model a GPU does not hold at ``costs.LOAD_GBPS`` before the item
+that needs it, evicting the least recently used, on every layout alike; routing
+then prefers the GPUs that load least.
+
 Heterogeneous pools are a layout, not a switch: ``Layout.aux_gpu`` puts Encode
 and Decode on a cheaper GPU type, slower by the bandwidth ratio; compare cost
 with ``Layout.price_per_hour``. A mix that shifts during the run
@@ -54,8 +70,7 @@ with ``Layout.price_per_hour``. A mix that shifts during the run
 Assumptions not modelled (so no gain is claimed for them): larger denoise
 batches from the memory freed by moving the VAE off the DiT GPUs (no public
 measurement of batch scaling for these DiTs in docs/sources.md), network
-contention, sequence parallelism (every denoise worker is one GPU), failures,
-re-sizing pools during a run.
+contention, sequence parallelism (every denoise worker is one GPU), failures.
 """
 
 from __future__ import annotations
@@ -89,13 +104,17 @@ from mooncake_diffusion.orchestrator.policy import WorkerView
 from mooncake_diffusion.simulate.arrivals import Arrivals, Poisson
 from mooncake_diffusion.simulate.costs import (
     H100,
+    LOAD_GBPS,
+    TILE_MEMORY_DIVISOR,
     TRANSFER_S,
     GpuType,
     Placement,
     RequestKind,
     placement_penalty,
 )
+from mooncake_diffusion.simulate.elastic import Elastic
 from mooncake_diffusion.simulate.events import EventQueue
+from mooncake_diffusion.simulate.memory import Model, ModelCache
 
 __all__ = [
     "Layout",
@@ -108,11 +127,13 @@ __all__ = [
     "simulate",
 ]
 
-Mode = Literal["colocated", "disaggregated"]
+Mode = Literal["colocated", "disaggregated", "flex", "elastic"]
+Memory = Literal["resident", "swap"]
 _NEVER = 1e15  # heartbeat timeout: simulated workers do not die
 
 
 _SHIPPED = OrchestratorConfig()
+_STAGE_ORDER = ("encode", "denoise", "decode")
 
 
 @dataclass(frozen=True)
@@ -211,7 +232,10 @@ class Workload:
 class Layout:
     """The cluster: ``gpus`` in all, of type ``gpu``; for disaggregated serving
     ``aux`` of them host the encode and decode workers and are of type ``aux_gpu``
-    (None: the same as ``gpu``). ``aux=0`` is the fractional split: Encode and Decode
+    (None: the same as ``gpu``); ``split_aux``: with two or more, Encode and Decode on
+    alternate aux GPUs instead of both on each (single-stage GPUs a planner may move).
+    ``planner``: the ``elastic`` layout's planner, a registry name. ``aux=0`` is the
+    fractional split: Encode and Decode
     workers run on ``hosts`` of the denoise GPUs, sharing their time and memory (a
     host GPU holds all three stages' weights, so it pays the colocated placement).
     ``node_gpus``: node size when decode pools are not shared."""
@@ -223,12 +247,29 @@ class Layout:
     gpu: GpuType = H100
     aux_gpu: GpuType | None = None
     hosts: int = 1
+    planner: str | None = None
+    split_aux: bool = False
+
+    def __post_init__(self) -> None:
+        if self.mode in ("flex", "elastic") and self.aux_gpu is not None:
+            raise ValueError(f"{self.mode}: every GPU is of one type (aux_gpu must be None)")
+        if self.mode == "elastic" and not self.planner:
+            raise ValueError("elastic: name a planner (Layout.planner, e.g. 'reactive')")
+        if self.split_aux and self.mode not in ("disaggregated", "elastic"):
+            raise ValueError("split_aux: Encode and Decode GPUs exist only with aux GPUs")
 
     @property
     def split(self) -> str:
         """The split as ``denoise:aux`` GPUs (``denoise:0+hosts`` for fractional)."""
         if self.mode == "colocated":
             return f"{self.gpus}:0 colocated"
+        if self.mode == "flex":
+            return f"{self.gpus} flex"
+        if self.mode == "elastic":
+            start = replace(self, mode="disaggregated", planner=None).split
+            return f"{start} elastic ({self.planner})"
+        if self.split_aux and self.aux >= 2:
+            return f"{self.gpus - self.aux}:{self.aux} (E {(self.aux + 1) // 2}, V {self.aux // 2})"
         aux = f"{self.aux} {self.aux_gpu.name}" if self.aux_gpu else str(self.aux)
         if self.aux == 0:
             return f"{self.gpus}:0 (E+V on {self.hosts} DiT GPU)"
@@ -240,7 +281,7 @@ class Layout:
 
     def price_per_hour(self, aux_count: int | None = None) -> float:
         """USD per hour for the cluster's GPUs (``aux_count``: aux GPUs really placed)."""
-        if self.mode == "colocated":
+        if self.mode in ("colocated", "flex", "elastic"):
             return self.gpus * self.gpu.price_per_hour
         n = self.aux if aux_count is None else aux_count
         return (self.gpus - n) * self.gpu.price_per_hour + n * self.aux_type.price_per_hour
@@ -276,7 +317,11 @@ class RunResult:
     """A run's records and accounting; ``config`` is the core's configuration and
     ``price_per_hour`` the cluster's GPU price (USD/h). ``cannot_fit``: the
     ``kind@role`` placements that needed weights offloaded where no measured offload
-    time exists (their stage times are then not a measurement: report, do not use)."""
+    time exists (their stage times are then not a measurement: report, do not use).
+    ``memory``: the memory rule it ran under; ``loaded_gb``: weights loaded (model
+    swaps and stage changes, ``memory="swap"``); ``stage_changes``: ``(time, gpu,
+    from stages, to stages)`` of each move an elastic run began; ``planner``: its
+    name, options, decisions and GPU-seconds spent loading for stage changes."""
 
     records: list[RequestRecord]
     busy: dict[str, float]
@@ -291,6 +336,12 @@ class RunResult:
     config: OrchestratorConfig
     price_per_hour: float
     cannot_fit: list[str] = field(default_factory=list)
+    memory: Memory = "resident"
+    loaded_gb: float = 0.0
+    stage_changes: list[tuple[float, str, tuple[str, ...], tuple[str, ...]]] = field(
+        default_factory=list
+    )
+    planner: dict[str, object] | None = None
 
 
 class _Worker:
@@ -323,13 +374,32 @@ class _Run:
 
 
 class _Gpu:
-    __slots__ = ("busy", "name", "node", "pool", "queue", "running")
+    __slots__ = (
+        "busy",
+        "cache",
+        "changes",
+        "name",
+        "node",
+        "pool",
+        "queue",
+        "running",
+        "stages",
+        "state",
+        "target",
+        "wids",
+    )
 
     def __init__(self, name: str, pool: str, node: str) -> None:
         self.name, self.pool, self.node = name, pool, node
         self.queue: deque[tuple[_Worker, WorkItem]] = deque()
         self.running: _Run | None = None
         self.busy = 0.0
+        self.cache: ModelCache | None = None  # memory="swap": the models it holds
+        self.stages: tuple[str, ...] = ()  # stages its workers serve
+        self.state = "serving"  # elastic: "changing" (emptying), "loading"
+        self.target: tuple[str, ...] = ()  # elastic: the stages it changes to
+        self.wids: list[str] = []  # its live workers' ids
+        self.changes = 0
 
 
 class _Route:
@@ -340,13 +410,25 @@ class _Route:
 
     def __init__(self, key: str | None) -> None:
         self.key = key
+        #: memory="swap": keeps the candidates whose GPU loads least for the item
+        self.prefer: Callable[[WorkItem, Sequence[WorkerView]], Sequence[WorkerView]] | None
+        self.prefer = None
+        self.sticky = False  # flex: every stage stays on its input's GPU when it can
+        #: flex: items on a worker's GPU (all its stages: credits shared, as a
+        #: multi-stage worker's are), the first key of least-loaded
+        self.gpu_load: Callable[[WorkerView], int] | None = None
 
     def choose(self, item: WorkItem, candidates: Sequence[WorkerView]) -> WorkerView:
         want = item.hint.get(self.key) if self.key is not None else None
-        if item.stage == "decode" and want is not None:
+        if want is not None and (item.stage == "decode" or self.sticky):
             for w in candidates:
                 if w.labels.get(self.key) == want:  # type: ignore[arg-type]
                     return w
+        if self.prefer is not None:  # memory="swap": the GPUs that load least first
+            candidates = self.prefer(item, candidates)
+        if self.gpu_load is not None:
+            load = self.gpu_load
+            return min(candidates, key=lambda w: (load(w), w.held / max(1, w.advertised), w.seq))
         return min(candidates, key=lambda w: (w.held / max(1, w.advertised), w.seq))
 
 
@@ -373,6 +455,7 @@ class _Options:
     closed: tuple[int, int] | None  # (concurrency, total)
     warmup: float
     arrivals: Arrivals = field(default_factory=Poisson)
+    memory: Memory = "resident"
     records: dict[str, RequestRecord] = field(default_factory=dict)
 
 
@@ -404,28 +487,169 @@ class _Sim:
         self._placements: dict[tuple[str, str], Placement] = {}
         self.unfit: set[str] = set()
         self._gaps = o.arrivals.gaps(self.rng, o.rate) if o.rate is not None else None
+        self.swap = o.memory == "swap"
+        #: colocated and flex: a request's Encode runs inline on the GPU that runs its
+        #: Denoise (the core places the two as one item; flex's Decode is its own item)
+        self.inline_encode = o.layout.mode in ("colocated", "flex")
+        self.gpu_of: dict[str, _Gpu] = {}
+        self.completed = 0
+        self.stage_changes: list[tuple[float, str, tuple[str, ...], tuple[str, ...]]] = []
+        self.elastic: Elastic | None = None
+        self._model_memo: dict[tuple[str, str, str, bool], list[Model]] = {}
         self._build()
+        if self.swap:
+            self._fill_caches()
+        if o.layout.mode == "elastic":
+            assert o.layout.planner is not None
+            self.elastic = Elastic(self, o.layout.planner)
 
     # ------------------------------------------------------------ cluster
-    def _core(self, policy: object) -> Orchestrator:
+    def _core(self, policy: _Route) -> Orchestrator:
         """The core, with the one configuration every layout uses."""
+        if self.swap:
+            policy.prefer = self._prefer
         return Orchestrator(self.config, clock=self.clock, policy=policy)  # type: ignore[arg-type]
 
     def _gpu(self, name: str, pool: str, node: int) -> _Gpu:
         g = _Gpu(name, pool, str(node))
         self.gpus.append(g)
+        self.gpu_of[name] = g
         return g
 
     def _register(self, cell: _Cell, wid: str, stage: str, gpu: _Gpu | None, credits: int) -> None:
         labels = {"gpu": gpu.name, "node": gpu.node} if gpu is not None else {}
         w = _Worker(wid, stage, gpu, cell)
         cell.workers[wid] = w
+        if gpu is not None:
+            gpu.wids.append(wid)
+            gpu.stages = tuple(sorted({*gpu.stages, stage}, key=_STAGE_ORDER.index))
         if stage == "denoise":
             cell.n_denoise += 1
         self._feed(cell, RegisterWorker(wid, stage, credits, labels, heartbeat_timeout=_NEVER))
 
+    # ------------------------------------------------------------ memory="swap"
+    def _all_kinds(self) -> list[RequestKind]:
+        w = self.o.workload
+        return list({k.name: k for k, _ in w.kinds + (w.later or ())}.values())
+
+    def _budget(self, gpu: _Gpu) -> float:
+        """Weights a GPU may hold: usable memory less the decode peak it keeps free."""
+        gtype = self.o.layout.aux_type if gpu.pool == "aux" else self.o.layout.gpu
+        decodes = gpu.pool in ("colocated", "host") or "decode" in gpu.stages
+        reserve = 0.0
+        if decodes:
+            role = self._role(gpu, "aux")
+            for k in self._all_kinds():
+                tile = self._placement(k, role).tile
+                reserve = max(reserve, k.vae_peak_gb / (TILE_MEMORY_DIVISOR if tile else 1.0))
+        return gtype.usable_gb - reserve
+
+    def _models(self, kind: RequestKind, stage: str, gpu: _Gpu, encode: bool = True) -> list[Model]:
+        """The models an item of ``stage`` needs on ``gpu`` (none for a kind whose
+        placement there offloads weights: its measured times price that); memoised
+        per kind, stage, pool and whether it encodes."""
+        key = (kind.name, stage, gpu.pool, encode)
+        got = self._model_memo.get(key)
+        if got is None:
+            got = self._model_memo[key] = self._models_of(kind, stage, gpu, encode)
+        return got
+
+    def _models_of(self, kind: RequestKind, stage: str, gpu: _Gpu, encode: bool) -> list[Model]:
+        # colocated, and flex's denoise item: the GPU encodes inline before the steps
+        colocated = gpu.pool == "colocated" or self.o.layout.mode == "flex"
+        role = self._role(gpu, "aux" if stage == "encode" else "denoise")
+        if self._placement(kind, role).offload:
+            return []
+        out: list[Model] = []
+        if stage == "encode" or (colocated and stage == "denoise" and encode):
+            out.append((("encoder", kind.name), kind.encoder_gb))
+        if stage == "denoise":
+            out.append((("dit", kind.name), kind.dit_gb))
+        return out
+
+    def _gpu_models(self, gpu: _Gpu, kinds: Sequence[RequestKind]) -> list[Model]:
+        """Every model ``gpu``'s stages need for ``kinds``, in that order."""
+        stages = ("denoise",) if gpu.pool == "colocated" else gpu.stages
+        out: list[Model] = []
+        for k in kinds:
+            for st in stages:
+                out.extend(m for m in self._models(k, st, gpu) if m not in out)
+        return out
+
+    def _fill_caches(self) -> None:
+        """Each GPU starts holding what fits of its stages' models for the first mix,
+        GPU i starting from kind i (so the fleet starts spread over the kinds)."""
+        kinds = [k for k, _ in self.o.workload.kinds]
+        for i, g in enumerate(self.gpus):
+            g.cache = ModelCache(self._budget(g))
+            order = kinds[i % len(kinds) :] + kinds[: i % len(kinds)]
+            for k in order:
+                g.cache.preload(self._gpu_models(g, [k]))
+
+    def _gpu_load(self, w: WorkerView) -> int:
+        gpu = self.gpu_of[w.labels["gpu"]]
+        return len(gpu.queue) + (gpu.running is not None)
+
+    def _prefer(self, item: WorkItem, candidates: Sequence[WorkerView]) -> Sequence[WorkerView]:
+        """Routing preference: the candidates whose GPU holds what ``item`` needs; if
+        none, those that load the fewest GB for it (a paused job's weights evicted
+        only where no candidate avoids it)."""
+        rec = self.o.records[item.request_id]
+        gpus = [self.gpu_of.get(w.labels.get("gpu", "")) for w in candidates]
+        needs: list[list[Model]] = [
+            []
+            if gpu is None or gpu.cache is None
+            else self._models(rec.kind, item.stage, gpu, not rec.encode_skipped)
+            for gpu in gpus
+        ]
+        warm = [
+            w
+            for w, gpu, m in zip(candidates, gpus, needs, strict=True)
+            if gpu is None or gpu.cache is None or gpu.cache.holds(m)
+        ]
+        if warm:
+            return warm
+        gb = [
+            g.cache.missing_gb(m, self._pinned(g))  # type: ignore[union-attr]
+            for g, m in zip(gpus, needs, strict=True)
+        ]
+        least = min(gb)
+        return [w for w, x in zip(candidates, gb, strict=True) if x == least]
+
+    def _pinned(self, gpu: _Gpu) -> set[tuple[str, str]]:
+        """The DiT weights of the denoise job running on a host GPU and of those paused
+        there (they resume there): an Encode or Decode item between its steps does not
+        evict them unless nothing else makes room."""
+        if gpu.pool != "host":
+            return set()
+        out = {
+            ("dit", self.o.records[it.request_id].kind.name)
+            for _, it in gpu.queue
+            if it.stage == "denoise" and it.request_id in self.paused
+        }
+        run = gpu.running
+        if run is not None and run.item.stage == "denoise":
+            out.add(("dit", self.o.records[run.item.request_id].kind.name))
+        return out
+
+    def _load_s(self, gpu: _Gpu, kind: RequestKind, stage: str, encode: bool = True) -> float:
+        """Seconds ``gpu`` spends loading what an item needs (0 when it holds it)."""
+        if gpu.cache is None:
+            return 0.0
+        models = self._models(kind, stage, gpu, encode)
+        return gpu.cache.need(models, self._pinned(gpu)) / LOAD_GBPS
+
     def _build(self) -> None:
         lay, mech = self.o.layout, self.o.mech
+        if lay.mode == "flex":  # every GPU holds every stage: E and V yield at step boundaries
+            self._build_fractional(replace(lay, mode="disaggregated", aux=0, hosts=lay.gpus), mech)
+            route = self.cells[0].core.policy
+            assert isinstance(route, _Route)
+            route.key, route.sticky = "gpu", True  # a request stays on one GPU when it can
+            route.gpu_load = self._gpu_load
+            return
+        if lay.mode == "elastic":  # starts as its static split; Elastic moves GPUs
+            lay = replace(lay, mode="disaggregated", planner=None)
         if lay.mode == "colocated":
             cell = _Cell("all", self._core(_Route(None)))
             self.cells.append(cell)
@@ -454,13 +678,18 @@ class _Sim:
         self.aux_count = len(aux_at)
         self.cells.append(cell)
         dits = lay.gpus - len(aux_at)
-        dits_per_aux = math.ceil(dits / len(aux_at))
+        split = lay.split_aux and len(aux_at) >= 2 and mech.decode_off_dit
+        decoders = len(aux_at) // 2 if split else len(aux_at)
+        dits_per_aux = math.ceil(dits / decoders)
         for i in range(lay.gpus):
             node = min(i // lay.node_gpus, nodes - 1)
             if i in aux_at:
                 g = self._gpu(f"g{i}", "aux", node)
+                if split and sorted(aux_at).index(i) % 2:  # E and V on alternate aux GPUs
+                    self._register(cell, f"dec-{i}", "decode", g, dits_per_aux + 2)
+                    continue
                 self._register(cell, f"enc-{i}", "encode", g, 1)
-                if mech.decode_off_dit:
+                if mech.decode_off_dit and not split:
                     # receive slots for latents: enough that decode reservations never
                     # throttle denoise admission more than the decode work itself does
                     self._register(cell, f"dec-{i}", "decode", g, dits_per_aux + 2)
@@ -497,6 +726,8 @@ class _Sim:
     def _feed(self, cell: _Cell, ev: Event) -> None:
         self.events += 1
         actions = cell.core.handle(ev)
+        if self.elastic is not None:
+            self.elastic.window.observe(self.clock.now(), ev, actions)
         for a in actions:
             self._execute(cell, a)
 
@@ -517,12 +748,14 @@ class _Sim:
         elif isinstance(a, Preempt):
             self._preempt(cell.workers[a.worker_id], a)
         elif isinstance(a, RequestCompleted):
+            self.completed += 1
             rec = self.o.records[a.request_id]
             rec.done = now
             if self.o.closed is not None and self.scheduled < self.o.closed[1]:
                 self.scheduled += 1
                 self._at(now, "submit", None)
         elif isinstance(a, RequestFailed):
+            self.completed += 1
             self.failed += 1
         elif isinstance(a, Rejected):
             self.rejected += 1
@@ -600,16 +833,20 @@ class _Sim:
         kind = rec.kind
         colocated = self.o.layout.mode == "colocated"
         if item.stage == "encode":
-            took = self._encode_s(kind, gpu)
+            took = self._load_s(gpu, kind, "encode") + self._encode_s(kind, gpu)
         elif item.stage == "denoise":
             done_steps = self.progress.get(item.request_id, 0)
-            if colocated and not done_steps:  # encode inline (unless the cache held it)
-                pre = 0.0 if rec.encode_skipped else self._encode_s(kind, gpu)
-            elif item.request_id in self.paused:  # resumes where it paused, on this GPU
+            paused = item.request_id in self.paused
+            fresh = self.inline_encode and not done_steps and not paused
+            load = self._load_s(gpu, kind, "denoise", fresh and not rec.encode_skipped)
+            if paused:  # resumes where it paused, on this GPU
                 self.paused.discard(item.request_id)
                 pre = 0.0
+            elif fresh:  # encode inline (unless the cache held it)
+                pre = 0.0 if rec.encode_skipped else self._encode_s(kind, gpu)
             else:  # the embeddings (or a checkpoint) arrive over one transfer
                 pre = TRANSFER_S
+            pre += load
             run.steps_left = kind.steps - done_steps
             run.step_s = self._step_s(kind, gpu)
             run.boundary0 = now + pre
@@ -663,6 +900,8 @@ class _Sim:
         self._feed(cell, ItemYielded(w.wid, it.request_id, "denoise", it.attempt))
         if gpu.running is None and gpu.queue:
             self._start(gpu)
+        if self.elastic is not None:
+            self.elastic.idle(gpu)
 
     def _pause_soon(self, gpu: _Gpu) -> None:
         """A fractional host GPU runs an Encode or Decode item that arrived during a
@@ -728,6 +967,8 @@ class _Sim:
         self._feed(cell, ItemDone(w.wid, item.request_id, item.stage, item.attempt, output=out))
         if gpu is not None and gpu.running is None and gpu.queue:
             self._start(gpu)
+        if gpu is not None and self.elastic is not None:
+            self.elastic.idle(gpu)
 
     def _ev_submit(self, _: object) -> None:
         now = self.clock.now()
@@ -745,7 +986,7 @@ class _Sim:
         hit = self._cache_hit(colocated)
         rec = RequestRecord(rid, kind, now, now + kind.slo_s, encode_skipped=hit)
         o.records[rid] = rec
-        skip = colocated or hit  # colocated: the GPU encodes inline, never the core
+        skip = self.inline_encode or hit  # the GPU encodes inline, never the core
         cached = b"emb:" + rid.encode() if skip else None
         ev = Submit(
             rid,
@@ -787,6 +1028,9 @@ class _Sim:
             "preempt": self._ev_preempt,
             "pause": self._ev_pause,
         }
+        if self.elastic is not None:
+            handlers["plan"] = lambda _: self.elastic.plan()  # type: ignore[union-attr]
+            handlers["loaded"] = self.elastic.loaded  # type: ignore[dict-item]
         self.queue.run(handlers)
         busy: dict[str, float] = {}
         pool_gpus: dict[str, int] = {}
@@ -810,7 +1054,24 @@ class _Sim:
             self.config,
             self.o.layout.price_per_hour(self.aux_count or None),
             sorted(self.unfit),
+            self.o.memory,
+            sum(g.cache.loaded_gb for g in self.gpus if g.cache is not None),
+            list(self.stage_changes),
+            self._planner_report(),
         )
+
+    def _planner_report(self) -> dict[str, object] | None:
+        e = self.elastic
+        if e is None:
+            return None
+        return {
+            "name": e.name,
+            "options": dict(e.options),
+            "decisions": e.decisions,
+            "ignored": e.ignored,
+            "stage_changes": len(self.stage_changes),
+            "load_gpu_s": e.load_s,
+        }
 
 
 def simulate(
@@ -827,6 +1088,7 @@ def simulate(
     closed_loop: tuple[int, int] | None = None,
     arrivals: Arrivals | None = None,
     seed: int = 0,
+    memory: Memory | None = None,
 ) -> RunResult:
     """One run. Open loop: Poisson arrivals for ``horizon`` virtual seconds at ``load``
     x the cluster's isolated capacity (``gpus / workload.mean_gpu_seconds()``), run
@@ -836,11 +1098,16 @@ def simulate(
     Closed loop ``(concurrency, total)``: that many requests in flight until
     ``total`` were submitted (LightX2V's method, docs/sources.md).
 
-    ``mech`` defaults to every mechanism on for disaggregated serving and to
-    ``Mechanisms.none()`` for colocated; ``sched`` (the same for both layouts)
-    to the shipped scheduler."""
+    ``mech`` defaults to every mechanism on for disaggregated, flex and elastic
+    serving and to ``Mechanisms.none()`` for colocated; ``sched`` (the same for
+    every layout) to the shipped scheduler. ``memory``: ``"resident"`` (every GPU
+    holds every model of its mix) or ``"swap"`` (``memory.py``: models load on
+    demand at the cited bandwidth, the same rule for every layout); default
+    ``"swap"`` for flex and elastic, ``"resident"`` otherwise."""
     if mech is None:
-        mech = Mechanisms() if layout.mode == "disaggregated" else Mechanisms.none()
+        mech = Mechanisms() if layout.mode != "colocated" else Mechanisms.none()
+    if memory is None:
+        memory = "swap" if layout.mode in ("flex", "elastic") else "resident"
     sched = sched if sched is not None else Scheduler()
     if closed_loop is None and rate is None:
         if load is None or not load > 0:
@@ -853,5 +1120,7 @@ def simulate(
     else:
         warm = warmup if warmup is not None else warmup_share * horizon
     proc = arrivals if arrivals is not None else Poisson()
-    opts = _Options(workload, layout, mech, sched, seed, rate, horizon, closed_loop, warm, proc)
+    opts = _Options(
+        workload, layout, mech, sched, seed, rate, horizon, closed_loop, warm, proc, memory
+    )
     return _Sim(opts).run()

@@ -14,6 +14,11 @@ stage times, LightX2V's RTX 4090 setting, memory, transfers, GPUs and prices.
     qwen-4090  0.40 s resident /       8 x 1.88 s resident /          0.26 s (SDXL VAE
                12.89 s offloaded (M)   8 x 2.90 s offloaded (M)       on a 4090, M)
 
+Model loads (``LOAD_GBPS``): a GPU that must load weights it does not hold (a model
+swap, or a stage change) loads them at 3.8 GB/s (D: fastsafetensors' measured vLLM
+start of Llama-2-13B, 26 GB in 6.88 s on one A100, engine start included; standard
+loaders take 1.6 GB/s: 16.04 s there, and ServerlessLLM's 84 s for LLaMA-2-70B's 130 GB).
+
 Transfers between stages: 0.025 s per boundary (LightX2V, ~4 ms
 serialisation + ~20 ms RDMA, M). Decode tiling when the VAE shares the DiT's
 GPU and does not fit: x1.5 time (tiling costs 0-100% extra, M; midpoint),
@@ -42,6 +47,7 @@ __all__ = [
     "GPUS",
     "H100",
     "L40S",
+    "LOAD_GBPS",
     "QWEN_1024",
     "QWEN_4090",
     "QWEN_4090_50",
@@ -56,6 +62,9 @@ __all__ = [
 
 #: Seconds per stage boundary in a disaggregated run (M: LightX2V on H100 + IB).
 TRANSFER_S = 0.025
+
+#: GB/s at which a GPU loads weights it does not hold (model swap or stage change; D).
+LOAD_GBPS = 3.8
 
 #: Share of a GPU's memory the stages' weights and decode peak may use (assumption).
 USABLE_SHARE = 0.9
