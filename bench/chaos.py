@@ -36,7 +36,8 @@ Summary: scenarios, lost_requests, duplicate_completions, leaked_keys, leaked_fd
 live peers are pool members, counted in pool_connections), leaked_threads (ours),
 leaked_fds_mooncake_master and leaked_threads_mooncake_master (the master binary's,
 reported apart: docs/chaos.md), replaced_threads and replaced_fds (processes the
-fault replaced, against their predecessors' baselines: reported apart), fuzz_cases,
+fault replaced, against their predecessors' baselines: reported apart), lazy_fds (an
+event loop's eventfd, epoll and timerfd, granted once per process: docs/chaos.md), fuzz_cases,
 fuzz_crashes, max_detect_s (<= 2x heartbeat_timeout_s), mailbox_double_takes, soak_*,
 orchestrator_failover_s (the slowest orchestrator scenario; per scenario in
 orchestrator_failover_s_by_scenario) against orchestrator_lease_s, etcd_failover_s,
@@ -271,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         "leaked_fds": sum(r["leaked_fds"] for r in ok) + sk.get("leaked_fds", 0),
         "leaked_fds_mooncake_master": sum(r.get("leaked_fds_mooncake_master", 0) for r in ok),
         "pool_connections": sum(r.get("pool_connections", 0) for r in ok),
+        "lazy_fds": sum(r.get("lazy_fds", 0) for r in ok + ha_ok),
         "leaked_threads": sum(r["leaked_threads"] for r in ok) + sk.get("leaked_threads", 0),
         "leaked_threads_mooncake_master": sum(
             r.get("leaked_threads_mooncake_master", 0) for r in ok

@@ -61,7 +61,7 @@ def _check(o: Outcome, name: str) -> None:
     if name in FDS_REPORTED_ONLY:
         assert all(cw == 0 for *_, cw in o.left_by_host.values()), o.sockets_by_host
     else:
-        assert o.leaked_fds == 0 and o.leaked_threads == 0, (o.left_by_host, o.sockets_by_host)
+        assert o.leaked_fds == 0 and o.leaked_threads == 0, (o.left_by_host, o.fds_by_host)
         assert all(cw == 0 for *_, cw in o.left_by_host.values()), o.sockets_by_host
 
 

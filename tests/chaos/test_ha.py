@@ -39,7 +39,7 @@ def _check(o: HaOutcome) -> None:
     if o.detect_s is not None:
         assert o.detect_s <= 2 * HEARTBEAT_S, o
     assert o.leaked_keys == 0, o
-    assert o.leaked_fds == 0 and o.leaked_threads == 0, (o.left_by_host, o.sockets_by_host)
+    assert o.leaked_fds == 0 and o.leaked_threads == 0, (o.left_by_host, o.fds_by_host)
 
 
 @pytest.mark.parametrize("fn", HA_SCENARIOS, ids=[f.__name__[9:] for f in HA_SCENARIOS])
