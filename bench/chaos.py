@@ -308,6 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         **_spill_summary(ns.get("spill"), spill_loop, why_ns["spill"]),
         "wall_s": round(time.monotonic() - t0, 1),
     }
+    out["machine"]["loadavg_end"] = os.getloadavg()  # with _start: how busy the run was
     print(table(out))
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=2))

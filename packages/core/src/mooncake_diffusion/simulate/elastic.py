@@ -30,7 +30,7 @@ core handles today (the driver, not the core, waits for the GPU to empty).
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 
@@ -44,8 +44,11 @@ from mooncake_diffusion.orchestrator.planners import create_planner
 from mooncake_diffusion.orchestrator.planview import PlanWindow
 from mooncake_diffusion.simulate.costs import LOAD_GBPS
 
-if TYPE_CHECKING:
-    from mooncake_diffusion.simulate.cluster import Workload, _Gpu, _Sim
+#: ``cluster.Workload``, ``cluster._Gpu`` and ``cluster._Sim``: not imported, not even
+#: for typing, since ``cluster`` imports this module (tests/unit/test_layout.py)
+Workload = Any
+_Gpu = Any
+_Sim = Any
 
 __all__ = ["Elastic", "planner_options", "pool_of"]
 
