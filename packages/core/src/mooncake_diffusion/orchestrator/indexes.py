@@ -89,11 +89,13 @@ class RoundRobinIndex:
 class _LoadHeap:
     """The least loaded free worker of a fixed group, with lazy deletion.
 
-    Entries are ``(held/advertised, -free, seq, stamp, worker)``: the
-    least-loaded key of ``policies.py``, then the worker's stamp when the entry
-    was made. An entry is current while ``stamps[seq]`` still equals its stamp
-    (the owning index gives a worker a new stamp at every change, and none
-    while it has no free credit).
+    Entries are ``(held/advertised, -free, seq, stamp)``: the least-loaded key
+    of ``policies.py``, then the worker's stamp when the entry was made. An entry
+    is current while ``stamps[seq]`` still equals its stamp (the owning index
+    gives a worker a new stamp at every change, and none while it has no free
+    credit). Entries hold numbers only, no worker (``_Stamps.free`` maps a seq to
+    its worker): the garbage collector drops such tuples from its books at its
+    first pass instead of rescanning a fleet's heaps at every collection.
     """
 
     __slots__ = ("heap", "limit", "members")
@@ -123,36 +125,45 @@ class _LoadHeap:
         heap[:] = [e for e in heap if stamps.get(e[2]) == e[3]]
         heapq.heapify(heap)
 
-    def best(self, stamps: Mapping[int, int]) -> WorkerView | None:
-        heap = self.heap
+    def best(self, stamps: _Stamps) -> WorkerView | None:
+        heap, of = self.heap, stamps.of
         while heap:
             e = heap[0]
-            if stamps.get(e[2]) == e[3]:
-                return e[4]
+            if of.get(e[2]) == e[3]:
+                return stamps.free[e[2]]
             heapq.heappop(heap)
         return None
 
 
-_Entry = tuple[float, int, int, int, WorkerView]
+_Entry = tuple[float, int, int, int]
 
 
 class _Stamps:
-    """Per worker (by seq) the stamp of its current entries; absent: not free."""
+    """Per worker (by seq) the stamp of its current entries, and the worker; absent:
+    not free."""
 
-    __slots__ = ("next", "of")
+    __slots__ = ("free", "next", "of")
 
     def __init__(self) -> None:
         self.of: dict[int, int] = {}
+        self.free: dict[int, WorkerView] = {}
         self.next = 0
 
     def entry(self, w: WorkerView) -> _Entry | None:
         """A fresh entry for ``w`` (older ones go stale), or None if it has no free credit."""
+        seq = w.seq
         if w.free <= 0:
-            self.of.pop(w.seq, None)
+            self.drop(seq)
             return None
         self.next += 1
-        self.of[w.seq] = self.next
-        return (w.held / w.advertised, -w.free, w.seq, self.next, w)
+        self.of[seq] = self.next
+        self.free[seq] = w
+        return (w.held / w.advertised, -w.free, seq, self.next)
+
+    def drop(self, seq: int) -> None:
+        """``seq``'s entries are stale from now on."""
+        if self.of.pop(seq, None) is not None:
+            del self.free[seq]
 
 
 class LeastLoadedIndex:
@@ -177,7 +188,7 @@ class LeastLoadedIndex:
                 h.add(e, self._stamps.of)
 
     def remove(self, w: WorkerView) -> None:
-        self._stamps.of.pop(w.seq, None)
+        self._stamps.drop(w.seq)
         for s in w.stages:
             h = self._heaps.get(s)
             if h is not None:
@@ -185,7 +196,7 @@ class LeastLoadedIndex:
 
     def pick(self, item: WorkItem) -> WorkerView | None:
         h = self._heaps.get(item.stage)
-        return None if h is None else h.best(self._stamps.of)
+        return None if h is None else h.best(self._stamps)
 
 
 _Group = tuple[str, int, tuple[str, ...]]  # stage, mask, the masked keys' values
@@ -247,7 +258,7 @@ class AffinityIndex:
         return out  # type: ignore[return-value]
 
     def remove(self, w: WorkerView) -> None:
-        self._stamps.of.pop(w.seq, None)
+        self._stamps.drop(w.seq)
         for key, h in self._of.pop(w.seq, ()):
             h.leave(w)
             if not h.members:  # no worker has these labels any more
@@ -266,7 +277,7 @@ class AffinityIndex:
             while heap:  # h.best(stamps), inline: this is the per-decision path
                 e = heap[0]
                 if stamps.get(e[2]) == e[3]:
-                    return e[4]
+                    return self._stamps.free[e[2]]
                 heapq.heappop(heap)
         return None
 
