@@ -57,6 +57,7 @@ per-event latencies inside the core, in microseconds, over every event of the ro
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib.metadata
 import json
 import os
@@ -150,7 +151,11 @@ class ChaosRow:
 def saturated(
     policy: str, pool: str, decisions: int, seed: int
 ) -> tuple[SaturatedRow, list[float]]:
-    """One run of the saturated workload; the row and its per-event ``handle`` seconds."""
+    """One run of the saturated workload; the row and its per-event ``handle`` seconds.
+    Starts from a collected heap: the previous run's core is garbage (its requests and
+    workers reference each other), which the collector would otherwise walk inside
+    this run's timed loop."""
+    gc.collect()
     rng = random.Random(seed)
     clock = VirtualClock()
     core = Orchestrator(
