@@ -51,7 +51,11 @@ class ClassQueue(Generic[T]):
         # stable sort: equal priorities keep the configured order (ties break by age anyway)
         self._classes = sorted(classes, key=lambda c: c.priority)
         #: per class: pushes in (since, seq) order, and the out-of-order rest (a heap)
-        self._fifos: dict[str, deque[tuple[float, int]]] = {c.name: deque() for c in classes}
+        #: (a FIFO is two deques, ``since`` and ``seq``: numbers, no tuple per entry for
+        #: the garbage collector to visit)
+        self._fifos: dict[str, tuple[deque[float], deque[int]]] = {
+            c.name: (deque(), deque()) for c in classes
+        }
         self._heaps: dict[str, list[tuple[float, int]]] = {c.name: [] for c in classes}
         self._live: dict[int, T] = {}
         self._seq = 0
@@ -69,9 +73,10 @@ class ClassQueue(Generic[T]):
     def push(self, item: T, slo_class: str, since: float) -> int:
         """Queue ``item``; returns the token that ``discard`` takes. ``slo_class`` must be known."""
         self._seq += 1
-        fifo = self._fifos[slo_class]
-        if not fifo or fifo[-1][0] <= since:  # after every entry: (since, seq) grows
-            fifo.append((since, self._seq))
+        fsince, fseq = self._fifos[slo_class]
+        if not fsince or fsince[-1] <= since:  # after every entry: (since, seq) grows
+            fsince.append(since)
+            fseq.append(self._seq)
         else:
             heapq.heappush(self._heaps[slo_class], (since, self._seq))
         self._live[self._seq] = item
@@ -93,17 +98,18 @@ class ClassQueue(Generic[T]):
         if not self._live:
             return None
         live = self._live
-        best: tuple[deque[tuple[float, int]], list[tuple[float, int]], bool] | None = None
+        best: tuple[tuple[deque[float], deque[int]], list[tuple[float, int]], bool] | None = None
         best_key: tuple[float, ...] | None = None
         for c in self._classes:
             h = self._heaps[c.name]
             while h and h[0][1] not in live:
                 heapq.heappop(h)
-            fifo = self._fifos[c.name]
-            while fifo and fifo[0][1] not in live:
-                fifo.popleft()
-            if fifo and (not h or fifo[0] < h[0]):
-                (since, seq), from_fifo = fifo[0], True
+            fifo = fsince, fseq = self._fifos[c.name]
+            while fseq and fseq[0] not in live:
+                fsince.popleft()
+                fseq.popleft()
+            if fseq and (not h or (fsince[0], fseq[0]) < h[0]):
+                since, seq, from_fifo = fsince[0], fseq[0], True
             elif h:
                 (since, seq), from_fifo = h[0], False
             else:
@@ -115,7 +121,11 @@ class ClassQueue(Generic[T]):
             if best_key is None or key < best_key:
                 best, best_key = (fifo, h, from_fifo), key
         assert best is not None
-        fifo, h, from_fifo = best
-        _, seq = fifo.popleft() if from_fifo else heapq.heappop(h)
+        (fsince, fseq), h, from_fifo = best
+        if from_fifo:
+            fsince.popleft()
+            seq = fseq.popleft()
+        else:
+            seq = heapq.heappop(h)[1]
         self._counts[self._class_of.pop(seq)] -= 1
         return live.pop(seq)
