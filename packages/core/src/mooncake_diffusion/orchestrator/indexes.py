@@ -22,12 +22,16 @@ sequence (tests check this against ``choose`` on random event sequences), or
 
 Costs, with n workers in a stage: round robin keeps the free workers' sequence
 numbers sorted (``bisect``: O(log n) comparisons and a memmove of at most n
-pointers per change). Least loaded keeps a heap per stage with lazy deletion:
-O(log n) per change and per pick, amortised, its stale entries dropped in one
-pass when they outnumber the members. Affinity keeps one such heap per
-(stage, set of matched label keys, their values): 2**k heaps per worker for k
-affinity keys (8 for node/rail/numa), and a pick looks at most 2**k of them,
-best score first.
+pointers per change). Least loaded keeps a ``_LoadHeap`` per stage: a heap of
+worker sequence numbers per credit level (held, advertised), the levels in load
+order, with lazy deletion: O(log n) per change and per pick, amortised, a
+bucket's stale entries dropped in one pass when they outnumber the members; a
+change that leaves a free worker's level as it was costs no push. Affinity keeps
+one such structure per (stage, set of matched label keys, their values): 2**k
+per worker for k affinity keys (8 for node/rail/numa), and a pick looks at most
+2**k of them, best score first. Heaps of ints, not of ``(load, -free, seq)``
+tuples: on a fleet of thousands every tuple a heap operation reads is a cache
+miss, and the collector would keep visiting them.
 """
 
 from __future__ import annotations
