@@ -145,22 +145,6 @@ _Key = tuple[float, int]  # (held / advertised, -free)
 _Lanes = dict[_Key, list[tuple[_LoadHeap, list[int]]]]  # a worker's buckets, per key
 
 
-def _push(
-    heaps: list[_LoadHeap], lanes: _Lanes, key: _Key, seq: int, keys: Mapping[int, _Key]
-) -> None:
-    """Push ``seq`` into the ``key`` bucket of each of ``heaps`` (its groups). A bucket
-    past its group's limit is rebuilt first without its stale entries and repeats,
-    O(entries), amortised over the pushes that made them."""
-    lane = lanes.get(key)
-    if lane is None:
-        lane = lanes[key] = [(h, h.bucket(key)) for h in heaps]
-    push = heapq.heappush
-    for h, b in lane:
-        if len(b) > h.limit:
-            b[:] = sorted({s for s in b if keys.get(s) is key})  # sorted: a heap
-        push(b, seq)
-
-
 class _Stamps:
     """Per free worker (by seq) its ``_Key`` now, and the worker. One tuple per
     (held, advertised, free) is made and reused, so keys compare by identity."""
@@ -172,23 +156,34 @@ class _Stamps:
         self.free: dict[int, WorkerView] = {}
         self.made: dict[tuple[int, int, int], _Key] = {}
 
-    def key(self, w: WorkerView) -> _Key | None:
-        """``w``'s key, entries under any other key going stale; None if it has no
-        free credit (all its entries stale) or its key did not change (its current
-        entries stand)."""
+    def update(self, w: WorkerView, heaps: list[_LoadHeap], lanes: _Lanes) -> None:
+        """``w`` changed: note its key (entries under any other key go stale) and push
+        its seq into that key's bucket of each of ``heaps`` (its groups), unless the
+        key is the one its current entries have; no free credit: all its entries go
+        stale. A bucket past its group's limit is rebuilt first without its stale
+        entries and repeats, O(entries), amortised over the pushes that made them."""
         seq = w.seq
+        of = self.of
         if w.free <= 0:
-            self.drop(seq)
-            return None
+            if of.pop(seq, None) is not None:
+                del self.free[seq]
+            return
         held, adv, free = w.held, w.advertised, w.free
-        k = self.made.get((held, adv, free))
-        if k is None:
-            k = self.made[(held, adv, free)] = (held / adv, -free)
-        if self.of.get(seq) is k:
-            return None
-        self.of[seq] = k
+        key = self.made.get((held, adv, free))
+        if key is None:
+            key = self.made[(held, adv, free)] = (held / adv, -free)
+        if of.get(seq) is key:
+            return  # its entries stand
+        of[seq] = key
         self.free[seq] = w
-        return k
+        lane = lanes.get(key)
+        if lane is None:
+            lane = lanes[key] = [(h, h.bucket(key)) for h in heaps]
+        push = heapq.heappush
+        for h, b in lane:
+            if len(b) > h.limit:
+                b[:] = sorted({s for s in b if of.get(s) is key})  # sorted: a heap
+            push(b, seq)
 
     def drop(self, seq: int) -> None:
         """``seq``'s entries are stale from now on."""
@@ -215,9 +210,7 @@ class LeastLoadedIndex:
                 h.join(w)
                 heaps.append(h)
             mine = self._of[w.seq] = (heaps, {})
-        k = self._stamps.key(w)
-        if k is not None:
-            _push(*mine, k, w.seq, self._stamps.of)
+        self._stamps.update(w, *mine)
 
     def remove(self, w: WorkerView) -> None:
         self._stamps.drop(w.seq)
@@ -268,9 +261,7 @@ class AffinityIndex:
         mine = self._of.get(w.seq)
         if mine is None:
             mine = self._of[w.seq] = self._join(w)
-        k = self._stamps.key(w)
-        if k is not None:
-            _push(mine[1], mine[2], k, w.seq, self._stamps.of)
+        self._stamps.update(w, mine[1], mine[2])
 
     def _join(self, w: WorkerView) -> tuple[list[_Group], list[_LoadHeap], _Lanes]:
         vals = tuple(map(w.labels.get, self._keys))
