@@ -14,7 +14,8 @@ this process under a virtual clock. Two parts:
                so heartbeats per decision do not depend on the size. A *decision* is
                one ``Dispatch`` action. Timed with ``time.perf_counter`` after a
                warm-up (registration, and the first backlog until as many requests
-               have completed, are not timed): ``core`` is the time spent inside
+               have completed, are not timed; each run starts from a collected
+               heap): ``core`` is the time spent inside
                ``Orchestrator.handle`` only; ``loop`` adds this driver (building
                events, bookkeeping); ``loop dec/CPU-s`` divides by the CPU time this
                thread got in the loop (``time.thread_time``): on a shared machine
