@@ -14,7 +14,8 @@ this process under a virtual clock. Two parts:
                so heartbeats per decision do not depend on the size. A *decision* is
                one ``Dispatch`` action. Timed with ``time.perf_counter`` after a
                warm-up (registration, and the first backlog until as many requests
-               have completed, are not timed): ``core`` is the time spent inside
+               have completed, are not timed; each run starts from a collected
+               heap): ``core`` is the time spent inside
                ``Orchestrator.handle`` only; ``loop`` adds this driver (building
                events, bookkeeping); ``loop dec/CPU-s`` divides by the CPU time this
                thread got in the loop (``time.thread_time``): on a shared machine
@@ -57,6 +58,7 @@ per-event latencies inside the core, in microseconds, over every event of the ro
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib.metadata
 import json
 import os
@@ -150,7 +152,11 @@ class ChaosRow:
 def saturated(
     policy: str, pool: str, decisions: int, seed: int
 ) -> tuple[SaturatedRow, list[float]]:
-    """One run of the saturated workload; the row and its per-event ``handle`` seconds."""
+    """One run of the saturated workload; the row and its per-event ``handle`` seconds.
+    Starts from a collected heap: the previous run's core is garbage (its requests and
+    workers reference each other), which the collector would otherwise walk inside
+    this run's timed loop."""
+    gc.collect()
     rng = random.Random(seed)
     clock = VirtualClock()
     core = Orchestrator(

@@ -98,6 +98,7 @@ def _run_orchestrator(args: argparse.Namespace) -> int:
     from mooncake_diffusion.orchestrator.errors import OrchestratorConfigError
     from mooncake_diffusion.orchestrator.front import DEFAULT_MAX_COST, FrontConfig
     from mooncake_diffusion.orchestrator.model import OrchestratorConfig
+    from mooncake_diffusion.orchestrator.runtime import settle_after_startup
     from mooncake_diffusion.orchestrator.service import OrchestratorService, ServiceConfig
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(message)s")
@@ -144,6 +145,7 @@ def _run_orchestrator(args: argparse.Namespace) -> int:
         service.close()
         raise
     try:
+        settle_after_startup()  # this process is the service's own (runtime.py)
         journal = args.journal or "off (accepted requests are lost on restart; --journal PATH)"
         print(
             f"orchestrator ready: api {api.url} workers {service.worker_address} "

@@ -203,8 +203,10 @@ class _Request:
         self.since = now
         self.token = 0
         self.reserved = False
-        self.reasons: list[str] = []
-        self.handles: list[bytes] = []
+        # tuples, not lists: a tuple of str/bytes leaves the garbage collector's books at
+        # its first pass, so a fleet's thousands of live requests are not rescanned
+        self.reasons: tuple[str, ...] = ()
+        self.handles: tuple[bytes, ...] = ()
         self.yields = 0  # priority preemptions that ended in ItemYielded (max_preemptions)
         #: per stage, dispatches that ended in ItemYielded (any cause): not failed attempts
         self.yielded: dict[str, int] = {}
@@ -212,7 +214,7 @@ class _Request:
         self.started = now  # when the running attempt was dispatched
         self.reruns = 0  # Rerun actions taken for this request
         self.tried: dict[str, int] = {}  # highest attempt dispatched per stage
-        self.lost: list[bytes] = []  # handles of outputs lost (released at the end)
+        self.lost: tuple[bytes, ...] = ()  # handles of outputs lost (released at the end)
 
     @property
     def stage(self) -> Stage:
@@ -463,7 +465,7 @@ class Orchestrator:
             done = RequestCompleted(req.rid, ev.output, req.submitted_at, now, req.deadline)
             self._finish(req, "completed", done, out)
             return
-        req.handles.append(ev.output)
+        req.handles += (ev.output,)
         req.index += 1
         req.attempt = req.tried.get(req.stage, 0)
         req.input = ev.output
@@ -492,11 +494,12 @@ class Orchestrator:
     def _rerun(self, req: _Request, reason: str, out: list[Action]) -> None:
         """The current stage's input is gone: go back to the stage that produced it."""
         lost_stage = req.stage
-        req.reasons.append(reason)
+        req.reasons += (reason,)
         req.reruns += 1
         if lost_stage == "denoise":
             self._unreserve(req)  # admission reserves again
-        req.lost.append(req.handles.pop())
+        req.lost += req.handles[-1:]
+        req.handles = req.handles[:-1]
         req.index -= 1
         req.input = req.handles[req.index - 1] if req.index > 0 else req.first_input
         req.attempt = req.tried.get(req.stage, 0)
@@ -640,14 +643,14 @@ class Orchestrator:
     ) -> bool:
         """After a failed attempt (not running any more): re-queue, or fail the request.
         Returns whether it was re-queued."""
-        req.reasons.append(reason)
+        req.reasons += (reason,)
         if retryable and req.spent < self.config.max_attempts:
             out.append(Requeued(req.rid, req.stage, req.attempt, reason))
             if req.stage == "denoise":
                 self._unreserve(req)  # admission reserves again
             self._enqueue(req, req.since)
             return True
-        self._finish(req, "failed", RequestFailed(req.rid, tuple(req.reasons)), out)
+        self._finish(req, "failed", RequestFailed(req.rid, req.reasons), out)
         return False
 
     def _drop_worker(self, w: Worker, why: str, now: float, out: list[Action]) -> None:

@@ -17,7 +17,7 @@ accepted).
 
 Commit: every accepted event is in etcd before its actions are returned. The batch
 is the service's group commit, one driver turn (every worker frame and API call
-ready at one poll, up to 512 frames): its events are msgpack-packed into one value
+ready at one poll, up to 64 frames): its events are msgpack-packed into one value
 per ``CHUNK_BYTES`` and each value is one etcd transaction guarded by the fencing
 token (``Candidate.put_entry``). Usually one transaction per turn. A transaction
 etcd does not answer (a Raft election) is retried under the same key, which it

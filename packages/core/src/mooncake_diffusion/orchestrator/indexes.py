@@ -22,12 +22,16 @@ sequence (tests check this against ``choose`` on random event sequences), or
 
 Costs, with n workers in a stage: round robin keeps the free workers' sequence
 numbers sorted (``bisect``: O(log n) comparisons and a memmove of at most n
-pointers per change). Least loaded keeps a heap per stage with lazy deletion:
-O(log n) per change and per pick, amortised, its stale entries dropped in one
-pass when they outnumber the members. Affinity keeps one such heap per
-(stage, set of matched label keys, their values): 2**k heaps per worker for k
-affinity keys (8 for node/rail/numa), and a pick looks at most 2**k of them,
-best score first.
+pointers per change). Least loaded keeps a ``_LoadHeap`` per stage: a heap of
+worker sequence numbers per credit level (held, advertised), the levels in load
+order, with lazy deletion: O(log n) per change and per pick, amortised, a
+bucket's stale entries dropped in one pass when they outnumber the members; a
+change that leaves a free worker's level as it was costs no push. Affinity keeps
+one such structure per (stage, set of matched label keys, their values): 2**k
+per worker for k affinity keys (8 for node/rail/numa), and a pick looks at most
+2**k of them, best score first. Heaps of ints, not of ``(load, -free, seq)``
+tuples: on a fleet of thousands every tuple a heap operation reads is a cache
+miss, and the collector would keep visiting them.
 """
 
 from __future__ import annotations
@@ -89,19 +93,26 @@ class RoundRobinIndex:
 class _LoadHeap:
     """The least loaded free worker of a fixed group, with lazy deletion.
 
-    Entries are ``(held/advertised, -free, seq, stamp, worker)``: the
-    least-loaded key of ``policies.py``, then the worker's stamp when the entry
-    was made. An entry is current while ``stamps[seq]`` still equals its stamp
-    (the owning index gives a worker a new stamp at every change, and none
-    while it has no free credit).
+    The least-loaded key of ``policies.py`` is ``(held/advertised, -free, seq)``.
+    Workers are bucketed by its first two parts (``_Key``; a fleet has a few:
+    one per credit level), each bucket a heap of seqs, the buckets in key order
+    (``order``): the best worker is the smallest seq of the first bucket that
+    holds a current one. An entry ``seq`` in bucket ``key`` is current while
+    ``keys[seq] is key`` (``_Stamps``: a worker's key now; absent when it has no
+    free credit). A bucket lives as long as its group, so a worker keeps the
+    buckets it pushes to (``_Lanes``) and an update costs a push per group, no
+    lookup. A heap of ints compares without reading cold memory; the tuples of
+    a heap of ``(load, -free, seq)`` entries are each a cache miss in a fleet of
+    thousands, and a worker freed goes to the top of the heap.
     """
 
-    __slots__ = ("heap", "limit", "members")
+    __slots__ = ("buckets", "limit", "members", "order")
 
     def __init__(self) -> None:
-        self.heap: list[_Entry] = []
+        self.buckets: dict[_Key, list[int]] = {}
+        self.order: list[tuple[_Key, list[int]]] = []  # (key, its bucket), ascending keys
         self.members: dict[int, WorkerView] = {}  # every live worker of the group
-        self.limit = 16  # past this many entries, most are stale: compact
+        self.limit = 16  # past this many entries in a bucket, most are stale: compact
 
     def join(self, w: WorkerView) -> None:
         self.members[w.seq] = w
@@ -111,48 +122,73 @@ class _LoadHeap:
         self.members.pop(w.seq, None)
         self.limit = 2 * len(self.members) + 16
 
-    def add(self, entry: _Entry, stamps: Mapping[int, int]) -> None:
-        heap = self.heap
-        if len(heap) > self.limit:
-            self.compact(stamps)
-        heapq.heappush(heap, entry)
+    def bucket(self, key: _Key) -> list[int]:
+        """The bucket of ``key``, made (in its place in ``order``) if new."""
+        b = self.buckets.get(key)
+        if b is None:
+            b = self.buckets[key] = []
+            self.order.insert(bisect_right([k for k, _ in self.order], key), (key, b))
+        return b
 
-    def compact(self, stamps: Mapping[int, int]) -> None:
-        """Drop the stale entries, O(members): amortised over the pushes that made them."""
-        heap = self.heap
-        heap[:] = [e for e in heap if stamps.get(e[2]) == e[3]]
-        heapq.heapify(heap)
-
-    def best(self, stamps: Mapping[int, int]) -> WorkerView | None:
-        heap = self.heap
-        while heap:
-            e = heap[0]
-            if stamps.get(e[2]) == e[3]:
-                return e[4]
-            heapq.heappop(heap)
+    def best(self, keys: Mapping[int, _Key]) -> int | None:
+        """The seq of the least loaded free worker, or None."""
+        for key, b in self.order:
+            while b:
+                s = b[0]
+                if keys.get(s) is key:
+                    return s
+                heapq.heappop(b)
         return None
 
 
-_Entry = tuple[float, int, int, int, WorkerView]
+_Key = tuple[float, int]  # (held / advertised, -free)
+_Lanes = dict[_Key, list[tuple[_LoadHeap, list[int]]]]  # a worker's buckets, per key
 
 
 class _Stamps:
-    """Per worker (by seq) the stamp of its current entries; absent: not free."""
+    """Per free worker (by seq) its ``_Key`` now, and the worker. One tuple per
+    (held, advertised, free) is made and reused, so keys compare by identity."""
 
-    __slots__ = ("next", "of")
+    __slots__ = ("free", "made", "of")
 
     def __init__(self) -> None:
-        self.of: dict[int, int] = {}
-        self.next = 0
+        self.of: dict[int, _Key] = {}
+        self.free: dict[int, WorkerView] = {}
+        self.made: dict[tuple[int, int, int], _Key] = {}
 
-    def entry(self, w: WorkerView) -> _Entry | None:
-        """A fresh entry for ``w`` (older ones go stale), or None if it has no free credit."""
+    def update(self, w: WorkerView, heaps: list[_LoadHeap], lanes: _Lanes) -> None:
+        """``w`` changed: note its key (entries under any other key go stale) and push
+        its seq into that key's bucket of each of ``heaps`` (its groups), unless the
+        key is the one its current entries have; no free credit: all its entries go
+        stale. A bucket past its group's limit is rebuilt first without its stale
+        entries and repeats, O(entries), amortised over the pushes that made them."""
+        seq = w.seq
+        of = self.of
         if w.free <= 0:
-            self.of.pop(w.seq, None)
-            return None
-        self.next += 1
-        self.of[w.seq] = self.next
-        return (w.held / w.advertised, -w.free, w.seq, self.next, w)
+            if of.pop(seq, None) is not None:
+                del self.free[seq]
+            return
+        held, adv, free = w.held, w.advertised, w.free
+        key = self.made.get((held, adv, free))
+        if key is None:
+            key = self.made[(held, adv, free)] = (held / adv, -free)
+        if of.get(seq) is key:
+            return  # its entries stand
+        of[seq] = key
+        self.free[seq] = w
+        lane = lanes.get(key)
+        if lane is None:
+            lane = lanes[key] = [(h, h.bucket(key)) for h in heaps]
+        push = heapq.heappush
+        for h, b in lane:
+            if len(b) > h.limit:
+                b[:] = sorted({s for s in b if of.get(s) is key})  # sorted: a heap
+            push(b, seq)
+
+    def drop(self, seq: int) -> None:
+        """``seq``'s entries are stale from now on."""
+        if self.of.pop(seq, None) is not None:
+            del self.free[seq]
 
 
 class LeastLoadedIndex:
@@ -161,23 +197,24 @@ class LeastLoadedIndex:
     def __init__(self) -> None:
         self._stamps = _Stamps()
         self._heaps: dict[str, _LoadHeap] = {}
+        self._of: dict[int, tuple[list[_LoadHeap], _Lanes]] = {}  # a worker's heaps
 
     def update(self, w: WorkerView) -> None:
-        heaps = []
-        for s in w.stages:
-            h = self._heaps.get(s)
-            if h is None:
-                h = self._heaps[s] = _LoadHeap()
-            if w.seq not in h.members:
+        mine = self._of.get(w.seq)
+        if mine is None:
+            heaps = []
+            for s in w.stages:
+                h = self._heaps.get(s)
+                if h is None:
+                    h = self._heaps[s] = _LoadHeap()
                 h.join(w)
-            heaps.append(h)
-        e = self._stamps.entry(w)
-        if e is not None:
-            for h in heaps:
-                h.add(e, self._stamps.of)
+                heaps.append(h)
+            mine = self._of[w.seq] = (heaps, {})
+        self._stamps.update(w, *mine)
 
     def remove(self, w: WorkerView) -> None:
-        self._stamps.of.pop(w.seq, None)
+        self._stamps.drop(w.seq)
+        self._of.pop(w.seq, None)
         for s in w.stages:
             h = self._heaps.get(s)
             if h is not None:
@@ -185,7 +222,8 @@ class LeastLoadedIndex:
 
     def pick(self, item: WorkItem) -> WorkerView | None:
         h = self._heaps.get(item.stage)
-        return None if h is None else h.best(self._stamps.of)
+        seq = None if h is None else h.best(self._stamps.of)
+        return None if seq is None else self._stamps.free[seq]
 
 
 _Group = tuple[str, int, tuple[str, ...]]  # stage, mask, the masked keys' values
@@ -209,7 +247,8 @@ class AffinityIndex:
         self._keys = keys
         self._stamps = _Stamps()
         self._groups: dict[_Group, _LoadHeap] = {}
-        self._of: dict[int, list[tuple[_Group, _LoadHeap]]] = {}  # a worker's groups
+        #: a worker's groups (by key, and their heaps in the same order) and buckets
+        self._of: dict[int, tuple[list[_Group], list[_LoadHeap], _Lanes]] = {}
         self._plans: dict[tuple[str, tuple[str | None, ...]], list[_LoadHeap]] = {}
         n = len(keys)
         #: (mask, indexes of its keys), best score first
@@ -219,21 +258,15 @@ class AffinityIndex:
         ]
 
     def update(self, w: WorkerView) -> None:
-        groups = self._of.get(w.seq)
-        if groups is None:
-            groups = self._of[w.seq] = self._join(w)
-        e = self._stamps.entry(w)
-        if e is not None:
-            stamps = self._stamps.of
-            push = heapq.heappush
-            for _, h in groups:
-                if len(h.heap) > h.limit:
-                    h.compact(stamps)
-                push(h.heap, e)
+        mine = self._of.get(w.seq)
+        if mine is None:
+            mine = self._of[w.seq] = self._join(w)
+        self._stamps.update(w, mine[1], mine[2])
 
-    def _join(self, w: WorkerView) -> list[tuple[_Group, _LoadHeap]]:
+    def _join(self, w: WorkerView) -> tuple[list[_Group], list[_LoadHeap], _Lanes]:
         vals = tuple(map(w.labels.get, self._keys))
-        out: list[tuple[_Group, _LoadHeap]] = []
+        groups: list[_Group] = []
+        heaps: list[_LoadHeap] = []
         for stage in w.stages:
             for m, bits in self._masks:
                 if all(vals[i] is not None for i in bits):
@@ -243,12 +276,14 @@ class AffinityIndex:
                         h = self._groups[key] = _LoadHeap()
                         self._plans.clear()
                     h.join(w)
-                    out.append((key, h))
-        return out  # type: ignore[return-value]
+                    groups.append(key)  # type: ignore[arg-type]
+                    heaps.append(h)
+        return groups, heaps, {}
 
     def remove(self, w: WorkerView) -> None:
-        self._stamps.of.pop(w.seq, None)
-        for key, h in self._of.pop(w.seq, ()):
+        self._stamps.drop(w.seq)
+        groups, heaps, _ = self._of.pop(w.seq, ((), (), None))
+        for key, h in zip(groups, heaps, strict=True):
             h.leave(w)
             if not h.members:  # no worker has these labels any more
                 del self._groups[key]
@@ -260,14 +295,14 @@ class AffinityIndex:
         plan = self._plans.get((item.stage, vals))
         if plan is None:
             plan = self._plans[(item.stage, vals)] = self._plan(item.stage, vals)
-        stamps = self._stamps.of
+        keys = self._stamps.of
         for h in plan:
-            heap = h.heap
-            while heap:  # h.best(stamps), inline: this is the per-decision path
-                e = heap[0]
-                if stamps.get(e[2]) == e[3]:
-                    return e[4]
-                heapq.heappop(heap)
+            for key, b in h.order:  # h.best(keys), inline: the per-decision path
+                while b:
+                    s = b[0]
+                    if keys.get(s) is key:
+                        return self._stamps.free[s]
+                    heapq.heappop(b)
         return None
 
     def _plan(self, stage: str, vals: tuple[str | None, ...]) -> list[_LoadHeap]:

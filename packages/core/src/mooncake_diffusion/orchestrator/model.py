@@ -181,7 +181,7 @@ class OrchestratorConfig(msgspec.Struct, frozen=True, kw_only=True):
 
 
 # --------------------------------------------------------------------------- the work item
-class WorkItem(msgspec.Struct, frozen=True):
+class WorkItem(msgspec.Struct, frozen=True, gc=False):
     """One stage of one request, as a worker receives it.
 
     ``attempt`` counts dispatches of this stage of this request, from 1; a
@@ -190,6 +190,12 @@ class WorkItem(msgspec.Struct, frozen=True):
     upstream stage's output handle (the cached embeddings when Encode was
     skipped; empty for the first stage). ``hint`` holds the labels of the
     worker that produced ``input`` ({} if none), for affinity.
+
+    Not tracked by the garbage collector (``gc=False``): a fleet has thousands of
+    items in flight, and a collector that rescans each of them costs every decision
+    more as the fleet grows. Its fields are strings, numbers, bytes and a dict of
+    strings, so it cannot be part of a reference cycle (never put an item in its
+    own ``hint``).
     """
 
     request_id: str
@@ -338,8 +344,9 @@ Event = (
 
 
 # --------------------------------------------------------------------------- actions
-class Dispatch(msgspec.Struct, frozen=True, tag=True):
-    """Send ``item`` to ``worker_id``; one credit of that worker is now held by it."""
+class Dispatch(msgspec.Struct, frozen=True, tag=True, gc=False):
+    """Send ``item`` to ``worker_id``; one credit of that worker is now held by it.
+    Not tracked by the garbage collector, as ``WorkItem`` (no cycle can go through it)."""
 
     worker_id: str
     item: WorkItem

@@ -154,13 +154,16 @@ class Pools:
     def touch(self, w: Worker, now: float) -> None:
         w.expires_at = now + w.timeout
 
-    def expired(self, now: float) -> list[Worker]:
+    def expired(self, now: float) -> list[Worker] | tuple[()]:
         """Live workers whose deadline is at or before ``now``, oldest deadline first.
 
-        They are still registered; the caller removes them.
+        They are still registered; the caller removes them. (Called at every event:
+        with no deadline due, it allocates nothing.)
         """
-        out: list[Worker] = []
         dl = self._deadlines
+        if not dl or dl[0][0] > now:
+            return ()
+        out: list[Worker] = []
         while dl and dl[0][0] <= now:
             _, seq, wid = heapq.heappop(dl)
             w = self.workers.get(wid)

@@ -22,12 +22,18 @@ most ``W`` plus the time until then. Higher-priority traffic cannot extend it.
 
 ``since`` is when the item first became ready for this stage; a re-queued item
 keeps it, so retries are not sent to the back. Lazy deletion: ``discard`` is
-O(1), ``push`` and ``pop`` O(log n). Not thread-safe (the core is single-threaded).
+O(1). Each class keeps its items in ``(since, push order)`` order in two parts: a
+FIFO of the pushes that came in that order (the common case: an item becomes
+ready *now*, after every item already queued), O(1) to push and pop, and a heap
+of the rest (re-queued items, older), O(log n); ``pop`` takes the smaller head.
+A fleet's queue of thousands then costs a pop no walk down a heap (each level a
+cache miss). Not thread-safe (the core is single-threaded).
 """
 
 from __future__ import annotations
 
 import heapq
+from collections import deque
 from collections.abc import Iterator, Sequence
 from typing import Generic, TypeVar
 
@@ -44,6 +50,12 @@ class ClassQueue(Generic[T]):
     def __init__(self, classes: Sequence[SloClass]) -> None:
         # stable sort: equal priorities keep the configured order (ties break by age anyway)
         self._classes = sorted(classes, key=lambda c: c.priority)
+        #: per class: pushes in (since, seq) order, and the out-of-order rest (a heap)
+        #: (a FIFO is two deques, ``since`` and ``seq``: numbers, no tuple per entry for
+        #: the garbage collector to visit)
+        self._fifos: dict[str, tuple[deque[float], deque[int]]] = {
+            c.name: (deque(), deque()) for c in classes
+        }
         self._heaps: dict[str, list[tuple[float, int]]] = {c.name: [] for c in classes}
         self._live: dict[int, T] = {}
         self._seq = 0
@@ -61,7 +73,12 @@ class ClassQueue(Generic[T]):
     def push(self, item: T, slo_class: str, since: float) -> int:
         """Queue ``item``; returns the token that ``discard`` takes. ``slo_class`` must be known."""
         self._seq += 1
-        heapq.heappush(self._heaps[slo_class], (since, self._seq))
+        fsince, fseq = self._fifos[slo_class]
+        if not fsince or fsince[-1] <= since:  # after every entry: (since, seq) grows
+            fsince.append(since)
+            fseq.append(self._seq)
+        else:
+            heapq.heappush(self._heaps[slo_class], (since, self._seq))
         self._live[self._seq] = item
         self._class_of[self._seq] = slo_class
         self._counts[slo_class] += 1
@@ -81,22 +98,34 @@ class ClassQueue(Generic[T]):
         if not self._live:
             return None
         live = self._live
-        best_heap: list[tuple[float, int]] | None = None
+        best: tuple[tuple[deque[float], deque[int]], list[tuple[float, int]], bool] | None = None
         best_key: tuple[float, ...] | None = None
         for c in self._classes:
             h = self._heaps[c.name]
             while h and h[0][1] not in live:
                 heapq.heappop(h)
-            if not h:
+            fifo = fsince, fseq = self._fifos[c.name]
+            while fseq and fseq[0] not in live:
+                fsince.popleft()
+                fseq.popleft()
+            if fseq and (not h or (fsince[0], fseq[0]) < h[0]):
+                since, seq, from_fifo = fsince[0], fseq[0], True
+            elif h:
+                (since, seq), from_fifo = h[0], False
+            else:
                 continue
-            since, seq = h[0]
             if c.max_wait is not None and now - since >= c.max_wait:
                 key: tuple[float, ...] = (0, since + c.max_wait, seq)
             else:
                 key = (1, c.priority, since, seq)
             if best_key is None or key < best_key:
-                best_heap, best_key = h, key
-        assert best_heap is not None
-        _, seq = heapq.heappop(best_heap)
+                best, best_key = (fifo, h, from_fifo), key
+        assert best is not None
+        (fsince, fseq), h, from_fifo = best
+        if from_fifo:
+            fsince.popleft()
+            seq = fseq.popleft()
+        else:
+            seq = heapq.heappop(h)[1]
         self._counts[self._class_of.pop(seq)] -= 1
         return live.pop(seq)

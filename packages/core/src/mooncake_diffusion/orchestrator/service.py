@@ -21,10 +21,12 @@ API never sees a half-applied event. With a journal, every accepted event is
 committed before its actions take effect (``JournaledOrchestrator``), and a
 restarted service replays it: statuses are rebuilt, running items are re-sent.
 Group commit: each turn of the driver loop (every worker frame and API call
-ready at one poll, up to 512 frames) is one journal transaction; the frames it
-sends, the API answers and the stream events it produces are held until that
-commit, then go out in order. One write per turn instead of one per event is
-what lets 1,024 workers' heartbeats and 1,000 submissions/s share one thread.
+ready at one poll, up to ``_TURN_FRAMES`` frames) is one journal transaction; the
+frames it sends, the API answers and the stream events it produces are held until
+that commit, then go out in order. One write per turn instead of one per event is
+what lets 1,024 workers' heartbeats and 1,000 submissions/s share one thread. The
+cap bounds a turn: a submission that arrives while a burst of heartbeats is being
+handled waits for the turn under way, not for the whole burst.
 
 Delivery: a ``Work`` frame can be lost (the worker was not connected yet, or
 the service restarted between commit and send). Workers list what they hold in
@@ -181,6 +183,10 @@ class ServiceUnavailable(OrchestratorError):
     retryable = True
 
 
+#: worker frames handled in one driver turn (one journal commit) at most: it bounds
+#: how long an API call waits behind a burst of worker frames (a 1,024-worker fleet's
+#: heartbeats); 1,024 beats a second are still only 16 commits
+_TURN_FRAMES = 64
 #: Finished request ids ``cluster()`` lists (newest last), for dashboards.
 _RECENT = 50
 #: releases of the requests that ended last before a restart, sent again (module doc)
@@ -589,7 +595,7 @@ class OrchestratorService:
                 break
             with self._turn():
                 if router in ready:
-                    for _ in range(512):
+                    for _ in range(_TURN_FRAMES):
                         try:
                             ident, frame = router.recv_multipart(zmq.NOBLOCK)
                         except zmq.Again:
