@@ -112,7 +112,9 @@ def test_retire_drains_then_gives_the_worker_back_once_removed():
 def test_static_changes_nothing_and_refused_decisions_are_counted():
     d = Driver(Elastic(StaticPlanner(interval=1.0)))
     fleet(d)
-    assert d.step(1.0) == [] and not d.el.due(1.5) and d.el.due(2.0)
+    # never due, so the service never builds it a view (a snapshot of the fleet)
+    assert not d.el.due(1.0) and not d.el.due(60.0) and d.el.next_at() is None
+    assert d.el.step(d.core.snapshot(), 1.0, d.feed) == []  # asked anyway: nothing
 
     class Bogus:
         interval = 1.0

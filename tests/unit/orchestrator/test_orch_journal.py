@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import gc
 import sqlite3
+import threading
+import time
 from pathlib import Path
 
 import msgspec
@@ -39,6 +41,7 @@ from mooncake_diffusion.orchestrator import (
     WorkerRemoved,
     create_policy,
 )
+from mooncake_diffusion.orchestrator.journal import CHECKPOINT_EVERY, WAL_FALLBACK_PAGES
 
 pytestmark = pytest.mark.unit
 
@@ -380,3 +383,33 @@ def test_a_second_writer_is_refused_while_the_first_holds_the_journal(tmp_path):
     second = Journal(path)  # free again once the writer is gone
     assert len(second) == 0
     second.close()
+
+
+def _checkpointers() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "journal-checkpoint"]
+
+
+def test_checkpoints_run_on_a_thread_of_their_own_that_stops_with_the_journal(tmp_path):
+    """The log is copied into the database file by the checkpointer thread (started
+    by the first write), not by the commit: the writer's own checkpoint waits for
+    WAL_FALLBACK_PAGES. Real SQLite; the wait below is for a pass, not a timing."""
+    path = tmp_path / "orch.db"
+    journal = Journal(path)
+    assert _checkpointers() == []  # nothing written yet: no thread
+    pages = journal._db.execute("PRAGMA wal_autocheckpoint").fetchone()[0]
+    assert pages == WAL_FALLBACK_PAGES
+    before = path.stat().st_size
+    journal.begin()
+    for i in range(400):
+        journal.append(float(i), msgspec.msgpack.encode(Tick()) + bytes(200))
+    journal.commit()
+    assert len(_checkpointers()) == 1
+    deadline = time.monotonic() + 60.0  # generous: a pass every CHECKPOINT_EVERY
+    while path.stat().st_size <= before and time.monotonic() < deadline:
+        time.sleep(CHECKPOINT_EVERY)
+    assert path.stat().st_size > before, "the checkpointer never copied the log"
+    journal.close()
+    assert _checkpointers() == []
+    again = Journal(path)  # and what it copied reads back whole
+    assert len(again) == 400
+    again.close()

@@ -147,12 +147,17 @@ class Elastic:
         self._next = now + planner.interval
 
     def due(self, now: float) -> bool:
-        """Whether ``step`` should run now (every ``planner.interval`` from the first event)."""
-        return self._next is not None and now >= self._next
+        """Whether ``step`` should run now (every ``planner.interval`` from the first
+        event; never for a planner that ``changes_nothing``)."""
+        return self._next is not None and now >= self._next and not self._idle()
 
     def next_at(self) -> float | None:
-        """When ``step`` is due next (``None`` until the first event)."""
-        return self._next
+        """When ``step`` is due next (``None`` until the first event, and for a planner
+        that ``changes_nothing``)."""
+        return None if self._idle() else self._next
+
+    def _idle(self) -> bool:
+        return getattr(self.planner, "changes_nothing", False) is True
 
     def step(
         self, snap: CoreSnapshot, now: float, feed: Callable[[Event], list[Action]]

@@ -50,8 +50,16 @@ driver then learns what the state expects:
 
 Durability: WAL mode with ``synchronous=NORMAL``. A committed transaction
 survives a process crash; a power loss or OS crash may lose the last commits
-(never corrupt the file). Obligations: one process writes a journal at a time
-(nothing here locks it against a second orchestrator); the journal is bound to
+(never corrupt the file). Checkpoints (copying the log into the database file,
+with its fsyncs) run on a thread of their own, a passive one every 0.2 s while
+the journal is written, not inside the commit that crosses SQLite's 1,000-page
+mark, where they cost the driver 5-6 ms every half second at 1,000
+submissions/s (``docs/performance.md``). A passive checkpoint never waits for
+the writer; the log starts again from its beginning at the first write after
+one that copied all of it, and if a steady writer never leaves such a moment,
+the writer checkpoints itself once the log holds 16,384 pages (64 MiB).
+Obligations: one process writes a journal at a time (nothing here locks it
+against a second orchestrator); the journal is bound to
 the ``OrchestratorConfig`` it was written under, and the routing policy must be
 a fresh instance of the same deterministic policy. Compaction (snapshots, log
 truncation) is out of scope: the log grows and recovery replays it all.
@@ -62,9 +70,11 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import math
 import os
 import sqlite3
+import threading
 import weakref
 from collections.abc import Callable, Iterator
 from os import PathLike
@@ -103,6 +113,13 @@ __all__ = [
 #: Version of the tables below. 1: meta(key, value); events(seq, now, event msgpack).
 JOURNAL_SCHEMA_VERSION = 1
 
+log = logging.getLogger(__name__)
+
+#: Seconds between the checkpointer's passes while the journal is being written.
+CHECKPOINT_EVERY = 0.2
+#: The writer's own checkpoint, a fallback (module docstring): pages in the log.
+WAL_FALLBACK_PAGES = 16_384
+
 _EVENT_TYPES: tuple[type, ...] = get_args(Event)
 _TICK = msgspec.msgpack.encode(Tick())
 _SCHEMA = (
@@ -138,6 +155,49 @@ def _lock(path: str) -> int:
     return fd
 
 
+class _Checkpointer:
+    """Passive checkpoints of one journal's log, from a thread and a connection of its
+    own, every ``CHECKPOINT_EVERY`` seconds after ``written`` was called (a plain
+    flag: nothing on the writer's path waits or wakes a thread). ``close`` stops and
+    joins the thread. A failed pass is logged and counted; the events are durable in
+    the log either way."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.failures = 0
+        self._dirty = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="journal-checkpoint", daemon=True)
+        self._thread.start()
+
+    def written(self) -> None:
+        self._dirty = True
+
+    def _run(self) -> None:
+        try:
+            db = sqlite3.connect(self.path, isolation_level=None)
+        except sqlite3.Error as e:
+            self.failures += 1
+            log.warning("journal %s: checkpointer cannot open it: %s", self.path, e)
+            return
+        try:
+            db.execute("PRAGMA synchronous=NORMAL")
+            while not self._stop.wait(CHECKPOINT_EVERY):
+                if self._dirty:
+                    self._dirty = False
+                    db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+        except sqlite3.Error as e:  # the writer's fallback checkpoint takes over
+            self.failures += 1
+            log.warning("journal %s: checkpointer stopped: %s", self.path, e)
+        finally:
+            db.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+
+
 class EventLog(Protocol):
     """What ``JournaledOrchestrator`` needs of a journal (``Journal`` below is the
     SQLite one; ``ha_service.EtcdJournal`` the replicated one). ``append`` between
@@ -162,8 +222,9 @@ class Journal:
     Opens or creates ``path``; raises ``JournalError`` for a file that is not a
     journal or has an unknown schema version. ``append`` commits one event per
     call (blocks for the write; no fsync per commit, see the module docstring),
-    or, between ``begin`` and ``commit``, adds it to that one transaction.
-    Call ``close`` (or use it as a context manager) when done.
+    or, between ``begin`` and ``commit``, adds it to that one transaction. The
+    first write starts the checkpointer thread. Call ``close`` (or use it as a
+    context manager) when done: it stops that thread.
     """
 
     def __init__(self, path: str | PathLike[str]) -> None:
@@ -172,6 +233,7 @@ class Journal:
         self._dec = msgspec.msgpack.Decoder(Event)
         # one writer per journal, for the object's lifetime (released on close or GC)
         self._unlock = weakref.finalize(self, os.close, _lock(self.path))
+        self._checkpointer: _Checkpointer | None = None
         try:
             self._db = sqlite3.connect(self.path, isolation_level=None)
         except sqlite3.Error as e:
@@ -195,6 +257,7 @@ class Journal:
             if mode.lower() != "wal":
                 raise JournalError(f"journal {self.path}: cannot use WAL mode (got {mode!r})")
             db.execute("PRAGMA synchronous=NORMAL")
+            db.execute(f"PRAGMA wal_autocheckpoint={WAL_FALLBACK_PAGES}")
             tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
             if not tables:
                 db.execute("BEGIN IMMEDIATE")
@@ -248,7 +311,15 @@ class Journal:
         except sqlite3.Error as e:
             raise JournalError(f"journal {self.path}: write failed: {e}") from e
         assert cur.lastrowid is not None
+        self._written()
         return cur.lastrowid
+
+    def _written(self) -> None:
+        ck = self._checkpointer
+        if ck is None:
+            ck = self._checkpointer = _Checkpointer(self.path)
+            self._stop_checkpointer = weakref.finalize(self, ck.close)
+        ck.written()
 
     def begin(self) -> None:
         """Open a transaction: ``append`` calls until ``commit`` are written together."""
@@ -287,8 +358,10 @@ class Journal:
             yield seq, float(now), event
 
     def close(self) -> None:
-        """Close the file and release the writer lock (idempotent). Committed events
-        are already on disk."""
+        """Stop the checkpointer, close the file and release the writer lock
+        (idempotent). Committed events are already on disk."""
+        if self._checkpointer is not None:
+            self._stop_checkpointer()
         self._db.close()
         self._release_lock()
 

@@ -99,7 +99,9 @@ Decision = Move | AddWorker | Retire
 
 @runtime_checkable
 class Planner(Protocol):
-    """Decides stage changes and pool sizes. ``interval``: seconds between calls."""
+    """Decides stage changes and pool sizes. ``interval``: seconds between calls. A
+    planner whose class sets ``changes_nothing = True`` (the static one) is never
+    called: its view (a snapshot of every worker) is not built."""
 
     interval: float
 

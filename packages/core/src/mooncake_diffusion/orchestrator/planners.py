@@ -208,7 +208,10 @@ class _Mover:
 
 # --------------------------------------------------------------------------- planners
 class StaticPlanner:
-    """Never changes anything: the pools stay as their workers registered."""
+    """Never changes anything: the pools stay as their workers registered. It says so
+    (``changes_nothing``), so the loop never builds a view for it."""
+
+    changes_nothing = True
 
     def __init__(self, interval: float = 5.0) -> None:
         self.interval = interval
