@@ -159,12 +159,11 @@ class _Checkpointer:
     """Passive checkpoints of one journal's log, from a thread and a connection of its
     own, every ``CHECKPOINT_EVERY`` seconds after ``written`` was called (a plain
     flag: nothing on the writer's path waits or wakes a thread). ``close`` stops and
-    joins the thread. A failed pass is logged and counted; the events are durable in
-    the log either way."""
+    joins the thread. A failure is logged and ends the thread (the writer's fallback
+    checkpoint takes over); the events are durable in the log either way."""
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self.failures = 0
         self._dirty = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="journal-checkpoint", daemon=True)
@@ -177,7 +176,6 @@ class _Checkpointer:
         try:
             db = sqlite3.connect(self.path, isolation_level=None)
         except sqlite3.Error as e:
-            self.failures += 1
             log.warning("journal %s: checkpointer cannot open it: %s", self.path, e)
             return
         try:
@@ -187,7 +185,6 @@ class _Checkpointer:
                     self._dirty = False
                     db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
         except sqlite3.Error as e:  # the writer's fallback checkpoint takes over
-            self.failures += 1
             log.warning("journal %s: checkpointer stopped: %s", self.path, e)
         finally:
             db.close()
