@@ -3,17 +3,18 @@
     python bench/ha.py --quick --json /tmp/ha.json
 
 Per row: a real etcd, two ``mooncake_master -enable_ha`` (with and without
-``-enable_oplog``, side by side in one run), a store host and a pure
-``StoreClient`` given ``etcd://...`` as master, all separate processes on
-loopback. The client stores ``--objects`` hard-pinned 1 MiB objects, the leading
-master is SIGKILLed, and the bench measures ``leader_s`` (kill to a standby
-serving as leader), ``failover_s`` (kill to the same client's first successful
-put: what a caller waits) and how many of the objects the new leader still
-serves (``kept``). Then ``etcd_write_s``: a three-member etcd whose Raft leader
-is SIGKILLed, kill to the next accepted write. And the orchestrator election
-(``orchestrator/leader.py``, lease ``ORCH_TTL_S``): the leader stops renewing,
-``orchestrator_failover_s`` is its last renewal to the standby leading, and
-``fenced_actions`` counts the deposed leader's journal appends that went through
+``-enable_oplog``, side by side in one run), a store host and a pure ``StoreClient``
+given ``etcd://...`` as master, all separate processes on loopback. The client
+stores ``--objects`` hard-pinned 1 MiB objects (with the OpLog on, the kill waits
+until etcd holds their entries, which the leader writes in the background:
+``oplog_wait_s``), the leading master is SIGKILLed, and the bench measures
+``leader_s`` (kill to a standby serving as leader), ``failover_s`` (kill to the same
+client's first successful put: what a caller waits) and how many of the objects the
+new leader still serves (``kept``). Then ``etcd_write_s``: a three-member etcd whose
+Raft leader is SIGKILLed, kill to the next accepted write. And the orchestrator
+election (``orchestrator/leader.py``, lease ``ORCH_TTL_S``): the leader stops
+renewing, ``orchestrator_failover_s`` is its last renewal to the standby leading,
+and ``fenced_actions`` counts the deposed leader's journal appends that went through
 afterwards (3 tried). And spill: bursts of soft-pinned 8 MiB objects 2x, 4x and 8x a
 64 MiB pool, the store host spilling to disk (``_mooncake/spill.py``) or not;
 ``intact`` counts objects read back whole. ``--quick`` runs the same rows, the
@@ -45,6 +46,7 @@ from typing import Any
 import torch
 
 from mooncake_diffusion._mooncake.cluster import LocalCluster
+from mooncake_diffusion._mooncake.master_view import oplog_puts
 from mooncake_diffusion._mooncake.store import StoreClient
 from mooncake_diffusion.errors import StoreFullError
 from mooncake_diffusion.etcd import EtcdCluster
@@ -86,7 +88,8 @@ def _client(settings: MooncakeSettings, nbytes: int) -> Iterator[tuple[StoreClie
 
 def failover_row(etcd: EtcdCluster, oplog: bool, objects: int, run: int) -> dict[str, Any]:
     """One master failover with ``objects`` stored (see the module docstring)."""
-    os.environ["MC_STORE_CLUSTER_ID"] = f"mcd_bench_{int(oplog)}_{run}_{time.monotonic_ns()}"
+    cluster_id = f"mcd_bench_{int(oplog)}_{run}_{time.monotonic_ns()}"
+    os.environ["MC_STORE_CLUSTER_ID"] = cluster_id
     started = time.monotonic()
     with LocalCluster(64 * MIB, masters=2, etcd_endpoints=etcd.endpoints, oplog=oplog) as c:
         warmup_s = time.monotonic() - started
@@ -97,6 +100,11 @@ def failover_row(etcd: EtcdCluster, oplog: bool, objects: int, run: int) -> dict
             ptrs = [[buf.data_ptr() + i * MIB] for i in range(objects)]
             sizes = [[MIB]] * objects
             client.put_many(keys, ptrs, sizes, pin="hard")
+            oplog_wait_s = 0.0
+            if oplog:
+                oplog_wait_s = _until(
+                    lambda: set(keys) <= oplog_puts(etcd.client(), cluster_id), 120
+                )
             c.masters.kill_leader()
             killed = time.monotonic()
             leader_s = _until(lambda: c.masters.leader() is not None, 120.0)
@@ -121,6 +129,7 @@ def failover_row(etcd: EtcdCluster, oplog: bool, objects: int, run: int) -> dict
         "oplog": oplog,
         "objects": objects,
         "start_s": round(warmup_s, 3),
+        "oplog_wait_s": round(oplog_wait_s, 3),
         "leader_s": round(leader_s, 3),
         "failover_s": round(failover_s, 3),
         "kept": kept,

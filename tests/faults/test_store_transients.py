@@ -1,14 +1,16 @@
 """Transient Store faults are absorbed in the product, provoked deterministically.
 
-A master started with a 20 ms read lease (``-default_kv_lease_ttl``) makes any
-read that takes longer than that fail with ``LEASE_EXPIRED`` (-707). A 64 MiB
-object takes several times that over loopback TCP even on an idle machine
-(>= 32 ms at the 2 GB/s best case), so an unsplit read fails every time; a
-payload published in 1 MiB parts is read part by part, and a part that still
-outlives its lease on a loaded machine is retried within the consume deadline.
-A consume that fails leaves the payload for a retry, and its TTL still reaps it.
-The readers here read over the network (``same_host`` off): a read out of the
-store host on this host (``process_vm_readv``) can move 64 MiB within 20 ms.
+A master started with a short read lease (``-default_kv_lease_ttl``) makes any
+read that takes longer than that fail with ``LEASE_EXPIRED`` (-707): the client
+checks the lease, counted from its query, once the transfer is done. Reads of one
+64 MiB object run on a master with a 1 ms lease: no copy of 64 MiB fits in it
+(that is 64 GB/s), so an unsplit read fails every time. A 20 ms lease is not
+enough for that: over loopback TCP on a 2-vCPU machine a 64 MiB read took 12 ms
+at best (40 ms typical). Payloads in 1 MiB parts are read on a master with a
+20 ms lease, part by part, and a part that still outlives its lease on a loaded
+machine is retried within the consume deadline. A consume that fails leaves the
+payload for a retry, and its TTL still reaps it. The readers here read over the
+network (``same_host`` off).
 """
 
 from __future__ import annotations
@@ -42,18 +44,32 @@ MB = 1 << 20
 SHAPE = (64 * MB // 4 // 256, 256)  # 64 MiB of float32
 
 
+#: the masters' read leases (ms), by the test's ``lease_ms`` mark
+LEASES = {1: "instant_lease", 20: "short_lease"}
+
+
+@pytest.fixture(scope="module")
+def instant_lease():
+    """A cluster whose master grants 1 ms read leases; reaps every 0.2 s."""
+    with LocalCluster(pool_bytes=512 * MB, lease_ttl_ms=1, reap_interval_s=0.2) as cluster:
+        yield cluster
+
+
 @pytest.fixture(scope="module")
 def short_lease():
-    """A cluster of its own whose master grants 20 ms read leases; reaps every 0.2 s."""
+    """A cluster whose master grants 20 ms read leases; reaps every 0.2 s."""
     with LocalCluster(pool_bytes=512 * MB, lease_ttl_ms=20, reap_interval_s=0.2) as cluster:
         yield cluster
 
 
 @pytest.fixture
-def clean(short_lease):
+def clean(request):
+    """The cluster named by the test's ``lease_ms`` mark, leak-checked after the test."""
+    lease = request.node.get_closest_marker("lease_ms").args[0]
+    cluster = request.getfixturevalue(LEASES[lease])
     baseline = thread_names()
-    yield short_lease
-    assert_no_leaks(short_lease, baseline, timeout=15)
+    yield cluster
+    assert_no_leaks(cluster, baseline, timeout=15)
 
 
 @pytest.fixture
@@ -85,8 +101,9 @@ def publish(producer, request_id: str, **kw) -> bytes:
     return bytes.fromhex(r["handle"])
 
 
+@pytest.mark.lease_ms(1)
 def test_an_unsplit_read_outlives_a_short_lease_every_time(clean):
-    """The fault is real and provoked on purpose: 64 MiB in one read, 20 ms lease. Each
+    """The fault is real and provoked on purpose: 64 MiB in one read, 1 ms lease. Each
     read fails, and it is retried until the deadline, then raised. The deadline is read
     off a clock that ticks one second per reading (not the wall, which a loaded machine
     stretches past any bound): with ``store_retry_s=2.5`` the call makes exactly three
@@ -109,12 +126,13 @@ def test_an_unsplit_read_outlives_a_short_lease_every_time(clean):
         client.close()
 
 
+@pytest.mark.lease_ms(20)
 @pytest.mark.part_bytes(1 * MB)
 def test_a_payload_in_parts_crosses_a_short_lease(clean, producer):
     """The reader's own batch limit (64 MiB) puts all 64 parts in one batched read,
-    whose keys share one lease grant: like the unsplit read, it outlives the 20 ms
-    lease on any machine. The parts that failed are retried one per read, each under
-    a lease of its own, so the consume completes however loaded the machine is."""
+    whose keys share one lease grant: it mostly outlives the 20 ms lease (64 MiB took
+    12-45 ms here). The parts that failed are retried one per read, each under a
+    lease of its own, so the consume completes however loaded the machine is."""
     handle = publish(producer, "split")
     keys = clean.keys()
     assert sum(k.startswith("mcd/split/") for k in keys) == 64  # 64 parts of 1 MiB
@@ -130,6 +148,7 @@ def test_a_payload_in_parts_crosses_a_short_lease(clean, producer):
     assert clean.keys() == []  # delete-on-consume removed every part
 
 
+@pytest.mark.lease_ms(1)
 @pytest.mark.part_bytes(0)
 def test_a_failed_consume_leaves_the_payload_and_its_ttl_still_reaps_it(clean, producer):
     """The TTL (30 s) must outlast publishing and the failed consume (one 64 MiB read,
@@ -176,6 +195,7 @@ def test_a_dead_master_is_not_retried_until_the_deadline():
     assert_no_leaks(None, baseline, timeout=15)
 
 
+@pytest.mark.lease_ms(20)
 @pytest.mark.part_bytes(0)
 def test_a_committed_payload_that_is_gone_fails_at_once_not_at_its_deadline(clean, producer):
     """A stage's acknowledged input is fully published, so absent means gone: with

@@ -2,18 +2,25 @@
 processes), a store host and our ``StoreClient`` given ``etcd://...`` as master.
 The leader is SIGKILLed with objects in the store; the standby takes over and the
 same clients carry on without being rebuilt. With ``-enable_oplog`` every object
-whose put completed is found again; without it the new leader starts empty (what
+whose put's OpLog entry had reached etcd is found again (the leader writes those
+entries in the background, so the kill waits for them: a put that completed just
+before it may be lost); without it the new leader starts empty (what
 ``docs/deployment.md`` says, measured here on every run)."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
 import torch
 
 from mooncake_diffusion._mooncake.cluster import LocalCluster
-from mooncake_diffusion._mooncake.master_view import leader_rpc_address, master_view_key
+from mooncake_diffusion._mooncake.master_view import (
+    leader_rpc_address,
+    master_view_key,
+    oplog_puts,
+)
 from mooncake_diffusion._mooncake.store import StoreClient
 from mooncake_diffusion.errors import StoreFullError
 from mooncake_diffusion.etcd import EtcdCluster
@@ -80,6 +87,12 @@ def test_store_clients_follow_the_leader_across_a_master_kill(ha):
         sizes = [[MIB]] * len(KEYS)
         client.put_many(KEYS, ptrs, sizes, pin="hard")
         want = buf.clone()
+        if oplog:  # the kill lands once the OpLog in etcd holds every put
+            cluster_id = os.environ["MC_STORE_CLUSTER_ID"]
+            _eventually(
+                lambda: oplog_puts(etcd.client(), cluster_id) >= set(KEYS),
+                time.monotonic() + TAKEOVER_S,
+            )
 
         assert cluster.masters is not None
         cluster.masters.kill_leader()
