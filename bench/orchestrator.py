@@ -35,14 +35,20 @@ this process under a virtual clock. Two parts:
                (64 encode, 768 denoise, 192 decode: two child processes, the encode
                workers in one, a DEALER socket per worker waited on with epoll,
                heartbeating, finishing every item at once); this
-               process offers 1,000 submissions/s over HTTP from 8 client threads,
-               request ``i`` due at ``t0 + i/rate`` whatever the answers. RTT: from
-               sending a submission to its encode item arriving at a worker
+               process offers 1,000 submissions/s over HTTP, request ``i`` due at
+               ``t0 + i/rate`` whatever the answers, from the ``raw`` client (one
+               thread, 16 keep-alive connections, pre-built requests, each stamped
+               just before its send) and, in one row for comparison, from the
+               ``library`` client (``OrchestratorClient`` in 8 threads, whose
+               sends wait for each other's Python under one interpreter lock and
+               whose own time is counted in its round trips). RTT: from sending a
+               submission to its encode item arriving at a worker
                (``time.monotonic``, one clock for both processes): HTTP in, journal
                commit, ZeroMQ out. ``achieved /s`` and ``send lag`` say whether the
                offered rate was kept (a lag of seconds: this machine could not).
-               A last row sends one submission at a time (journal on): the round
-               trip without queueing.
+               A last row sends one submission at a time (journal on, raw client):
+               the round trip without queueing. Every submission must be answered
+               201, or the bench stops.
     chaos      ``Simulation`` (``simulate/faults.py``) of 10,000 requests with random
                worker deaths (half reported by a supervisor, half found by the
                heartbeat deadline; some dead workers' results arrive late), retryable
@@ -340,6 +346,7 @@ FLEET = {"encode": 64, "denoise": 768, "decode": 192}  # 1,024 registered worker
 @dataclass
 class ServiceRow:
     journal: bool
+    client: str
     workers: int
     offered_per_s: float
     achieved_per_s: float
@@ -440,17 +447,150 @@ def fleet_agent(address: str, out_path: str, stages: str) -> int:
             next_beat = time.monotonic() + interval
 
 
-def service_rtt(rate: float | None, total: int, journal: bool, tmp: str) -> ServiceRow:
-    """Open loop: ``total`` submissions at ``rate``/s over HTTP from 8 client threads,
-    request ``i`` due at ``t0 + i / rate`` whatever the answers; ``rate=None``: one
-    thread, one submission at a time (each sent when the last was answered). The
-    service has the 1,024 ``FLEET`` workers registered. RTT: from the moment a
-    submission is sent to its encode item arriving at a worker (HTTP in, journal
-    commit, ZeroMQ out)."""
-    import subprocess
+def raw_open_loop(
+    port: int, rate: float | None, total: int, conns: int = 16, limit_s: float = 60.0
+) -> tuple[dict[str, tuple[float, float]], list[str]]:
+    """The lean client: ``total`` ``POST /v1/requests`` at ``rate``/s (``None``: one at
+    a time) from one thread over ``conns`` keep-alive HTTP/1.1 connections, each
+    request pre-built and sent on a connection with no answer pending, stamped just
+    before its send. Request ``i`` is due at ``t0 + i / rate`` whatever the answers
+    (it waits only when every connection has an answer pending: that is its send
+    lag). Returns ``{request id: (due, sent)}`` and one line per answer that was not
+    201. Raises ``TimeoutError`` past ``limit_s`` and ``ConnectionError`` when the
+    server closes a connection."""
+    import selectors
+    import socket
+
+    sel = selectors.DefaultSelector()
+    free: list[socket.socket] = []
+    bufs: dict[socket.socket, bytes] = {}
+    pending: dict[socket.socket, str] = {}
+    for _ in range(conns if rate else 1):
+        s = socket.create_connection(("127.0.0.1", port))
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        s.setblocking(False)
+        sel.register(s, selectors.EVENT_READ)
+        free.append(s)
+        bufs[s] = b""
+    head = (
+        f"POST /v1/requests HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+        "Content-Type: application/json\r\n"
+    ).encode()
+    sent: dict[str, tuple[float, float]] = {}
+    failures: list[str] = []
+
+    def answers(s: socket.socket) -> None:
+        buf = bufs[s]
+        while (end := buf.find(b"\r\n\r\n")) >= 0:
+            lines = buf[:end].decode("latin-1").split("\r\n")
+            length = next(
+                (
+                    int(v)
+                    for k, _, v in (h.partition(":") for h in lines[1:])
+                    if k.strip().lower() == "content-length"
+                ),
+                0,
+            )
+            if len(buf) < end + 4 + length:
+                break
+            rid = pending.pop(s)
+            if lines[0].split()[1] != "201":
+                failures.append(f"{rid}: {lines[0]} {buf[end + 4 : end + 4 + length][:200]!r}")
+            buf = buf[end + 4 + length :]
+            free.append(s)
+        bufs[s] = buf
+
+    i = 0
+    t0 = time.monotonic() + 0.05
+    stop = t0 + limit_s
+    try:
+        while i < total or pending:
+            now = time.monotonic()
+            if now > stop:
+                raise TimeoutError(f"{len(pending)} answers not back within {limit_s:.0f} s")
+            due = t0 + i / rate if rate else now
+            if i < total and free and now >= due:
+                s = free.pop()
+                rid = f"open-{i}"
+                body = b'{"params":{"i":%d},"request_id":"%s"}' % (i, rid.encode())
+                msg = head + b"Content-Length: %d\r\n\r\n" % len(body) + body
+                t = time.monotonic()
+                s.sendall(msg)
+                sent[rid] = (due, t)
+                pending[s] = rid
+                i += 1
+                continue
+            wait = max(0.0, due - now) if i < total and free else 1.0
+            for key, _ in sel.select(wait):
+                s = key.fileobj  # type: ignore[assignment]
+                data = s.recv(65536)
+                if not data:
+                    raise ConnectionError("the orchestrator closed a connection")
+                bufs[s] += data
+                answers(s)
+    finally:
+        for s in bufs:
+            s.close()
+        sel.close()
+    return sent, failures
+
+
+def library_open_loop(
+    url: str, rate: float | None, total: int
+) -> tuple[dict[str, tuple[float, float]], list[str]]:
+    """The library client: ``OrchestratorClient.submit`` from 8 threads (one when
+    ``rate`` is ``None``, each sent when the last was answered), request ``i`` due at
+    ``t0 + i / rate``; the threads share one interpreter lock, so a send can wait
+    for another thread's Python. Same return as ``raw_open_loop``."""
     import threading
 
     from mooncake_diffusion.orchestrator.client import OrchestratorClient
+
+    sent: dict[str, tuple[float, float]] = {}
+    failures: list[str] = []
+    lock = threading.Lock()
+    nxt = iter(range(total))
+    t0 = time.monotonic() + 0.2
+
+    def client_thread() -> None:
+        with OrchestratorClient(url) as client:
+            while True:
+                with lock:
+                    i = next(nxt, None)
+                if i is None:
+                    return
+                due = t0 + i / rate if rate else time.monotonic()
+                wait = due - time.monotonic()
+                if wait > 0:
+                    time.sleep(wait)
+                rid = f"open-{i}"
+                t = time.monotonic()
+                try:
+                    client.submit({"i": i}, request_id=rid)
+                except Exception as e:  # reported with the row, not raised mid-run
+                    failures.append(f"{rid}: {e!r}"[:300])
+                sent[rid] = (due, t)
+
+    threads = [threading.Thread(target=client_thread) for _ in range(8 if rate else 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return sent, failures
+
+
+def service_rtt(
+    rate: float | None, total: int, journal: bool, tmp: str, client: str = "raw"
+) -> ServiceRow:
+    """Open loop: ``total`` submissions at ``rate``/s over HTTP (``rate=None``: one at
+    a time, each sent when the last was answered), from ``client``: ``raw``
+    (``raw_open_loop``: one thread, keep-alive sockets, pre-built requests) or
+    ``library`` (``library_open_loop``: ``OrchestratorClient`` in 8 threads). The
+    service has the 1,024 ``FLEET`` workers registered. RTT: from the moment a
+    submission is sent to its encode item arriving at a worker (HTTP in, journal
+    commit, ZeroMQ out); the first tenth warms connections and caches and is not
+    counted. Raises ``RuntimeError`` if any submission was not accepted."""
+    import subprocess
 
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
     from servicestack import CLI, Proc, free_port
@@ -474,34 +614,10 @@ def service_rtt(rate: float | None, total: int, journal: bool, tmp: str) -> Serv
         orch.wait_for("orchestrator ready")
         for ag in agents:
             assert ag.stdout is not None and ag.stdout.readline().strip() == "ready"
-        warm = total // 10  # the first tenth warms connections and caches: not counted
-        sent: dict[str, tuple[float, float]] = {}  # rid -> (due, sent)
-        lock = threading.Lock()
-        nxt = iter(range(total))
-        t0 = time.monotonic() + 0.2
-
-        def client_thread() -> None:
-            with OrchestratorClient(f"http://127.0.0.1:{api}") as client:
-                while True:
-                    with lock:
-                        i = next(nxt, None)
-                    if i is None:
-                        return
-                    due = t0 + i / rate if rate else time.monotonic()
-                    wait = due - time.monotonic()
-                    if wait > 0:
-                        time.sleep(wait)
-                    rid = f"open-{i}"
-                    t = time.monotonic()
-                    client.submit({"i": i}, request_id=rid)
-                    if i >= warm:
-                        sent[rid] = (due, t)
-
-        threads = [threading.Thread(target=client_thread) for _ in range(8 if rate else 1)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        if client == "raw":
+            sent, failures = raw_open_loop(api, rate, total)
+        else:
+            sent, failures = library_open_loop(f"http://127.0.0.1:{api}", rate, total)
         time.sleep(1.0)  # the last submissions reach their workers
         for ag in agents:
             assert ag.stdin is not None
@@ -517,12 +633,17 @@ def service_rtt(rate: float | None, total: int, journal: bool, tmp: str) -> Serv
                 ag.kill()
                 ag.wait()
         orch.terminate()
+    if failures:
+        raise RuntimeError(f"{len(failures)} submissions not accepted, first: {failures[0]}")
+    warm = total // 10
+    sent = {r: v for r, v in sent.items() if int(r.rsplit("-", 1)[1]) >= warm}
     rtts = sorted((arrived[r] - t) * 1e3 for r, (_, t) in sent.items() if r in arrived)
     lags = [(t - due) * 1e3 for due, t in sent.values()]
     span = max(t for _, t in sent.values()) - min(t for _, t in sent.values())
     q = statistics.quantiles(rtts, n=100)
     return ServiceRow(
         journal=journal,
+        client=client,
         workers=sum(FLEET.values()),
         offered_per_s=rate or 0.0,
         achieved_per_s=(len(sent) - 1) / span,
@@ -587,14 +708,16 @@ def markdown(
         )
     lines += [
         "",
-        "| service (submit -> dispatch), open loop | workers | offered /s | achieved /s "
-        "| requests | p50 ms | p90 ms | p99 ms | max ms | send lag p99 ms | dispatched |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| service (submit -> dispatch), open loop | client | workers | offered /s "
+        "| achieved /s | requests | p50 ms | p90 ms | p99 ms | max ms | send lag p99 ms "
+        "| dispatched |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in svc:
         offered = f"{r.offered_per_s:,.0f}" if r.offered_per_s else "one at a time"
         lines.append(
-            f"| {'journal (SQLite WAL)' if r.journal else 'no journal'} | {r.workers} "
+            f"| {'journal (SQLite WAL)' if r.journal else 'no journal'} | {r.client} "
+            f"| {r.workers} "
             f"| {offered} | {r.achieved_per_s:,.0f} | {r.requests} "
             f"| {r.rtt_ms_p50:.2f} | {r.rtt_ms_p90:.2f} | {r.rtt_ms_p99:.2f} "
             f"| {r.rtt_ms_max:.2f} | {r.send_lag_ms_p99:.2f} | {r.dispatched} |"
@@ -628,13 +751,15 @@ def main(argv: list[str] | None = None) -> int:
     svc = []
     with tempfile.TemporaryDirectory() as tmp:
         seconds = 3.0 if a.quick else 10.0
-        for journal in (True, False):
+        for journal, client in ((True, "raw"), (False, "raw"), (True, "library")):
             log(
                 f"service: {SERVICE_RATE:.0f} submissions/s for {seconds:g} s, open loop, "
-                f"{sum(FLEET.values())} workers, journal {'on' if journal else 'off'}"
+                f"{sum(FLEET.values())} workers, journal {'on' if journal else 'off'}, "
+                f"{client} client"
             )
-            svc.append(service_rtt(SERVICE_RATE, int(SERVICE_RATE * seconds), journal, tmp))
-        log("service: one submission at a time, journal on")
+            n = int(SERVICE_RATE * seconds)
+            svc.append(service_rtt(SERVICE_RATE, n, journal, tmp, client))
+        log("service: one submission at a time, journal on, raw client")
         svc.append(service_rtt(None, 300 if a.quick else 2000, True, tmp))
     total = time.perf_counter() - t0
     print(markdown(sat, ch, svc, ratios))
@@ -643,7 +768,8 @@ def main(argv: list[str] | None = None) -> int:
     smallest, largest = next(iter(POOLS)), list(POOLS)[-1]
     by = {(r.policy, r.pool): r.core_decisions_per_s for r in sat}
     cpu = {(r.policy, r.pool): r.loop_cpu_decisions_per_s for r in sat}
-    jsvc = next(r for r in svc if r.journal and r.offered_per_s)
+    jsvc = next(r for r in svc if r.journal and r.offered_per_s and r.client == "raw")
+    lsvc = next(r for r in svc if r.client == "library")
     summary = {
         "decisions_per_s": min(r.core_decisions_per_s for r in sat),
         # per policy, best run over best run; the worst policy (paired ratios below)
@@ -665,6 +791,8 @@ def main(argv: list[str] | None = None) -> int:
         "service_rtt_p50_ms": jsvc.rtt_ms_p50,
         "service_rtt_p99_ms": jsvc.rtt_ms_p99,
         "service_rtt_p99_ms_no_journal": next(r.rtt_ms_p99 for r in svc if not r.journal),
+        "service_rtt_p50_ms_library_client": lsvc.rtt_ms_p50,
+        "service_rtt_p99_ms_library_client": lsvc.rtt_ms_p99,
         "service_rtt_p50_ms_one_at_a_time": next(r.rtt_ms_p50 for r in svc if not r.offered_per_s),
         "service_rtt_p99_ms_one_at_a_time": next(r.rtt_ms_p99 for r in svc if not r.offered_per_s),
         "service_achieved_per_s": jsvc.achieved_per_s,
@@ -688,7 +816,8 @@ def main(argv: list[str] | None = None) -> int:
                 "decisions/s over the smallest's; the worst policy",
                 "handle_us_p99": "the largest handle() p99 of any saturated row",
                 "service_rtt": "ms from sending a submission to its encode item arriving at "
-                "a worker, open loop, journal on",
+                "a worker, open loop, journal on, the raw client (raw_open_loop); "
+                "_library_client: OrchestratorClient in 8 threads (library_open_loop)",
             },
             "rows": [{"part": "saturated", **asdict(r)} for r in sat]
             + [{"part": "chaos", **asdict(c)} for c in ch]
