@@ -18,7 +18,7 @@ decisions. Call sequence:
 
 Modules, one concern each:
     model.py     configuration, WorkItem, events, actions, snapshots (msgspec structs)
-    clock.py     Clock protocol, MonotonicClock, VirtualClock
+    clock.py     Clock protocol, MonotonicClock, VirtualClock, StallClock (the service's)
     queues.py    ClassQueue: priority classes, FIFO within, bounded wait
     pools.py     live workers, credits, heartbeat deadlines
     core.py      Orchestrator: the state machine and its rules
@@ -34,6 +34,7 @@ Modules, one concern each:
     provision.py LocalProvisioner: stage workers as local processes
     sim.py       a discrete-event cluster simulator over the real core
     journal.py   SQLite (WAL) event log; JournaledOrchestrator replays it on restart
+    stalls.py    StallWatch: notices when the service's driver could not run
     errors.py    OrchestratorError and its subclasses
 """
 

@@ -51,6 +51,12 @@ class ServiceMetrics:
         self.rejected = Counter(
             P + "rejected", "Events the core rejected, by code.", ["code"], registry=r
         )
+        self.driver_stall = Counter(
+            P + "driver_stall_seconds",
+            "Seconds the driver could not run (its process stopped, a turn that blocked), "
+            "taken out of the core's time so that workers are not blamed for them.",
+            registry=r,
+        )
         self.events = {
             name: Counter(P + name, f"{name.replace('_', ' ').capitalize()}.", registry=r)
             for name in (
@@ -181,6 +187,8 @@ class ServiceMetrics:
                 self.reruns.labels(stage=arg).inc(delta)
             elif kind == "rejected":
                 self.rejected.labels(code=arg).inc(delta)
+            elif key == "driver_stall_ms":
+                self.driver_stall.inc(delta / 1000)
             elif kind == "planner":
                 self.planner_decisions.labels(kind=arg).inc(delta)
             elif key in self.events:

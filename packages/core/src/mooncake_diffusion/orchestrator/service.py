@@ -81,7 +81,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from mooncake_diffusion.orchestrator.clock import Clock, MonotonicClock
+from mooncake_diffusion.orchestrator.clock import Clock, StallClock
 from mooncake_diffusion.orchestrator.core import Orchestrator
 from mooncake_diffusion.orchestrator.elastic import Elastic, pool_sizes
 from mooncake_diffusion.orchestrator.errors import OrchestratorError
@@ -125,6 +125,7 @@ from mooncake_diffusion.orchestrator.model import (
 from mooncake_diffusion.orchestrator.planner import Decision, Planner, Provisioner
 from mooncake_diffusion.orchestrator.planners import create_planner
 from mooncake_diffusion.orchestrator.policy import RoutingPolicy
+from mooncake_diffusion.orchestrator.stalls import StallWatch
 from mooncake_diffusion.orchestrator.status import (
     TERMINAL,
     RequestEvent,
@@ -232,7 +233,8 @@ class _Outstanding(msgspec.Struct):
 
 
 class OrchestratorService:
-    """See the module docstring. ``clock``: default ``MonotonicClock``; ``policy``: a
+    """See the module docstring. ``clock``: default a ``StallClock`` (monotonic time
+    less the driver's own stalls, which a ``StallWatch`` notices); ``policy``: a
     routing policy instance (default: ``config.orchestrator.policy``); ``planner``: a
     planner instance (default: ``config.planner``), run on the driver thread every
     ``planner.interval`` (``elastic.Elastic``); ``provisioner``: where its
@@ -252,7 +254,7 @@ class OrchestratorService:
         self._elastic = Elastic(planner, provisioner, window=self.config.planner_window)
         #: worker -> the stages it held when told to load others (for stage_changes)
         self._before: dict[str, tuple[str, ...]] = {}
-        self._clock = clock or MonotonicClock()
+        self._clock = clock or StallClock()
         self._policy = policy
         self.table = RequestTable(self.config.max_finished)
         self._mail: Inbox[tuple[Callable[[], Any], Future]] = Inbox()
@@ -567,21 +569,29 @@ class OrchestratorService:
             opened.set_exception(e)
             return
         opened.set_result(None)
+        # only a clock that stalls can be told of stalls (a VirtualClock is the caller's)
+        watch = StallWatch().start() if isinstance(self._clock, StallClock) else None
         try:
-            self._loop()
+            self._loop(watch)
         finally:
+            if watch is not None:
+                watch.close()
             if isinstance(self._core, JournaledOrchestrator):
                 self._core.close()
             self.stopped.set()
             for _, fut in self._mail.drain():  # nobody will answer these now
                 fut.set_exception(ServiceUnavailable(f"the orchestrator stopped: {self.failure}"))
 
-    def _loop(self) -> None:
+    def _loop(self, watch: StallWatch | None) -> None:
+        """Turns until stopped. With a ``watch``, a stall of the driver (``stalls.py``)
+        is taken out of the core's time before the next turn's first event, so the
+        frames queued meanwhile find their senders still live."""
         router = self._router
         assert router is not None and self._core is not None
         poller = zmq.Poller()
         poller.register(router, zmq.POLLIN)
         poller.register(self._mail.fileno(), zmq.POLLIN)
+        turn_s = 0.0
         while not self._stopping:
             deadline = self._core.next_deadline()
             wake = min(
@@ -593,6 +603,13 @@ class OrchestratorService:
                 ready = dict(poller.poll(timeout))
             except zmq.ZMQError:
                 break
+            if watch is not None:
+                stall = watch.take(turn_s)
+                if stall:
+                    assert isinstance(self._clock, StallClock)
+                    self._clock.stalled(stall)
+                    self._counters["driver_stall_ms"] += round(stall * 1000)
+            started = time.monotonic()
             with self._turn():
                 if router in ready:
                     for _ in range(_TURN_FRAMES):
@@ -617,6 +634,7 @@ class OrchestratorService:
                     self._guard(self._feed, Tick(), None)
                 if self._elastic.due(self._now()):
                     self._guard(self._plan)
+            turn_s = time.monotonic() - started
 
     @contextlib.contextmanager
     def _turn(self) -> Iterator[None]:

@@ -1,0 +1,77 @@
+"""Noticing when the orchestrator's driver could not run, so that the core does
+not blame its workers for it (``clock.StallClock`` takes the stall out of time).
+
+    watch = StallWatch().start()        # a thread of its own: notes freezes
+    clock.stalled(watch.take(turn_s))   # the driver, before each turn's first event
+    watch.close()
+
+Either kind of stall leaves worker frames queued that were sent while the driver
+could not read them:
+
+- the process did not run, or not this interpreter: the watch sleeps
+  ``PERIOD_S`` at a time and finds it woke far later (the process stopped, the
+  machine paused, a collector pass or anything else holding the interpreter lock);
+- a turn of the driver itself ran long (``turn_s``: a commit that blocked on the
+  disk, a burst of work on a starved machine).
+
+``take(turn_s)`` returns what to take out of the core's time before the next
+turn: the larger of the two since the last call (they overlap: a long collector
+pass in a turn is both), counted only past ``STALL_S``; else 0.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+__all__ = ["PERIOD_S", "STALL_S", "StallWatch"]
+
+#: how often the watch wakes
+PERIOD_S = 0.1
+#: the shortest lateness or turn counted as a stall: far above a collector pass
+#: (milliseconds) and a scheduler slice, far below a heartbeat timeout (seconds)
+STALL_S = 0.25
+
+
+class StallWatch:
+    """See the module docstring. ``start`` once, ``close`` once (joins the thread);
+    ``take`` from the driver's thread. ``clock``: where the watch reads the time
+    (``time.monotonic``; tests pass one that jumps)."""
+
+    def __init__(
+        self,
+        period_s: float = PERIOD_S,
+        stall_s: float = STALL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._period, self._stall, self._clock = period_s, stall_s, clock
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._frozen = 0.0
+        self._thread = threading.Thread(target=self._run, name="mcd-stall-watch", daemon=True)
+
+    def start(self) -> StallWatch:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        last = self._clock()
+        while not self._stop.wait(self._period):
+            now = self._clock()
+            late, last = now - last - self._period, now
+            if late > self._stall:
+                with self._lock:
+                    self._frozen += late
+
+    def take(self, turn_s: float) -> float:
+        """The stall since the last call (seconds, 0 if none), given the length of
+        the driver's last turn."""
+        with self._lock:
+            frozen, self._frozen = self._frozen, 0.0
+        return max(frozen, turn_s if turn_s > self._stall else 0.0)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
