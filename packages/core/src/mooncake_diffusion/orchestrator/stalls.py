@@ -8,9 +8,12 @@ not blame its workers for it (``clock.StallClock`` takes the stall out of time).
 Either kind of stall leaves worker frames queued that were sent while the driver
 could not read them:
 
-- the process did not run, or not this interpreter: the watch sleeps
-  ``PERIOD_S`` at a time and finds it woke far later (the process stopped, the
-  machine paused, a collector pass or anything else holding the interpreter lock);
+- the process did not run, or not this interpreter: the time since anything of
+  it last ran (the watch's thread wakes every ``PERIOD_S`` and marks the time;
+  ``take`` marks it too) is far longer than a period (the process stopped, the
+  machine paused, a collector pass or anything else holding the interpreter lock).
+  The driver measures this itself in ``take``, so a stall is counted before the
+  first frame after it is read, whichever thread runs first afterwards;
 - a turn of the driver itself ran long (``turn_s``: a commit that blocked on the
   disk, a burst of work on a starved machine).
 
@@ -49,24 +52,31 @@ class StallWatch:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._frozen = 0.0
+        #: the last time something of this process was seen running
+        self._mark = clock()
         self._thread = threading.Thread(target=self._run, name="mcd-stall-watch", daemon=True)
 
     def start(self) -> StallWatch:
         self._thread.start()
         return self
 
-    def _run(self) -> None:
-        last = self._clock()
-        while not self._stop.wait(self._period):
+    def _look(self) -> None:
+        """Count the time since the last mark as a freeze if it is one; mark now."""
+        with self._lock:
             now = self._clock()
-            late, last = now - last - self._period, now
+            late = now - self._mark - self._period
             if late > self._stall:
-                with self._lock:
-                    self._frozen += late
+                self._frozen += late
+            self._mark = max(self._mark, now)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._period):
+            self._look()
 
     def take(self, turn_s: float) -> float:
         """The stall since the last call (seconds, 0 if none), given the length of
         the driver's last turn."""
+        self._look()
         with self._lock:
             frozen, self._frozen = self._frozen, 0.0
         return max(frozen, turn_s if turn_s > self._stall else 0.0)
