@@ -88,8 +88,7 @@ def _client(settings: MooncakeSettings, nbytes: int) -> Iterator[tuple[StoreClie
 
 def failover_row(etcd: EtcdCluster, oplog: bool, objects: int, run: int) -> dict[str, Any]:
     """One master failover with ``objects`` stored (see the module docstring)."""
-    cluster_id = f"mcd_bench_{int(oplog)}_{run}_{time.monotonic_ns()}"
-    os.environ["MC_STORE_CLUSTER_ID"] = cluster_id
+    os.environ["MC_STORE_CLUSTER_ID"] = f"mcd_bench_{int(oplog)}_{run}_{time.monotonic_ns()}"
     started = time.monotonic()
     with LocalCluster(64 * MIB, masters=2, etcd_endpoints=etcd.endpoints, oplog=oplog) as c:
         warmup_s = time.monotonic() - started
@@ -102,9 +101,7 @@ def failover_row(etcd: EtcdCluster, oplog: bool, objects: int, run: int) -> dict
             client.put_many(keys, ptrs, sizes, pin="hard")
             oplog_wait_s = 0.0
             if oplog:
-                oplog_wait_s = _until(
-                    lambda: set(keys) <= oplog_puts(etcd.client(), cluster_id), 120
-                )
+                oplog_wait_s = _until(lambda: set(keys) <= oplog_puts(c.settings.master), 120)
             c.masters.kill_leader()
             killed = time.monotonic()
             leader_s = _until(lambda: c.masters.leader() is not None, 120.0)

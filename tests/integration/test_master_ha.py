@@ -9,7 +9,6 @@ before it may be lost); without it the new leader starts empty (what
 
 from __future__ import annotations
 
-import os
 import time
 
 import pytest
@@ -88,11 +87,8 @@ def test_store_clients_follow_the_leader_across_a_master_kill(ha):
         client.put_many(KEYS, ptrs, sizes, pin="hard")
         want = buf.clone()
         if oplog:  # the kill lands once the OpLog in etcd holds every put
-            cluster_id = os.environ["MC_STORE_CLUSTER_ID"]
-            _eventually(
-                lambda: oplog_puts(etcd.client(), cluster_id) >= set(KEYS),
-                time.monotonic() + TAKEOVER_S,
-            )
+            held = time.monotonic() + TAKEOVER_S
+            _eventually(lambda: oplog_puts(settings.master) >= set(KEYS), held)
 
         assert cluster.masters is not None
         cluster.masters.kill_leader()

@@ -1,7 +1,7 @@
 """The service's stall clock and watch (``clock.StallClock``, ``stalls.StallWatch``):
 time less the stalls reported, never going back; a turn counts as a stall only past
-the threshold, and a freeze of the watch's own thread is noticed. Pure logic, plus the
-watch's real thread (its freeze is made by holding the lock it reports under)."""
+the threshold, and a freeze of the process is noticed. Pure logic, plus the watch's
+real thread (a freeze is stood in for by a clock that jumps)."""
 
 from __future__ import annotations
 

@@ -55,13 +55,15 @@ def leader_rpc_address(master: str, cluster_id: str | None = None) -> str | None
     return value.decode() if value else None
 
 
-def oplog_puts(client: EtcdClient, cluster_id: str) -> set[str]:
+def oplog_puts(master: str, cluster_id: str | None = None) -> set[str]:
     """The object keys a takeover would restore now: those put and not revoked or
     removed in the OpLog batches up to ``durable_prefix`` (Mooncake 0.3.13's layout;
     a batch is ``[schema, id, first_seq, last_seq, [[op, tenant, key, payload],
-    ...], checksum]``). Empty while nothing is durable."""
-    root = f"/oplog/{cluster_id}/"
-    found = client.get_prefix(root)
+    ...], checksum]``). Empty while nothing is durable. ``master`` and ``cluster_id``
+    as for ``leader_rpc_address``."""
+    cid = cluster_id or os.environ.get("MC_STORE_CLUSTER_ID") or DEFAULT_CLUSTER_ID
+    root = f"/oplog/{cid}/"
+    found = EtcdClient(etcd_endpoints(master)).get_prefix(root, timeout=1.0)
     prefix = found.get(root + "durable_prefix")
     if prefix is None:
         return set()

@@ -61,23 +61,24 @@ class StallWatch:
         return self
 
     def _look(self) -> None:
-        """Count the time since the last mark as a freeze if it is one; mark now."""
-        with self._lock:
-            now = self._clock()
-            late = now - self._mark - self._period
-            if late > self._stall:
-                self._frozen += late
-            self._mark = max(self._mark, now)
+        """Under the lock: count the time since the last mark as a freeze if it is
+        one; mark now."""
+        now = self._clock()
+        late = now - self._mark - self._period
+        if late > self._stall:
+            self._frozen += late
+        self._mark = max(self._mark, now)
 
     def _run(self) -> None:
         while not self._stop.wait(self._period):
-            self._look()
+            with self._lock:
+                self._look()
 
     def take(self, turn_s: float) -> float:
         """The stall since the last call (seconds, 0 if none), given the length of
         the driver's last turn."""
-        self._look()
         with self._lock:
+            self._look()
             frozen, self._frozen = self._frozen, 0.0
         return max(frozen, turn_s if turn_s > self._stall else 0.0)
 
