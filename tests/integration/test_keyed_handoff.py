@@ -498,3 +498,78 @@ def test_mailbox_claims_hold_lapse_and_are_discarded(mooncake_cluster):
         assert second.record == b"two" and box.claim("lapse", 600) is None
         assert first.confirm() is False and second.confirm() is True
         assert mooncake_cluster.keys() == []
+
+
+def test_a_claim_whose_lease_meets_a_full_pool_retries_then_goes_on_without_a_lease(
+    monkeypatch,
+):
+    """The lease's post meets a pool filled between the take and that post (the window
+    a waiting producer's put took in CI), held there by filling the pool at the first
+    try. Room back at the second try: the claim is leased. Still full: after a second
+    the claimer gets the record without a lease. The record is never lost, and
+    nothing is left."""
+    import threading
+
+    import numpy as np
+
+    from mooncake_diffusion._mooncake.cluster import LocalCluster
+    from mooncake_diffusion._mooncake.store import StoreClient
+    from mooncake_diffusion.tensors import describe
+
+    baseline = {f"{t.name}#{t.ident}" for t in threading.enumerate()}
+    with LocalCluster(pool_bytes=64 << 20, reap_interval_s=0) as cluster:
+        filler = StoreClient(cluster.settings)
+        blob = np.zeros(16 << 20, dtype=np.uint8)
+        filler.regs.pin(describe("filler", blob)[1])
+        filled: list[str] = []
+
+        def fill() -> None:  # hard-pinned objects, halving, until not 256 bytes fit
+            size = len(blob)
+            while size >= 256:
+                try:
+                    key = f"filler/{len(filled)}"
+                    filler.put_many([key], [[blob.ctypes.data]], [[size]], pin="hard")
+                    filled.append(key)
+                except StoreFullError:
+                    size //= 2
+
+        try:
+            with Mailbox(cluster.settings, max_record=4096) as box:
+                real_put, lease_tries, free_at_second = box._put, [], [True]
+
+                def held_put(key, expires_ms, body):
+                    if key.startswith(box.lease_namespace):
+                        lease_tries.append(key)
+                        if len(lease_tries) == 1:
+                            fill()
+                        elif len(lease_tries) == 2 and free_at_second[0]:
+                            filler.remove_many(filled)
+                            filled.clear()
+                    return real_put(key, expires_ms, body)
+
+                monkeypatch.setattr(box, "_put", held_put)
+                record = b"r" * 2048
+                box.post("room", record, expires_at=time.time() + 600)
+                claim = box.claim("room", 600)
+                assert claim is not None and claim.record == record
+                assert len(lease_tries) == 2 and box.unleased_claims == 0
+                assert box.claim("room", 600) is None  # leased: nobody else's
+                assert claim.confirm() is True
+
+                lease_tries.clear()
+                free_at_second[0] = False
+                box.post("full", record, expires_at=time.time() + 600)
+                claim = box.claim("full", 600)
+                assert claim is not None and claim.record == record
+                assert len(lease_tries) > 2 and box.unleased_claims == 1
+                assert not any(k.startswith(box.lease_namespace) for k in cluster.keys())  # noqa: SIM118
+                assert box.claim("full", 600) is None
+                assert claim.confirm() is True
+                filler.remove_many(filled)
+                filled.clear()
+                assert cluster.keys() == []
+        finally:
+            filler.remove_many(filled)
+            filler.regs.unpin(describe("filler", blob)[1])
+            filler.close()
+        assert_no_leaks(cluster, baseline)

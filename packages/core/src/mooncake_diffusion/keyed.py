@@ -560,7 +560,8 @@ class KeyedHandoff:
         lease of ``lease_s`` and confirmed once the bytes have landed: once taken, a key
         is gone for every other live consumer; a consumer that dies (or stalls past the
         lease) before its bytes landed leaves the key to the next ``receive`` after the
-        lease lapses (at-least-once across a reader's death). Raises
+        lease lapses (at-least-once across a reader's death; not for a record taken
+        while the pool stayed full, see ``Mailbox``'s "A full pool"). Raises
         ``PayloadGoneError`` when the record was there but its bytes were not (producer
         died in p2p, removed meanwhile), ``HandleError`` for a foreign or corrupt
         record, and the connector's transfer errors. After a retryable error of a store

@@ -48,6 +48,15 @@ taker dying there loses the record (its expiry still reclaims what it named).
 A claim of an absent name costs one round trip (one existence check of the
 record and its lease), as a ``take`` does.
 
+A full pool. The lease's post needs room the take has just freed, and another
+put (a producer filling the pool) may have had it meanwhile. The post is then
+retried for up to a second; a pool still full after that gets the record
+without a lease (``unleased_claims`` counts these, and a warning says so): the
+taker has it in hand and consuming what it names frees room, where waiting on
+the pool could wait forever and a give-back into a full pool would drop it. For
+that one record a taker dying before it is done loses it (its expiry still
+reclaims what it named).
+
 Concurrent posts. A put of an existing key may report success without writing,
 so every ``post`` reads its record back: one that finds another poster's
 record there (two producers posting one name at the same instant) raises
@@ -81,6 +90,7 @@ from mooncake_diffusion.errors import (
     MooncakeDiffusionError,
     MooncakeError,
     PayloadError,
+    StoreFullError,
 )
 from mooncake_diffusion.leases import TTL_ROOT, ttl_marker
 from mooncake_diffusion.settings import MooncakeSettings
@@ -97,6 +107,7 @@ _HEADER = struct.Struct("<Q")  # expires_ms, 0: never
 _LEASE = struct.Struct("<Q16s")
 _REPLACE_TRIES = 8
 _READ_BACK_S = 5.0  # how long a post's read back waits for another's put in flight
+_FULL_LEASE_S = 1.0  # how long a claim retries its lease's post into a full pool
 _log = logging.getLogger("mooncake_diffusion.mailbox")
 T = TypeVar("T")
 
@@ -184,6 +195,8 @@ class Mailbox:
         self._out_lock = threading.Lock()
         self._in_lock = threading.Lock()
         self._closed = False
+        #: claims that went on without a lease because the pool stayed full
+        self.unleased_claims = 0
         try:
             for buf in (self._out, self._in):
                 self._client.regs.pin(describe("mailbox", buf)[1])
@@ -330,15 +343,43 @@ class Mailbox:
             return None
         if lease_if is not None and not lease_if(record):
             return Claim(self, name, record, expires_ms, leased=False)
-        until_ms = int((time.time() + lease_s) * 1000)
-        token = os.urandom(16)
         try:
-            if not self._put(lkey, expires_ms, _LEASE.pack(until_ms, token) + record):
-                raise DuplicatePublishError(f"a lease on {name!r} is already there")
+            token = self._post_lease(name, expires_ms, lease_s, record)
         except BaseException:
             Claim(self, name, record, expires_ms, leased=False).give_back()
             raise
+        if token is None:
+            self.unleased_claims += 1
+            _log.warning(
+                "the store pool stayed full for %.1fs: %r is taken without a lease "
+                "(a taker dying before it is done loses it)",
+                _FULL_LEASE_S,
+                name,
+            )
+            return Claim(self, name, record, expires_ms, leased=False)
         return Claim(self, name, record, expires_ms, leased=True, token=token)
+
+    def _post_lease(
+        self, name: str, expires_ms: int, lease_s: float, record: bytes
+    ) -> bytes | None:
+        """Post ``record`` under ``name``'s lease key with a lease of ``lease_s`` from
+        now; its token, or ``None`` when the pool stayed full for ``_FULL_LEASE_S``."""
+        lkey = self.lease_key_of(name)
+        give_up = time.monotonic() + _FULL_LEASE_S
+        delay = 0.001
+        while True:
+            token = os.urandom(16)
+            until_ms = int((time.time() + lease_s) * 1000)
+            try:
+                if not self._put(lkey, expires_ms, _LEASE.pack(until_ms, token) + record):
+                    raise DuplicatePublishError(f"a lease on {name!r} is already there")
+                return token
+            except StoreFullError:
+                left = give_up - time.monotonic()
+                if left <= 0:
+                    return None
+                time.sleep(min(delay, left))
+                delay = min(delay * 2, 0.05)
 
     def _end_lease(self, name: str, token: bytes) -> bool:
         """Remove ``name``'s lease if it is still the one ``token`` holds; ``False`` when
