@@ -47,6 +47,7 @@ import logging
 import socket
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -263,6 +264,37 @@ class _Guard:
         return None
 
 
+class _Express:
+    """The hot route, ``POST /v1/requests``, from the guard straight to its function:
+    the same function, checks and error handlers as through the router, without
+    FastAPI's exception middleware, routing and dependency solving (their CPU per
+    submission: ``docs/performance.md``). Sits inside
+    the guard and the route limits, so their checks and counts apply as before;
+    every other request passes to ``app``. An error's handler is the app's own for
+    the nearest class of the error (``Exception``'s logs it and answers 500)."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        submit: Callable[[Request], Awaitable[Response]],
+        handlers: dict[Any, Callable[[Request, Exception], Awaitable[Response]]],
+    ) -> None:
+        self.app, self.submit, self.handlers = app, submit, handlers
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] != "/v1/requests" or scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        request = Request(scope, receive, send)
+        try:
+            response = await self.submit(request)
+        except Exception as e:
+            handler = next(self.handlers[c] for c in type(e).__mro__ if c in self.handlers)
+            response = await handler(request, e)
+        await response(scope, receive, send)
+
+
 # --------------------------------------------------------------------------- app
 def build_app(
     service: OrchestratorService,
@@ -273,12 +305,15 @@ def build_app(
     front: FrontConfig | None = None,
     limits: HttpLimits | None = None,
     bound_host: str = "127.0.0.1",
+    express: bool = True,
 ) -> FastAPI:
     """The FastAPI app for ``service``. ``outputs``: where OpenAI-style requests' files
     are served from (None: those routes answer 503). ``body_timeout_s``: how long a
     client may take to send a body before it gets 408. ``front``: admission (Host and
     Origin names, cost ceilings, models); ``limits``: streams and waits per client and
-    in total; ``bound_host``: the address the API listens on (the default Host names)."""
+    in total; ``bound_host``: the address the API listens on (the default Host names).
+    ``express``: submissions skip the router (``_Express``); ``False`` sends them
+    through it like every other route (the same answers, more CPU)."""
     front = front or FrontConfig()
     limits = limits or HttpLimits()
     threads = thread_limiters(limits)
@@ -299,8 +334,6 @@ def build_app(
 
     status_doc = {**errors, "200": {"description": "the request", **content(shapes["status"])}}
     _error_handlers(app)
-
-    app.add_middleware(_Guard, front=front, allowed=allowed, token=token)
 
     @app.get("/docs", include_in_schema=False)
     async def docs() -> Response:
@@ -444,6 +477,10 @@ def build_app(
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+    # the last added runs first: the route limits, the guard, then the express route
+    if express:
+        app.add_middleware(_Express, submit=submit, handlers=app.exception_handlers)
+    app.add_middleware(_Guard, front=front, allowed=allowed, token=token)
     app.add_middleware(RouteLimits, limits=limits)
     return app
 

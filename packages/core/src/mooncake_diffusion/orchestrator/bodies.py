@@ -106,7 +106,8 @@ async def _read(request: Request, types: tuple[str, ...], *, required: bool) -> 
         raise ApiError(415, "unsupported_media_type", f"send {' or '.join(types)}, not {got}")
     limit = getattr(request.app.state, "body_timeout_s", BODY_TIMEOUT_S)
     try:
-        return await asyncio.wait_for(request.body(), limit)
+        async with asyncio.timeout(limit):
+            return await request.body()
     except TimeoutError:
         raise ApiError(408, "timeout", f"body not sent within {limit:g}s") from None
 

@@ -549,8 +549,9 @@ class OrchestratorService:
         through the loop (``asyncio.wrap_future``), no thread pool in between. On the
         timeout the call is cancelled if the driver has not started it."""
         fut = asyncio.wrap_future(self._post(fn))
-        try:
-            return await asyncio.wait_for(fut, self.config.call_timeout_s)
+        try:  # a timeout scope, not wait_for: no task and waiter of its own per call
+            async with asyncio.timeout(self.config.call_timeout_s):
+                return await fut
         except TimeoutError:
             raise self._late() from None
 
