@@ -500,76 +500,134 @@ def test_mailbox_claims_hold_lapse_and_are_discarded(mooncake_cluster):
         assert mooncake_cluster.keys() == []
 
 
+class FillablePool:
+    """A 64 MiB store pool that ``fill()`` fills with hard-pinned objects (halving in
+    size until not even 256 bytes fit) and ``free()`` empties again: a full pool
+    held exactly where a test needs it."""
+
+    def __init__(self, cluster) -> None:
+        import numpy as np
+
+        from mooncake_diffusion._mooncake.store import StoreClient
+        from mooncake_diffusion.tensors import describe
+
+        self.cluster, self.keys = cluster, []
+        self.client = StoreClient(cluster.settings)
+        self.blob = np.zeros(16 << 20, dtype=np.uint8)
+        self._desc = describe("filler", self.blob)[1]
+        self.client.regs.pin(self._desc)
+
+    def fill(self) -> None:
+        size = len(self.blob)
+        while size >= 256:
+            try:
+                key = f"filler/{len(self.keys)}"
+                self.client.put_many([key], [[self.blob.ctypes.data]], [[size]], pin="hard")
+                self.keys.append(key)
+            except StoreFullError:
+                size //= 2
+
+    def free(self) -> None:
+        self.client.remove_many(self.keys)
+        self.keys.clear()
+
+    def close(self) -> None:
+        self.free()
+        self.client.regs.unpin(self._desc)
+        self.client.close()
+
+
+@pytest.fixture
+def fillable():
+    """A ``FillablePool`` on a cluster of its own, leak-checked after the test."""
+    import threading
+
+    from mooncake_diffusion._mooncake.cluster import LocalCluster
+
+    baseline = {f"{t.name}#{t.ident}" for t in threading.enumerate()}
+    with LocalCluster(pool_bytes=64 << 20, reap_interval_s=0) as cluster:
+        pool = FillablePool(cluster)
+        try:
+            yield pool
+        finally:
+            pool.close()
+        assert cluster.keys() == []
+        assert_no_leaks(cluster, baseline)
+
+
+def held_lease_puts(box, monkeypatch, at_first, at_second=None):
+    """Run ``at_first()`` just before the first put under ``box``'s lease keys and
+    ``at_second()`` before the second; returns the list of lease keys put."""
+    real_put, tries = box._put, []
+
+    def held_put(key, expires_ms, body):
+        if key.startswith(box.lease_namespace):
+            tries.append(key)
+            hook = {1: at_first, 2: at_second}.get(len(tries))
+            if hook is not None:
+                hook()
+        return real_put(key, expires_ms, body)
+
+    monkeypatch.setattr(box, "_put", held_put)
+    return tries
+
+
 def test_a_claim_whose_lease_meets_a_full_pool_retries_then_goes_on_without_a_lease(
-    monkeypatch,
+    fillable, monkeypatch
 ):
     """The lease's post meets a pool filled between the take and that post (the window
     a waiting producer's put took in CI), held there by filling the pool at the first
     try. Room back at the second try: the claim is leased. Still full: after a second
     the claimer gets the record without a lease. The record is never lost, and
     nothing is left."""
-    import threading
+    cluster = fillable.cluster
+    with Mailbox(cluster.settings, max_record=4096) as box:
+        record = b"r" * 2048
+        tries = held_lease_puts(box, monkeypatch, fillable.fill, fillable.free)
+        box.post("room", record, expires_at=time.time() + 600)
+        claim = box.claim("room", 600)
+        assert claim is not None and claim.record == record
+        assert len(tries) == 2 and box.unleased_claims == 0
+        assert box.claim("room", 600) is None  # leased: nobody else's
+        assert claim.confirm() is True
 
-    import numpy as np
+        tries = held_lease_puts(box, monkeypatch, fillable.fill)
+        box.post("full", record, expires_at=time.time() + 600)
+        claim = box.claim("full", 600)
+        assert claim is not None and claim.record == record
+        assert len(tries) > 2 and box.unleased_claims == 1
+        assert not any(k.startswith(box.lease_namespace) for k in cluster.keys())  # noqa: SIM118
+        assert box.claim("full", 600) is None
+        assert claim.confirm() is True
+        fillable.free()
+        assert cluster.keys() == []
 
-    from mooncake_diffusion._mooncake.cluster import LocalCluster
-    from mooncake_diffusion._mooncake.store import StoreClient
-    from mooncake_diffusion.tensors import describe
 
-    baseline = {f"{t.name}#{t.ident}" for t in threading.enumerate()}
-    with LocalCluster(pool_bytes=64 << 20, reap_interval_s=0) as cluster:
-        filler = StoreClient(cluster.settings)
-        blob = np.zeros(16 << 20, dtype=np.uint8)
-        filler.regs.pin(describe("filler", blob)[1])
-        filled: list[str] = []
-
-        def fill() -> None:  # hard-pinned objects, halving, until not 256 bytes fit
-            size = len(blob)
-            while size >= 256:
-                try:
-                    key = f"filler/{len(filled)}"
-                    filler.put_many([key], [[blob.ctypes.data]], [[size]], pin="hard")
-                    filled.append(key)
-                except StoreFullError:
-                    size //= 2
-
-        try:
-            with Mailbox(cluster.settings, max_record=4096) as box:
-                real_put, lease_tries, free_at_second = box._put, [], [True]
-
-                def held_put(key, expires_ms, body):
-                    if key.startswith(box.lease_namespace):
-                        lease_tries.append(key)
-                        if len(lease_tries) == 1:
-                            fill()
-                        elif len(lease_tries) == 2 and free_at_second[0]:
-                            filler.remove_many(filled)
-                            filled.clear()
-                    return real_put(key, expires_ms, body)
-
-                monkeypatch.setattr(box, "_put", held_put)
-                record = b"r" * 2048
-                box.post("room", record, expires_at=time.time() + 600)
-                claim = box.claim("room", 600)
-                assert claim is not None and claim.record == record
-                assert len(lease_tries) == 2 and box.unleased_claims == 0
-                assert box.claim("room", 600) is None  # leased: nobody else's
-                assert claim.confirm() is True
-
-                lease_tries.clear()
-                free_at_second[0] = False
-                box.post("full", record, expires_at=time.time() + 600)
-                claim = box.claim("full", 600)
-                assert claim is not None and claim.record == record
-                assert len(lease_tries) > 2 and box.unleased_claims == 1
-                assert not any(k.startswith(box.lease_namespace) for k in cluster.keys())  # noqa: SIM118
-                assert box.claim("full", 600) is None
-                assert claim.confirm() is True
-                filler.remove_many(filled)
-                filled.clear()
-                assert cluster.keys() == []
-        finally:
-            filler.remove_many(filled)
-            filler.regs.unpin(describe("filler", blob)[1])
-            filler.close()
-        assert_no_leaks(cluster, baseline)
+def test_putting_back_a_takeovers_lease_into_a_full_pool_is_retried_and_never_raises(
+    fillable, monkeypatch
+):
+    """A first claimer stalls past its lease, a second takes the record over; the
+    first's confirm takes the second's lease and must put it back, into a pool filled
+    at that moment. Room back at the second try: the second's lease stands. Still
+    full: the first's confirm still answers False (no error), and so does the
+    second's; the record is in both their hands."""
+    cluster = fillable.cluster
+    with Mailbox(cluster.settings, max_record=4096) as box:
+        for free_again, second_confirms in ((True, True), (False, False)):
+            name = f"lapse-{free_again}"
+            box.post(name, b"two", expires_at=time.time() + 600)
+            first = box.claim(name, 0.05)
+            hang_guard = time.monotonic() + 60
+            while (second := box.claim(name, 600)) is None:
+                assert time.monotonic() < hang_guard, "the lapsed lease was never taken over"
+                time.sleep(0.01)
+            assert first is not None and second.record == first.record == b"two"
+            tries = held_lease_puts(
+                box, monkeypatch, fillable.fill, fillable.free if free_again else None
+            )
+            assert first.confirm() is False
+            assert len(tries) == 2 if free_again else len(tries) > 2
+            fillable.free()
+            assert second.confirm() is second_confirms
+            monkeypatch.undo()
+            assert [k for k in cluster.keys() if name in k] == []  # noqa: SIM118

@@ -364,16 +364,26 @@ class Mailbox:
     ) -> bytes | None:
         """Post ``record`` under ``name``'s lease key with a lease of ``lease_s`` from
         now; its token, or ``None`` when the pool stayed full for ``_FULL_LEASE_S``."""
-        lkey = self.lease_key_of(name)
+        token = os.urandom(16)
+
+        def body() -> bytes:
+            return _LEASE.pack(int((time.time() + lease_s) * 1000), token) + record
+
+        wrote = self._put_with_room(self.lease_key_of(name), expires_ms, body)
+        if wrote is None:
+            return None
+        if not wrote:
+            raise DuplicatePublishError(f"a lease on {name!r} is already there")
+        return token
+
+    def _put_with_room(self, key: str, expires_ms: int, body: Callable[[], bytes]) -> bool | None:
+        """``_put`` of ``body()`` (built again at each try) retried while the pool is
+        full, for up to ``_FULL_LEASE_S``; ``None`` when it stayed full."""
         give_up = time.monotonic() + _FULL_LEASE_S
         delay = 0.001
         while True:
-            token = os.urandom(16)
-            until_ms = int((time.time() + lease_s) * 1000)
             try:
-                if not self._put(lkey, expires_ms, _LEASE.pack(until_ms, token) + record):
-                    raise DuplicatePublishError(f"a lease on {name!r} is already there")
-                return token
+                return self._put(key, expires_ms, body())
             except StoreFullError:
                 left = give_up - time.monotonic()
                 if left <= 0:
@@ -383,13 +393,21 @@ class Mailbox:
 
     def _end_lease(self, name: str, token: bytes) -> bool:
         """Remove ``name``'s lease if it is still the one ``token`` holds; ``False`` when
-        it is not (taken over, or discarded), and a taken-over one is put back."""
+        it is not (taken over, or discarded), and a taken-over one is put back (retried
+        while the pool is full; if it stays full, that taker's confirm says ``False``
+        too, and the bytes are left to their expiry)."""
         lkey = self.lease_key_of(name)
         got = self._take_key(lkey)
         if got is None:
             return False
         if got[1][_LEASE.size - 16 : _LEASE.size] != token:  # a takeover's: put it back
-            self._put(lkey, got[0], got[1])
+            if self._put_with_room(lkey, got[0], lambda: got[1]) is None:
+                _log.warning(
+                    "the lease of the taker that took %r over could not be put back: "
+                    "the store pool stayed full for %.1fs",
+                    name,
+                    _FULL_LEASE_S,
+                )
             return False
         return True
 
