@@ -82,6 +82,9 @@ class RequestStatus(msgspec.Struct, omit_defaults=True):
     events: list[RequestEvent] = msgspec.field(default_factory=list)
 
 
+_pack = msgspec.msgpack.Encoder().encode
+_unpack = msgspec.msgpack.Decoder(RequestStatus).decode
+
 Subscriber = "queue.SimpleQueue[RequestEvent | None]"
 
 
@@ -89,7 +92,10 @@ class RequestTable:
     def __init__(self, max_finished: int = 10_000) -> None:
         self.max_finished = max_finished
         self._live: dict[str, RequestStatus] = {}
-        self._finished: OrderedDict[str, RequestStatus] = OrderedDict()
+        # finished statuses, encoded: bytes are nothing the garbage collector walks
+        # (10,000 statuses with their events were most of what a full collection
+        # walked in a busy service); decoded afresh at each read
+        self._finished: OrderedDict[str, bytes] = OrderedDict()
         self._subs: dict[str, list[queue.SimpleQueue[RequestEvent | None]]] = {}
         #: while held (``hold``): stream items not yet put, in order
         self._held: list[tuple[queue.SimpleQueue[RequestEvent | None], RequestEvent | None]] = []
@@ -97,7 +103,12 @@ class RequestTable:
 
     # ------------------------------------------------------------------ reads
     def status(self, rid: str) -> RequestStatus | None:
-        return self._live.get(rid) or self._finished.get(rid)
+        """The request's status: the live one itself, or a finished one's copy."""
+        st = self._live.get(rid)
+        if st is not None:
+            return st
+        blob = self._finished.get(rid)
+        return None if blob is None else _unpack(blob)
 
     def live(self) -> list[RequestStatus]:
         return list(self._live.values())
@@ -108,7 +119,7 @@ class RequestTable:
         for rid in reversed(self._finished):
             if len(out) == n:
                 break
-            out.append(self._finished[rid])
+            out.append(_unpack(self._finished[rid]))
         return out[::-1]
 
     def subscribe(self, rid: str, q: queue.SimpleQueue[RequestEvent | None]) -> bool:
@@ -179,10 +190,12 @@ class RequestTable:
                 )
                 self._emit(action.request_id, ev)
         elif isinstance(action, RequestCompleted):
-            self._finish(action.request_id, "completed", output=action.output)
-            st = self._finished.get(action.request_id)
-            if st is not None:
-                st.deadline_met = action.deadline_met
+            self._finish(
+                action.request_id,
+                "completed",
+                output=action.output,
+                deadline_met=action.deadline_met,
+            )
         elif isinstance(action, RequestFailed):
             self._finish(action.request_id, "failed", reasons=list(action.reasons))
         elif isinstance(action, RequestCancelled):
@@ -228,14 +241,20 @@ class RequestTable:
 
     # ------------------------------------------------------------------ internals
     def _finish(
-        self, rid: str, state: State, *, output: bytes | None = None, reasons: list[str] = ()
+        self,
+        rid: str,
+        state: State,
+        *,
+        output: bytes | None = None,
+        reasons: list[str] = (),
+        deadline_met: bool | None = None,
     ) -> None:
         st = self._live.pop(rid, None)
         if st is None:
             return
         now = time.time()
         st.state, st.finished_at, st.worker_id = state, now, None
-        st.output = output
+        st.output, st.deadline_met = output, deadline_met
         if state == "failed":  # the core's: every failed attempt, those requeued included
             st.reasons = list(reasons)
         elif state != "completed":
@@ -244,7 +263,7 @@ class RequestTable:
         self._emit(rid, ev, st)
         for q in self._subs.pop(rid, ()):
             self._put(q, None)
-        self._finished[rid] = st
+        self._finished[rid] = _pack(st)
         while len(self._finished) > self.max_finished:
             self._finished.popitem(last=False)
 
