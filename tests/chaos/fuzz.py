@@ -24,6 +24,7 @@ from typing import Any
 
 import msgspec
 import torch
+from asgicall import post
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -267,50 +268,10 @@ class ApiTarget:
         self.svc.close()
 
     async def _call(self, path: str, body: bytes, ctype: str) -> tuple[int, bytes]:
-        """One POST through the app; (status, body). The client stays connected until
-        the answer is complete (a disconnect only after it)."""
-        answered = asyncio.Event()
-        sent = False
-        status = 0
-        out = bytearray()
-
-        async def receive() -> dict[str, Any]:
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            await answered.wait()
-            return {"type": "http.disconnect"}
-
-        async def send(msg: dict[str, Any]) -> None:
-            nonlocal status
-            if msg["type"] == "http.response.start":
-                status = msg["status"]
-            elif msg["type"] == "http.response.body":
-                out.extend(msg.get("body", b""))
-                if not msg.get("more_body"):
-                    answered.set()
-
-        scope = {
-            "type": "http",
-            "asgi": {"version": "3.0"},
-            "http_version": "1.1",
-            "method": "POST",
-            "scheme": "http",
-            "path": path,
-            "raw_path": path.encode(),
-            "query_string": b"",
-            "root_path": "",
-            "headers": [
-                (b"host", b"127.0.0.1"),
-                (b"content-type", ctype.encode()),
-                (b"content-length", str(len(body)).encode()),
-            ],
-            "client": ("127.0.0.1", 1),
-            "server": ("127.0.0.1", 80),
-        }
-        await asyncio.wait_for(self.app(scope, receive, send), timeout=30)
-        return status, bytes(out)
+        """One POST through the app; (status, body)."""
+        headers = {"host": "127.0.0.1", "content-type": ctype, "content-length": str(len(body))}
+        status, _, out = await post(self.app, path, body, headers)
+        return status, out
 
     def check(self, case: tuple[str, bytes, str]) -> None:
         path, body, ctype = case

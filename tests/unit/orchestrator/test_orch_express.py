@@ -15,6 +15,7 @@ import json
 from typing import Any
 
 import pytest
+from asgicall import Answer, post
 
 from mooncake_diffusion.orchestrator.api import build_app
 from mooncake_diffusion.orchestrator.service import OrchestratorService, ServiceConfig
@@ -23,7 +24,6 @@ from mooncake_diffusion.testing import thread_names
 pytestmark = pytest.mark.unit
 
 TOKEN = "t0k"
-Answer = tuple[int, list[tuple[bytes, bytes]], bytes]
 
 
 @pytest.fixture
@@ -47,11 +47,8 @@ def call(
     headers: dict[str, str] | None = None,
     path: str = "/v1/requests",
 ) -> Answer:
-    """One POST through ``app``: (status, headers, body)."""
-    done = asyncio.Event()
-    sent = False
-    start: dict[str, Any] = {}
-    out = bytearray()
+    """One POST through ``app`` with the token and JSON headers, overridden by
+    ``headers``: (status, headers, body)."""
     hdrs = {
         "host": "127.0.0.1",
         "content-type": "application/json",
@@ -59,42 +56,7 @@ def call(
         "authorization": f"Bearer {TOKEN}",
         **(headers or {}),
     }
-
-    async def receive() -> dict[str, Any]:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        await done.wait()
-        return {"type": "http.disconnect"}
-
-    async def send(msg: dict[str, Any]) -> None:
-        if msg["type"] == "http.response.start":
-            start.update(msg)
-        elif msg["type"] == "http.response.body":
-            out.extend(msg.get("body", b""))
-            if not msg.get("more_body"):
-                done.set()
-
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "POST",
-        "scheme": "http",
-        "path": path,
-        "raw_path": path.encode(),
-        "query_string": b"",
-        "root_path": "",
-        "headers": [(k.encode(), v.encode()) for k, v in hdrs.items() if v is not None],
-        "client": ("127.0.0.1", 1),
-        "server": ("127.0.0.1", 80),
-    }
-    try:
-        loop.run_until_complete(asyncio.wait_for(app(scope, receive, send), 30))
-    except RuntimeError:  # Starlette re-raises a fault once its 500 is sent
-        assert done.is_set(), "the fault was raised before its answer was sent"
-    return start["status"], list(start["headers"]), bytes(out)
+    return loop.run_until_complete(post(app, path, body, hdrs))
 
 
 REFUSED = [

@@ -70,3 +70,14 @@ def test_failed_and_cancelled_keep_their_reasons_and_the_oldest_are_dropped():
     assert table.status("c").reasons == ["by client"] and table.status("c").state == "cancelled"
     run_through(table, "x", RequestCompleted("x", b"o", 1.0, 5.0, 3.0))
     assert table.status("f") is None and table.status("x").deadline_met is False
+
+
+def test_a_status_copy_is_the_readers_own_live_or_finished():
+    table = RequestTable()
+    table.submitted("live", "batch")
+    copy = table.status_copy("live")
+    copy.events.clear()
+    copy.reasons.append("mine")
+    assert len(table.status("live").events) == 1 and table.status("live").reasons == []
+    run_through(table, "done", RequestCompleted("done", b"o", 1.0, 2.0, 3.0))
+    assert table.status_copy("done") == table.status("done") and table.status_copy("x") is None

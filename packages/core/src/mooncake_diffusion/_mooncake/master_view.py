@@ -46,12 +46,18 @@ def etcd_endpoints(master: str) -> list[str]:
     return master.removeprefix("etcd://").split(";")
 
 
+def _cluster(cluster_id: str | None) -> str:
+    """``cluster_id``, else ``MC_STORE_CLUSTER_ID``, else Mooncake's default."""
+    return cluster_id or os.environ.get("MC_STORE_CLUSTER_ID") or DEFAULT_CLUSTER_ID
+
+
 def leader_rpc_address(master: str, cluster_id: str | None = None) -> str | None:
     """The RPC address of the master that leads now, or ``None`` while none does.
     ``cluster_id`` defaults to ``MC_STORE_CLUSTER_ID``, else Mooncake's default.
     Raises ``EtcdUnavailableError`` (an ``OSError``) when no etcd member answers."""
-    cid = cluster_id or os.environ.get("MC_STORE_CLUSTER_ID") or DEFAULT_CLUSTER_ID
-    value = EtcdClient(etcd_endpoints(master)).get(master_view_key(cid), timeout=1.0)
+    value = EtcdClient(etcd_endpoints(master)).get(
+        master_view_key(_cluster(cluster_id)), timeout=1.0
+    )
     return value.decode() if value else None
 
 
@@ -61,8 +67,7 @@ def oplog_puts(master: str, cluster_id: str | None = None) -> set[str]:
     a batch is ``[schema, id, first_seq, last_seq, [[op, tenant, key, payload],
     ...], checksum]``). Empty while nothing is durable. ``master`` and ``cluster_id``
     as for ``leader_rpc_address``."""
-    cid = cluster_id or os.environ.get("MC_STORE_CLUSTER_ID") or DEFAULT_CLUSTER_ID
-    root = f"/oplog/{cid}/"
+    root = f"/oplog/{_cluster(cluster_id)}/"
     found = EtcdClient(etcd_endpoints(master)).get_prefix(root, timeout=1.0)
     prefix = found.get(root + "durable_prefix")
     if prefix is None:

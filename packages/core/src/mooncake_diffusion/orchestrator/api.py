@@ -268,10 +268,10 @@ class _Express:
     """The hot route, ``POST /v1/requests``, from the guard straight to its function:
     the same function, checks and error handlers as through the router, without
     FastAPI's exception middleware, routing and dependency solving (their CPU per
-    submission: ``docs/performance.md``). Sits inside
-    the guard and the route limits, so their checks and counts apply as before;
-    every other request passes to ``app``. An error's handler is the app's own for
-    the nearest class of the error (``Exception``'s logs it and answers 500)."""
+    submission: ``docs/performance.md``). Sits inside the guard and the route
+    limits, so their checks and counts apply as before; every other request passes
+    to ``app``. An error's handler is the app's own for the nearest class of the
+    error (``Exception``'s logs it and answers 500)."""
 
     def __init__(
         self,

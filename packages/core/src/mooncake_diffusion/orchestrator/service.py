@@ -464,10 +464,10 @@ class OrchestratorService:
     def _status_copy(self, request_id: str) -> RequestStatus:
         """On the driver: a copy of the request's status (its lists copied, so the
         caller's thread never reads what the driver goes on changing)."""
-        st = self.table.status(request_id)
+        st = self.table.status_copy(request_id)
         if st is None:
             raise RequestRejected("unknown_request", f"no request {request_id!r}")
-        return msgspec.structs.replace(st, events=list(st.events), reasons=list(st.reasons))
+        return st
 
     def events(self, request_id: str, timeout: float | None = None) -> Iterator[RequestEvent]:
         """The request's events so far, then each new one until it finishes (or the

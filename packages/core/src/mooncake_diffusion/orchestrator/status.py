@@ -110,6 +110,14 @@ class RequestTable:
         blob = self._finished.get(rid)
         return None if blob is None else _unpack(blob)
 
+    def status_copy(self, rid: str) -> RequestStatus | None:
+        """The request's status as a copy its reader may keep while the table goes on
+        changing (the live one's lists copied; a finished one is decoded afresh)."""
+        st = self._live.get(rid)
+        if st is not None:
+            return msgspec.structs.replace(st, events=list(st.events), reasons=list(st.reasons))
+        return self.status(rid)
+
     def live(self) -> list[RequestStatus]:
         return list(self._live.values())
 
