@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
 from mooncake_diffusion.orchestrator.errors import ClockError
@@ -40,6 +41,12 @@ class MonotonicClock:
         return time.monotonic()
 
 
+class _Freezes(Protocol):
+    """What a ``StallClock`` reads of a ``stalls.StallWatch``."""
+
+    def frozen(self) -> float: ...
+
+
 class StallClock:
     """``time.monotonic()`` less the time its driver could not run, for a service.
 
@@ -47,20 +54,41 @@ class StallClock:
     interpreter lock held elsewhere) finds frames queued that its workers sent
     while it could not read them; the core applies expiry before each event, so
     at the first of them every worker whose frames come later would be judged
-    silent. ``stalled(seconds)`` takes such a stall out of the time: ``now()`` is
-    ``time.monotonic()`` less every stall reported so far, and never decreases (a
-    report larger than the time since the last ``now()`` only holds time level).
+    silent. ``now()`` is ``time.monotonic()`` (``source``) less every stall reported with
+    ``stalled(seconds)`` (a turn that ran long) and less every freeze of the
+    process the attached ``StallWatch`` saw (``attach``), read at each call, so
+    the first reading after a freeze already leaves it out. It never decreases (a
+    stall larger than the time since the last ``now()`` only holds time level).
     Deadlines of requests are in the same time, so a stall does not count against
-    them either. ``now()`` and ``stalled()`` belong to one thread (the driver's).
+    them either. ``now()``, ``stalled()``, ``attach()`` and ``detach()`` belong to
+    one thread (the driver's).
     """
 
-    def __init__(self) -> None:
-        #: seconds taken out so far
+    def __init__(self, source: Callable[[], float] = time.monotonic) -> None:
+        """``source``: the monotonic time read (tests pass one that jumps, and
+        give the watch the same)."""
+        self.source = source
+        #: seconds taken out so far (stalls reported, and freezes of a detached watch)
         self.taken = 0.0
         self._last = -math.inf
+        self._watch: _Freezes | None = None
+
+    def attach(self, watch: _Freezes) -> None:
+        """Take ``watch.frozen()`` out of every reading from now on (one watch at a time)."""
+        if self._watch is not None:
+            raise ClockError("a stall clock watches one StallWatch at a time")
+        self.taken -= watch.frozen()  # only what it notices from now on counts
+        self._watch = watch
+
+    def detach(self) -> None:
+        """Stop reading the watch; what it counted stays taken out."""
+        if self._watch is not None:
+            self.taken += self._watch.frozen()
+            self._watch = None
 
     def now(self) -> float:
-        t = time.monotonic() - self.taken
+        frozen = 0.0 if self._watch is None else self._watch.frozen()
+        t = self.source() - self.taken - frozen
         if t < self._last:
             t = self._last
         self._last = t

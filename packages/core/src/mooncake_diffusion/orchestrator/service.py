@@ -125,7 +125,7 @@ from mooncake_diffusion.orchestrator.model import (
 from mooncake_diffusion.orchestrator.planner import Decision, Planner, Provisioner
 from mooncake_diffusion.orchestrator.planners import create_planner
 from mooncake_diffusion.orchestrator.policy import RoutingPolicy
-from mooncake_diffusion.orchestrator.stalls import StallWatch
+from mooncake_diffusion.orchestrator.stalls import STALL_S, StallWatch
 from mooncake_diffusion.orchestrator.status import (
     TERMINAL,
     RequestEvent,
@@ -571,11 +571,16 @@ class OrchestratorService:
             return
         opened.set_result(None)
         # only a clock that stalls can be told of stalls (a VirtualClock is the caller's)
-        watch = StallWatch().start() if isinstance(self._clock, StallClock) else None
+        watch = None
+        if isinstance(self._clock, StallClock):
+            watch = StallWatch(clock=self._clock.source).start()
+            self._clock.attach(watch)
         try:
             self._loop(watch)
         finally:
             if watch is not None:
+                assert isinstance(self._clock, StallClock)
+                self._clock.detach()
                 watch.close()
             if isinstance(self._core, JournaledOrchestrator):
                 self._core.close()
@@ -584,15 +589,16 @@ class OrchestratorService:
                 fut.set_exception(ServiceUnavailable(f"the orchestrator stopped: {self.failure}"))
 
     def _loop(self, watch: StallWatch | None) -> None:
-        """Turns until stopped. With a ``watch``, a stall of the driver (``stalls.py``)
-        is taken out of the core's time before the next turn's first event, so the
-        frames queued meanwhile find their senders still live."""
+        """Turns until stopped. With a ``watch`` (attached to the clock), a stall of
+        the driver (``stalls.py``) is out of the core's time before the next event
+        it handles, so the frames queued meanwhile find their senders still live:
+        a freeze at the clock's next reading, a long turn as soon as it ends."""
         router = self._router
         assert router is not None and self._core is not None
         poller = zmq.Poller()
         poller.register(router, zmq.POLLIN)
         poller.register(self._mail.fileno(), zmq.POLLIN)
-        turn_s = 0.0
+        counted_ms = 0  # of the watch's freezes, in ``driver_stall_ms``
         while not self._stopping:
             deadline = self._core.next_deadline()
             wake = min(
@@ -604,12 +610,7 @@ class OrchestratorService:
                 ready = dict(poller.poll(timeout))
             except zmq.ZMQError:
                 break
-            if watch is not None:
-                stall = watch.take(turn_s)
-                if stall:
-                    assert isinstance(self._clock, StallClock)
-                    self._clock.stalled(stall)
-                    self._counters["driver_stall_ms"] += round(stall * 1000)
+            frozen = 0.0 if watch is None else watch.frozen()
             started = time.monotonic()
             with self._turn():
                 if router in ready:
@@ -635,7 +636,26 @@ class OrchestratorService:
                     self._guard(self._feed, Tick(), None)
                 if self._elastic.due(self._now()):
                     self._guard(self._plan)
-            turn_s = time.monotonic() - started
+            if watch is not None:
+                turn_s = time.monotonic() - started
+                counted_ms = self._count_stalls(watch, turn_s, frozen, counted_ms)
+
+    def _count_stalls(
+        self, watch: StallWatch, turn_s: float, frozen_before: float, counted_ms: int
+    ) -> int:
+        """After a turn: a turn that ran long past ``STALL_S`` (less the freezes in
+        it, which the clock took out already) is taken out of the clock's time, and
+        both kinds are counted in ``driver_stall_ms``. Returns the watch's freezes
+        counted so far, in milliseconds."""
+        assert isinstance(self._clock, StallClock)
+        frozen = watch.frozen()
+        ran_s = turn_s - (frozen - frozen_before)
+        if ran_s > STALL_S:
+            self._clock.stalled(ran_s)
+            self._counters["driver_stall_ms"] += round(ran_s * 1000)
+        frozen_ms = round(frozen * 1000)
+        self._counters["driver_stall_ms"] += frozen_ms - counted_ms
+        return frozen_ms
 
     @contextlib.contextmanager
     def _turn(self) -> Iterator[None]:

@@ -2,24 +2,27 @@
 not blame its workers for it (``clock.StallClock`` takes the stall out of time).
 
     watch = StallWatch().start()        # a thread of its own: notes freezes
-    clock.stalled(watch.take(turn_s))   # the driver, before each turn's first event
-    watch.close()
+    clock.attach(watch)                 # every reading of time takes them out first
+    ...                                 # the driver: clock.stalled(turn_s) after a long turn
+    clock.detach(); watch.close()
 
 Either kind of stall leaves worker frames queued that were sent while the driver
 could not read them:
 
 - the process did not run, or not this interpreter: the time since anything of
-  it last ran (the watch's thread wakes every ``PERIOD_S`` and marks the time;
-  ``take`` marks it too) is far longer than a period (the process stopped, the
-  machine paused, a collector pass or anything else holding the interpreter lock).
-  The driver measures this itself in ``take``, so a stall is counted before the
-  first frame after it is read, whichever thread runs first afterwards;
-- a turn of the driver itself ran long (``turn_s``: a commit that blocked on the
-  disk, a burst of work on a starved machine).
+  it last ran is far longer than a period (the process stopped, the machine
+  paused, a collector pass or anything else holding the interpreter lock). The
+  watch's thread wakes every ``PERIOD_S`` and marks the time, and so does every
+  ``frozen()`` call, which is how the clock reads it: the first reading of time
+  after a freeze, on whichever thread and at whatever point of a turn, counts
+  the freeze before it answers. (Asked only before each turn, a process stopped
+  in the middle of one would judge that turn's queued frames at the time
+  including the stop.)
+- a turn of the driver itself ran long (a commit that blocked on the disk, a
+  burst of work on a starved machine): the driver measures it, less any freeze
+  inside it, and reports it to the clock when the turn ends.
 
-``take(turn_s)`` returns what to take out of the core's time before the next
-turn: the larger of the two since the last call (they overlap: a long collector
-pass in a turn is both), counted only past ``STALL_S``; else 0.
+Either counts only past ``STALL_S``.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ STALL_S = 0.25
 
 class StallWatch:
     """See the module docstring. ``start`` once, ``close`` once (joins the thread);
-    ``take`` from the driver's thread. ``clock``: where the watch reads the time
+    ``frozen`` from any thread. ``clock``: where the watch reads the time
     (``time.monotonic``; tests pass one that jumps)."""
 
     def __init__(
@@ -74,13 +77,12 @@ class StallWatch:
             with self._lock:
                 self._look()
 
-    def take(self, turn_s: float) -> float:
-        """The stall since the last call (seconds, 0 if none), given the length of
-        the driver's last turn."""
+    def frozen(self) -> float:
+        """Seconds, in all since the watch was made, that nothing of the process
+        ran (never decreases); looks first, so a freeze that just ended counts."""
         with self._lock:
             self._look()
-            frozen, self._frozen = self._frozen, 0.0
-        return max(frozen, turn_s if turn_s > self._stall else 0.0)
+            return self._frozen
 
     def close(self) -> None:
         self._stop.set()
