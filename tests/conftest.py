@@ -47,6 +47,7 @@ def pair(request):
         return
     baseline = {f"{t.name}#{t.ident}" for t in threading.enumerate()}
     settings = MooncakeSettings()
+    held = set(fabric_keys())  # an earlier test's leak is its own failure, not this one's
     prod = DiffusionConnector("denoise", "memory", settings)
     cons = DiffusionConnector("decode", "memory", settings)
     yield prod, cons
@@ -54,5 +55,5 @@ def pair(request):
     prod.close()
     cons.close()
     assert all(s.temporary_registrations == 0 and s.pool_bytes_in_use == 0 for s in stats), stats
-    assert fabric_keys() == [], fabric_keys()
+    assert set(fabric_keys()) <= held, sorted(set(fabric_keys()) - held)
     assert_no_leaks(None, baseline)

@@ -5,12 +5,14 @@ driven by the test (``plan_now``), never by the clock."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
 from apistack import Stack
 from prometheus_client.parser import text_string_to_metric_families
 
+from mooncake_diffusion.orchestrator import toy
 from mooncake_diffusion.orchestrator.planner import Move
 from mooncake_diffusion.orchestrator.planners import ReactivePlanner, StaticPlanner
 
@@ -57,11 +59,20 @@ def test_pools_and_planner_metrics_are_exported_and_static_changes_nothing():
 
 
 def test_a_planner_decision_reaches_the_core_and_is_counted():
+    """The moved worker's load is held on a gate until the view is read: a load that
+    ended first (without the gate these workers have no loader, fail the load at
+    once and serve encode again) would leave nothing changing to see."""
     # max_wait 0 and hold 1: the first round with a queued denoise item moves a worker
     stack = Stack(planner=ReactivePlanner(interval=NEVER, hold=1, max_wait=0.0))
+    gate = threading.Event()
+
+    def held_loader(stage: str):  # type: ignore[no-untyped-def]
+        gate.wait(60)
+        return getattr(toy, stage)
+
     try:
         for i, stage in enumerate(("encode", "encode", "decode")):
-            stack.worker(stage, worker_id=f"{stage[:3]}-{i}")
+            stack.worker(stage, worker_id=f"{stage[:3]}-{i}", loader=held_loader)
         wait_workers(stack, 3)
         # no denoise worker at all: the submitted request queues at denoise
         rid = stack.client.submit({"prompt": "p", "size": 64, "steps": 1})
@@ -72,11 +83,13 @@ def test_a_planner_decision_reaches_the_core_and_is_counted():
         decisions = stack.svc.plan_now()
         assert [type(d) for d in decisions] == [Move] and decisions[0].stages == ("denoise",)
         view = stack.svc.cluster()
-        assert view["pools"]["encode"] == 1  # the moved one serves nothing meanwhile
+        # the moved one serves nothing meanwhile
+        assert view["pools"]["encode"] == 1, (decisions, view)
         moved = next(w for w in view["workers"] if w["worker_id"] == decisions[0].worker_id)
         assert moved["state"] in ("changing", "loading")
         text = stack.client.metrics_text()
         assert samples(text, "mcd_orchestrator_planner_decisions_total")[(("kind", "move"),)] == 1
         stack.client.cancel(rid)
     finally:
+        gate.set()
         stack.close_released()
