@@ -88,16 +88,16 @@ def test_a_long_turn_less_its_freezes_is_a_stall_only_past_the_threshold():
     svc = OrchestratorService(ServiceConfig(worker_bind="tcp://127.0.0.1:0"), clock=clock)
     watch = StallWatch(clock=source)  # not started: only readings look
     clock.attach(watch)
-    counted = svc._count_stalls(watch, 0.2, watch.frozen(), 0)
+    svc._count_stalls(watch, 0.2, watch.frozen())
     assert clock.taken == 0.0 and svc._counters["driver_stall_ms"] == 0
-    counted = svc._count_stalls(watch, 0.3, watch.frozen(), counted)
+    svc._count_stalls(watch, 0.3, watch.frozen())
     assert clock.taken == 0.3 and svc._counters["driver_stall_ms"] == 300
     before = watch.frozen()
     jump[0] = 5.0
-    counted = svc._count_stalls(watch, 5.1, before, counted)
+    svc._count_stalls(watch, 5.1, before)
     assert clock.taken == 0.3  # the freeze is the watch's, read by the clock
     assert 4900 <= svc._counters["driver_stall_ms"] - 300 <= 4900 + 100
-    assert counted == round(watch.frozen() * 1000)
+    assert abs(svc._counters["driver_stall_ms"] - 300 - round(watch.frozen() * 1000)) <= 1
 
 
 def test_the_watch_notices_a_late_wake_of_its_thread():

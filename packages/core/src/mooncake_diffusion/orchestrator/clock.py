@@ -86,6 +86,10 @@ class StallClock:
             self.taken += self._watch.frozen()
             self._watch = None
 
+    def stalls_s(self) -> float:
+        """Seconds taken out so far: the stalls reported and the freezes watched."""
+        return self.taken + (0.0 if self._watch is None else self._watch.frozen())
+
     def now(self) -> float:
         frozen = 0.0 if self._watch is None else self._watch.frozen()
         t = self.source() - self.taken - frozen

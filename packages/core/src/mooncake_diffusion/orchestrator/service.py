@@ -598,7 +598,6 @@ class OrchestratorService:
         poller = zmq.Poller()
         poller.register(router, zmq.POLLIN)
         poller.register(self._mail.fileno(), zmq.POLLIN)
-        counted_ms = 0  # of the watch's freezes, in ``driver_stall_ms``
         while not self._stopping:
             deadline = self._core.next_deadline()
             wake = min(
@@ -637,25 +636,17 @@ class OrchestratorService:
                 if self._elastic.due(self._now()):
                     self._guard(self._plan)
             if watch is not None:
-                turn_s = time.monotonic() - started
-                counted_ms = self._count_stalls(watch, turn_s, frozen, counted_ms)
+                self._count_stalls(watch, time.monotonic() - started, frozen)
 
-    def _count_stalls(
-        self, watch: StallWatch, turn_s: float, frozen_before: float, counted_ms: int
-    ) -> int:
+    def _count_stalls(self, watch: StallWatch, turn_s: float, frozen_before: float) -> None:
         """After a turn: a turn that ran long past ``STALL_S`` (less the freezes in
-        it, which the clock took out already) is taken out of the clock's time, and
-        both kinds are counted in ``driver_stall_ms``. Returns the watch's freezes
-        counted so far, in milliseconds."""
+        it, which the clock took out already) is taken out of the clock's time;
+        ``driver_stall_ms`` is all the clock has taken out."""
         assert isinstance(self._clock, StallClock)
-        frozen = watch.frozen()
-        ran_s = turn_s - (frozen - frozen_before)
+        ran_s = turn_s - (watch.frozen() - frozen_before)
         if ran_s > STALL_S:
             self._clock.stalled(ran_s)
-            self._counters["driver_stall_ms"] += round(ran_s * 1000)
-        frozen_ms = round(frozen * 1000)
-        self._counters["driver_stall_ms"] += frozen_ms - counted_ms
-        return frozen_ms
+        self._counters["driver_stall_ms"] = round(self._clock.stalls_s() * 1000)
 
     @contextlib.contextmanager
     def _turn(self) -> Iterator[None]:
