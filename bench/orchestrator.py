@@ -357,6 +357,9 @@ class ServiceRow:
     rtt_ms_max: float
     send_lag_ms_p99: float
     dispatched: int
+    #: where the HTTP front ran: ``thread`` (the driver's process, the default) or
+    #: ``process`` (``--front-process``: a child process over the bridge)
+    front: str = "thread"
 
 
 def fleet_agent(address: str, out_path: str, stages: str) -> int:
@@ -580,7 +583,12 @@ def library_open_loop(
 
 
 def service_rtt(
-    rate: float | None, total: int, journal: bool, tmp: str, client: str = "raw"
+    rate: float | None,
+    total: int,
+    journal: bool,
+    tmp: str,
+    client: str = "raw",
+    front_process: bool = False,
 ) -> ServiceRow:
     """Open loop: ``total`` submissions at ``rate``/s over HTTP (``rate=None``: one at
     a time, each sent when the last was answered), from ``client``: ``raw``
@@ -599,6 +607,8 @@ def service_rtt(
     argv = [*CLI, "orchestrator", "--port", str(api), "--worker-port", str(wport)]
     if journal:
         argv += ["--journal", os.path.join(tmp, f"bench-{time.time_ns()}.db")]
+    if front_process:
+        argv.append("--front-process")
     orch = Proc(argv)
     out_path = os.path.join(tmp, f"arrived-{time.time_ns()}.json")
     agents = [
@@ -654,6 +664,7 @@ def service_rtt(
         rtt_ms_max=max(rtts),
         send_lag_ms_p99=statistics.quantiles(lags, n=100)[98],
         dispatched=len(rtts),
+        front="process" if front_process else "thread",
     )
 
 
@@ -716,7 +727,8 @@ def markdown(
     for r in svc:
         offered = f"{r.offered_per_s:,.0f}" if r.offered_per_s else "one at a time"
         lines.append(
-            f"| {'journal (SQLite WAL)' if r.journal else 'no journal'} | {r.client} "
+            f"| {'journal (SQLite WAL)' if r.journal else 'no journal'} "
+            f"| {r.client}{', front process' if r.front == 'process' else ''} "
             f"| {r.workers} "
             f"| {offered} | {r.achieved_per_s:,.0f} | {r.requests} "
             f"| {r.rtt_ms_p50:.2f} | {r.rtt_ms_p90:.2f} | {r.rtt_ms_p99:.2f} "
@@ -751,14 +763,19 @@ def main(argv: list[str] | None = None) -> int:
     svc = []
     with tempfile.TemporaryDirectory() as tmp:
         seconds = 3.0 if a.quick else 10.0
-        for journal, client in ((True, "raw"), (False, "raw"), (True, "library")):
+        for journal, client, fp in (
+            (True, "raw", False),
+            (True, "raw", True),
+            (False, "raw", False),
+            (True, "library", False),
+        ):
             log(
                 f"service: {SERVICE_RATE:.0f} submissions/s for {seconds:g} s, open loop, "
                 f"{sum(FLEET.values())} workers, journal {'on' if journal else 'off'}, "
-                f"{client} client"
+                f"{client} client, HTTP front in {'a process' if fp else 'a thread'}"
             )
             n = int(SERVICE_RATE * seconds)
-            svc.append(service_rtt(SERVICE_RATE, n, journal, tmp, client))
+            svc.append(service_rtt(SERVICE_RATE, n, journal, tmp, client, fp))
         log("service: one submission at a time, journal on, raw client")
         svc.append(service_rtt(None, 300 if a.quick else 2000, True, tmp))
     total = time.perf_counter() - t0
@@ -768,7 +785,12 @@ def main(argv: list[str] | None = None) -> int:
     smallest, largest = next(iter(POOLS)), list(POOLS)[-1]
     by = {(r.policy, r.pool): r.core_decisions_per_s for r in sat}
     cpu = {(r.policy, r.pool): r.loop_cpu_decisions_per_s for r in sat}
-    jsvc = next(r for r in svc if r.journal and r.offered_per_s and r.client == "raw")
+    jsvc = next(
+        r
+        for r in svc
+        if r.journal and r.offered_per_s and r.client == "raw" and r.front == "thread"
+    )
+    fsvc = next(r for r in svc if r.front == "process")
     lsvc = next(r for r in svc if r.client == "library")
     summary = {
         "decisions_per_s": min(r.core_decisions_per_s for r in sat),
@@ -790,6 +812,8 @@ def main(argv: list[str] | None = None) -> int:
         "duplicate_completions": sum(c.duplicate_completions for c in ch),
         "service_rtt_p50_ms": jsvc.rtt_ms_p50,
         "service_rtt_p99_ms": jsvc.rtt_ms_p99,
+        "service_rtt_p50_ms_front_process": fsvc.rtt_ms_p50,
+        "service_rtt_p99_ms_front_process": fsvc.rtt_ms_p99,
         "service_rtt_p99_ms_no_journal": next(r.rtt_ms_p99 for r in svc if not r.journal),
         "service_rtt_p50_ms_library_client": lsvc.rtt_ms_p50,
         "service_rtt_p99_ms_library_client": lsvc.rtt_ms_p99,
@@ -817,7 +841,9 @@ def main(argv: list[str] | None = None) -> int:
                 "handle_us_p99": "the largest handle() p99 of any saturated row",
                 "service_rtt": "ms from sending a submission to its encode item arriving at "
                 "a worker, open loop, journal on, the raw client (raw_open_loop); "
-                "_library_client: OrchestratorClient in 8 threads (library_open_loop)",
+                "_library_client: OrchestratorClient in 8 threads (library_open_loop); "
+                "_front_process: the same as service_rtt with --front-process (the HTTP "
+                "front in a child process)",
             },
             "rows": [{"part": "saturated", **asdict(r)} for r in sat]
             + [{"part": "chaos", **asdict(c)} for c in ch]

@@ -9,6 +9,7 @@ from typing import Any
 from mooncake_diffusion.connector import DiffusionConnector
 from mooncake_diffusion.orchestrator import OrchestratorConfig, toy
 from mooncake_diffusion.orchestrator.api import ApiServer
+from mooncake_diffusion.orchestrator.bridge import BridgeServer, RemoteService
 from mooncake_diffusion.orchestrator.client import OrchestratorClient
 from mooncake_diffusion.orchestrator.service import OrchestratorService, ServiceConfig
 from mooncake_diffusion.orchestrator.worker import StageWorker
@@ -21,13 +22,16 @@ class Stack:
     by default) over the in-memory transport. ``api``: more ``ApiServer`` arguments
     (``outputs``, ``body_timeout_s``, ``front``, ``limits``); ``planner``: the
     service's planner instance (default static); ``cfg``: ``OrchestratorConfig``
-    fields. ``close()`` checks every publication was released."""
+    fields; ``bridged``: the API serves a ``bridge.RemoteService`` over a real
+    ``BridgeServer`` (what ``--front-process`` runs in its child, in this process).
+    ``close()`` checks every publication was released."""
 
     def __init__(
         self,
         token: str | None = None,
         api: dict[str, Any] | None = None,
         planner: Any = None,
+        bridged: bool = False,
         **cfg: object,
     ) -> None:
         config = ServiceConfig(
@@ -38,7 +42,10 @@ class Stack:
         #: payloads in the fabric before this stack (an earlier test's leak, reported there)
         self.held = set(fabric_keys())
         self.svc = OrchestratorService(config, planner=planner).start()
-        self.api = ApiServer(self.svc, "127.0.0.1", 0, token=token, **(api or {}))
+        self.bridge = BridgeServer(self.svc).start() if bridged else None
+        self.remote = RemoteService(self.bridge.path) if self.bridge else None
+        served: Any = self.remote or self.svc
+        self.api = ApiServer(served, "127.0.0.1", 0, token=token, **(api or {}))
         self.client = OrchestratorClient(self.api.url, token=token)
         self.workers: list[StageWorker] = []
         self.connectors: list[DiffusionConnector] = []
@@ -70,6 +77,9 @@ class Stack:
             w.join(10)
         self.svc.close()
         self.api.close()
+        if self.remote is not None and self.bridge is not None:
+            self.remote.close()
+            self.bridge.close()
         for c in self.connectors:
             assert c.stats().live_publications == 0, c.stats()
             c.close()

@@ -486,11 +486,32 @@ def build_app(
 
 
 # --------------------------------------------------------------------------- server
+def listen(host: str, port: int, token: str | None) -> socket.socket:
+    """The API's listening socket on ``host:port`` (0 picks a free port). Raises
+    ``OrchestratorError`` for a non-loopback host without a token, or a port that
+    cannot be bound."""
+    if not is_loopback(host) and not token:
+        raise OrchestratorError(
+            f"binding the API to {host} needs a token (--token or MCD_ORCHESTRATOR_TOKEN)"
+        )
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(4096)
+    except OSError as e:
+        sock.close()
+        raise OrchestratorError(f"cannot bind the API to {host}:{port}: {e}") from e
+    return sock
+
+
 class ApiServer:
     """Serve ``service`` over HTTP on ``host:port`` (0 picks a free port) with uvicorn in a
     thread. ``outputs``: the folder the decode workers write into (their ``MCD_OUTPUTS``)
     and OpenAI-style requests' files are served from. ``front`` and ``limits``: see
-    ``build_app``.
+    ``build_app``; ``sock``: a listening socket to serve (``listen``; the server
+    closes it) instead of binding ``host:port``.
 
     ``close()`` stops accepting and joins the server thread (close the service first so
     open event streams end). Raises ``OrchestratorError`` for a non-loopback host
@@ -507,22 +528,11 @@ class ApiServer:
         body_timeout_s: float = BODY_TIMEOUT_S,
         front: FrontConfig | None = None,
         limits: HttpLimits | None = None,
+        sock: socket.socket | None = None,
     ) -> None:
         import uvicorn
 
-        if not is_loopback(host) and not token:
-            raise OrchestratorError(
-                f"binding the API to {host} needs a token (--token or MCD_ORCHESTRATOR_TOKEN)"
-            )
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._sock = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            self._sock.bind((host, port))
-            self._sock.listen(4096)
-        except OSError as e:
-            self._sock.close()
-            raise OrchestratorError(f"cannot bind the API to {host}:{port}: {e}") from e
+        self._sock = sock if sock is not None else listen(host, port, token)
         self.host, self.port = self._sock.getsockname()[:2]
         self.outputs = Path(outputs) if outputs is not None else None
         limits = limits or HttpLimits()
