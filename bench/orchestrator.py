@@ -368,7 +368,9 @@ def fleet_agent(address: str, out_path: str, stages: str) -> int:
     encode item arrived (``time.monotonic``, the same clock in every process). Prints
     ``ready`` once all are welcomed; on a line on stdin it writes the arrival times as
     JSON and exits. The encode workers get a process of their own, so the time
-    measured is not that of polling a thousand sockets."""
+    measured is not that of polling a thousand sockets. Each worker beats once per
+    interval at a phase of its own (worker i at i/n of it), as the workers of a fleet
+    that joined at different times do, not all at once."""
     import select
 
     import zmq
@@ -430,7 +432,8 @@ def fleet_agent(address: str, out_path: str, stages: str) -> int:
 
     for s, wid in socks:
         drain(s, wid)
-    next_beat = time.monotonic() + interval
+    step = interval / len(socks)
+    nxt, next_beat = 0, time.monotonic() + step
     while True:
         for fd, _ in ep.poll(max(0.0, next_beat - time.monotonic())):
             if fd == sys.stdin.fileno():
@@ -443,11 +446,13 @@ def fleet_agent(address: str, out_path: str, stages: str) -> int:
                 ctx.term()
                 return 0
             drain(*by_fd[fd])
-        if time.monotonic() >= next_beat:
-            for s, wid in socks:
-                s.send(encode(Beat(wid)))
-                drain(s, wid)  # a send can take the FD's signal of a frame that came in
-            next_beat = time.monotonic() + interval
+        now = time.monotonic()
+        while now >= next_beat:
+            s, wid = socks[nxt]
+            s.send(encode(Beat(wid)))
+            drain(s, wid)  # a send can take the FD's signal of a frame that came in
+            nxt = (nxt + 1) % len(socks)
+            next_beat += step
 
 
 def raw_open_loop(

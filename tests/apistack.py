@@ -3,6 +3,8 @@ test_front_door.py): real sockets on loopback, toy stages, no Mooncake."""
 
 from __future__ import annotations
 
+import http.client
+import json
 import time
 from typing import Any
 
@@ -15,6 +17,17 @@ from mooncake_diffusion.orchestrator.service import OrchestratorService, Service
 from mooncake_diffusion.orchestrator.worker import StageWorker
 from mooncake_diffusion.settings import MooncakeSettings
 from mooncake_diffusion.transports.memory import fabric_keys
+
+
+def raw(api: ApiServer, method: str, path: str, body: bytes | None = None, headers=None):
+    """One HTTP request on a fresh connection: (status, the JSON body or {})."""
+    conn = http.client.HTTPConnection(api.host, api.port, timeout=10)
+    try:
+        conn.request(method, path, body=body, headers=headers or {})
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read() or b"{}")
+    finally:
+        conn.close()
 
 
 class Stack:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import http.client
 import json
 import os
 import socket
@@ -20,7 +19,7 @@ import time
 
 import msgspec
 import pytest
-from apistack import Stack
+from apistack import Stack, raw
 
 from mooncake_diffusion.orchestrator import toy
 from mooncake_diffusion.orchestrator.bridge import (
@@ -48,15 +47,9 @@ def stack():
 
 
 def http_call(stack: Stack, method: str, path: str, body: dict | None = None):
-    conn = http.client.HTTPConnection(stack.api.host, stack.api.port, timeout=10)
-    try:
-        data = None if body is None else json.dumps(body).encode()
-        headers = {"Content-Type": "application/json"} if data else {}
-        conn.request(method, path, body=data, headers=headers)
-        resp = conn.getresponse()
-        return resp.status, json.loads(resp.read() or b"{}")
-    finally:
-        conn.close()
+    data = None if body is None else json.dumps(body).encode()
+    headers = {"Content-Type": "application/json"} if data else {}
+    return raw(stack.api, method, path, data, headers)
 
 
 def test_requests_flow_through_the_bridge_with_events_and_metrics(stack):

@@ -15,7 +15,7 @@ import time
 import msgspec
 import pytest
 import zmq
-from apistack import Stack
+from apistack import Stack, raw
 from gated import held
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -48,16 +48,6 @@ def stack():
     s = Stack()
     yield s
     s.close_released()
-
-
-def raw(api: ApiServer, method: str, path: str, body: bytes | None = None, headers=None):
-    conn = http.client.HTTPConnection(api.host, api.port, timeout=10)
-    try:
-        conn.request(method, path, body=body, headers=headers or {})
-        resp = conn.getresponse()
-        return resp.status, json.loads(resp.read() or b"{}")
-    finally:
-        conn.close()
 
 
 def test_requests_flow_through_every_stage_with_events_and_metrics(stack):
