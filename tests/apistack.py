@@ -11,8 +11,9 @@ from typing import Any
 from mooncake_diffusion.connector import DiffusionConnector
 from mooncake_diffusion.orchestrator import OrchestratorConfig, toy
 from mooncake_diffusion.orchestrator.api import ApiServer
-from mooncake_diffusion.orchestrator.bridge import BridgeServer, RemoteService
+from mooncake_diffusion.orchestrator.bridge import BridgeServer
 from mooncake_diffusion.orchestrator.client import OrchestratorClient
+from mooncake_diffusion.orchestrator.remote import RemoteService
 from mooncake_diffusion.orchestrator.service import OrchestratorService, ServiceConfig
 from mooncake_diffusion.orchestrator.worker import StageWorker
 from mooncake_diffusion.settings import MooncakeSettings
@@ -35,7 +36,7 @@ class Stack:
     by default) over the in-memory transport. ``api``: more ``ApiServer`` arguments
     (``outputs``, ``body_timeout_s``, ``front``, ``limits``); ``planner``: the
     service's planner instance (default static); ``cfg``: ``OrchestratorConfig``
-    fields; ``bridged``: the API serves a ``bridge.RemoteService`` over a real
+    fields; ``bridged``: the API serves a ``remote.RemoteService`` over a real
     ``BridgeServer`` (what ``--front-process`` runs in its child, in this process).
     ``close()`` checks every publication was released."""
 

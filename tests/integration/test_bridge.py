@@ -22,14 +22,9 @@ import pytest
 from apistack import Stack, raw
 
 from mooncake_diffusion.orchestrator import toy
-from mooncake_diffusion.orchestrator.bridge import (
-    Call,
-    RemoteService,
-    Reply,
-    _frame,
-    _read_reply,
-)
+from mooncake_diffusion.orchestrator.bridge import Call, Reply, frame, read_reply
 from mooncake_diffusion.orchestrator.errors import OrchestratorError
+from mooncake_diffusion.orchestrator.remote import RemoteService
 from mooncake_diffusion.orchestrator.service import RequestRejected, ServiceUnavailable
 from mooncake_diffusion.testing import assert_no_leaks, thread_names
 
@@ -135,8 +130,8 @@ def test_another_bridge_version_is_refused_and_a_gone_bridge_is_unavailable():
         with socket.socket(socket.AF_UNIX) as sock:
             sock.settimeout(10)
             sock.connect(s.bridge.path)
-            sock.sendall(_frame(Call(7, "status", {"request_id": "x"}, v=99)))
-            reply = _read_reply(sock)
+            sock.sendall(frame(Call(7, "status", {"request_id": "x"}, v=99)))
+            reply = read_reply(sock)
         assert reply.id == 7 and reply.fault is not None and reply.fault.kind == "error"
         assert "version 99" in reply.fault.message
         with socket.socket(socket.AF_UNIX) as sock:  # garbage: the connection is closed
@@ -144,7 +139,7 @@ def test_another_bridge_version_is_refused_and_a_gone_bridge_is_unavailable():
             sock.connect(s.bridge.path)
             sock.sendall(b"\x00\x00\x00\x03abc")
             assert sock.recv(10) == b""
-        assert isinstance(msgspec.msgpack.decode(_frame(reply)[4:], type=Reply), Reply)
+        assert isinstance(msgspec.msgpack.decode(frame(reply)[4:], type=Reply), Reply)
         with pytest.raises(OrchestratorError, match="no bridge call"):
             s.remote._call("format_disk", {})
     finally:

@@ -1,6 +1,7 @@
 """The service's client API over a local socket, so that the HTTP front can run in
 a process of its own (``frontproc.py``): one interpreter parses HTTP, the other
-runs the driver, and neither waits for the other's lock.
+runs the driver, and neither waits for the other's lock. This module is the wire
+and the service's side; ``remote.RemoteService`` is the front's.
 
     server = BridgeServer(service).start()      # in the service's process
     remote = RemoteService(server.path)         # in the front's process
@@ -15,20 +16,15 @@ answered with a fault). A call gets one ``Reply`` with its ``id``; ``events`` on
 per event and then one with ``end``. No pickle: params cross as the JSON bytes the
 front encoded, statuses and events as their msgspec structs.
 
-``RemoteService`` has the methods the HTTP API calls (``api.py``,
-``openai_api.py``) with the service's signatures and errors: ``RequestRejected``
-keeps its code, ``ServiceUnavailable`` stays retryable, any other fault is an
-``OrchestratorError``. A call not answered within ``call_timeout_s``, or whose
-connection breaks, raises ``ServiceUnavailable``; the next call connects again.
-Async calls share one connection per event loop, sync calls one per thread, and
-each event stream has its own.
+Errors cross as a ``Fault`` and are raised again on the front's side with their
+type (``raise_fault``): ``RequestRejected`` keeps its code, ``ServiceUnavailable``
+stays retryable, any other is an ``OrchestratorError``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import os
 import shutil
@@ -36,7 +32,7 @@ import socket
 import struct
 import tempfile
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -48,20 +44,30 @@ from mooncake_diffusion.orchestrator.service import (
     RequestRejected,
     ServiceUnavailable,
 )
-from mooncake_diffusion.orchestrator.status import RequestEvent, RequestStatus
 
-__all__ = ["BRIDGE_VERSION", "BridgeServer", "Call", "Fault", "RemoteService", "Reply"]
+__all__ = [
+    "BRIDGE_VERSION",
+    "HEAD",
+    "MAX_FRAME",
+    "BridgeServer",
+    "Call",
+    "Fault",
+    "Reply",
+    "frame",
+    "raise_fault",
+    "read_reply",
+]
 
 log = logging.getLogger("mooncake_diffusion.orchestrator.bridge")
 
 BRIDGE_VERSION = 1
 #: the largest message either side reads (a status can carry a generated image)
 MAX_FRAME = 512 << 20
-_HEAD = struct.Struct(">I")
+#: a message's length, before its body
+HEAD = struct.Struct(">I")
 _NIL = msgspec.Raw(b"\xc0")  # msgpack nil
 #: threads that may block on a long call at once (the front's stream and wait caps)
 LONG_CALLS = 256
-_CALL_TIMEOUT = object()  # ``RemoteService._call``'s default: the call timeout
 
 
 class Call(msgspec.Struct, frozen=True):
@@ -95,15 +101,12 @@ class Reply(msgspec.Struct, frozen=True):
 _enc = msgspec.msgpack.Encoder()
 _call_dec = msgspec.msgpack.Decoder(Call)
 _reply_dec = msgspec.msgpack.Decoder(Reply)
-_status_dec = msgspec.msgpack.Decoder(RequestStatus)
-_event_dec = msgspec.msgpack.Decoder(RequestEvent)
-_dict_dec = msgspec.msgpack.Decoder(dict[str, Any])
-_str_dec = msgspec.msgpack.Decoder(str)
 
 
-def _frame(msg: Any) -> bytes:
+def frame(msg: Any) -> bytes:
+    """``msg`` as one message: its length, then its msgpack."""
     body = _enc.encode(msg)
-    return _HEAD.pack(len(body)) + body
+    return HEAD.pack(len(body)) + body
 
 
 def _fault_of(e: BaseException) -> Fault:
@@ -114,7 +117,8 @@ def _fault_of(e: BaseException) -> Fault:
     return Fault("error", f"{type(e).__name__}: {e}")
 
 
-def _raise(f: Fault) -> None:
+def raise_fault(f: Fault) -> None:
+    """Raise what ``f`` says went wrong, with its type (module docstring)."""
     if f.kind == "rejected":
         raise RequestRejected(f.code, f.message)
     if f.kind == "unavailable":
@@ -194,7 +198,7 @@ class BridgeServer:
         calls: set[asyncio.Task] = set()
         try:
             while True:
-                (n,) = _HEAD.unpack(await r.readexactly(_HEAD.size))
+                (n,) = HEAD.unpack(await r.readexactly(HEAD.size))
                 if n > MAX_FRAME:
                     log.warning("bridge: a %d-byte call, over the limit; closing", n)
                     return
@@ -230,7 +234,7 @@ class BridgeServer:
                 log.exception("bridge: %s failed", call.op)
             reply = Reply(call.id, fault=_fault_of(e))
         if not w.is_closing():
-            w.write(_frame(reply))
+            w.write(frame(reply))
 
     async def _run(self, op: str, a: dict[str, Any]) -> Any:
         svc = self._service
@@ -270,23 +274,22 @@ class BridgeServer:
         loop = asyncio.get_running_loop()
         gone = threading.Event()
 
-        def put(frame: bytes) -> None:
+        def put(msg: bytes) -> None:
             if not w.is_closing():
-                w.write(frame)
+                w.write(msg)
 
         def pump() -> None:
             for ev in self._service.events(call.args["request_id"], call.args.get("timeout")):
                 if gone.is_set():
                     return
-                frame = _frame(Reply(call.id, msgspec.Raw(_enc.encode(ev))))
-                loop.call_soon_threadsafe(put, frame)
+                loop.call_soon_threadsafe(put, frame(Reply(call.id, msgspec.Raw(_enc.encode(ev)))))
 
         try:
             await loop.run_in_executor(self._long, pump)
         except asyncio.CancelledError:
             gone.set()
             raise
-        put(_frame(Reply(call.id, end=True)))
+        put(frame(Reply(call.id, end=True)))
 
     def close(self) -> None:
         if self._closed:
@@ -310,259 +313,6 @@ def _new_loop() -> asyncio.AbstractEventLoop:
     return uvloop.new_event_loop()
 
 
-# --------------------------------------------------------------------------- client
-class _Link:
-    """One connection on an event loop, its calls matched to replies by id."""
-
-    def __init__(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        self.r, self.w = r, w
-        self.pending: dict[int, asyncio.Future[Reply]] = {}
-        self.broken = False
-        self.reader = asyncio.get_running_loop().create_task(self._read())
-
-    async def _read(self) -> None:
-        why: BaseException | None = None
-        try:
-            while True:
-                (n,) = _HEAD.unpack(await self.r.readexactly(_HEAD.size))
-                if n > MAX_FRAME:
-                    raise ConnectionError(f"a {n}-byte reply, over the limit")
-                reply = _reply_dec.decode(await self.r.readexactly(n))
-                fut = self.pending.pop(reply.id, None)
-                if fut is not None and not fut.done():
-                    fut.set_result(reply)
-        except (asyncio.IncompleteReadError, ConnectionError, msgspec.DecodeError) as e:
-            why = e
-        finally:
-            self.broken = True
-            self.w.close()
-        for fut in self.pending.values():
-            if not fut.done():
-                fut.set_exception(ServiceUnavailable(f"the orchestrator connection broke: {why}"))
-        self.pending.clear()
-
-
-class RemoteService:
-    """The service's client API through a ``BridgeServer`` at ``path`` (module
-    docstring). Thread-safe. ``close()`` closes this thread's connection and marks
-    the service closed; other connections close with their threads' and loops'
-    objects."""
-
-    def __init__(self, path: str, call_timeout_s: float = 10.0) -> None:
-        self.path = path
-        self.call_timeout_s = call_timeout_s
-        self._ids = itertools.count(1)
-        self._local = threading.local()
-        self._links: dict[asyncio.AbstractEventLoop, asyncio.Task[_Link]] = {}
-        self._lock = threading.Lock()
-        self._closed = False
-
-    # -------------------------------------------------------------- async (the API's loop)
-    async def _link(self) -> _Link:
-        loop = asyncio.get_running_loop()
-        with self._lock:
-            task = self._links.get(loop)
-            if task is not None and task.done() and (task.exception() or task.result().broken):
-                task = None
-            if task is None:
-                task = self._links[loop] = loop.create_task(self._open_link())
-        return await task
-
-    async def _open_link(self) -> _Link:
-        try:
-            r, w = await asyncio.open_unix_connection(self.path, limit=1 << 20)
-        except OSError as e:
-            raise ServiceUnavailable(f"the orchestrator is not answering: {e}") from None
-        return _Link(r, w)
-
-    async def _call_async(self, op: str, args: dict[str, Any]) -> msgspec.Raw:
-        if self._closed:
-            raise ServiceUnavailable("the orchestrator client is closed")
-        try:
-            async with asyncio.timeout(self.call_timeout_s):
-                link = await asyncio.shield(self._link())  # a shared connect, not cancelled
-                call = Call(next(self._ids), op, args)
-                fut: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
-                link.pending[call.id] = fut
-                try:
-                    link.w.write(_frame(call))
-                    reply = await fut
-                finally:
-                    link.pending.pop(call.id, None)
-        except TimeoutError:
-            raise ServiceUnavailable(
-                f"the orchestrator did not answer within {self.call_timeout_s} s"
-            ) from None
-        if reply.fault is not None:
-            _raise(reply.fault)
-        return reply.value
-
-    async def submit_async(
-        self,
-        params: dict[str, Any] | bytes = b"",
-        *,
-        request_id: str | None = None,
-        slo_class: str | None = None,
-        cached_embeddings: bytes | None = None,
-        deadline_s: float | None = None,
-    ) -> RequestStatus:
-        """``OrchestratorService.submit_async``."""
-        args = _submit_args(params, request_id, slo_class, cached_embeddings, deadline_s)
-        return _status_dec.decode(await self._call_async("submit", args))
-
-    async def status_async(self, request_id: str) -> RequestStatus:
-        """``OrchestratorService.status_async``."""
-        return _status_dec.decode(await self._call_async("status", {"request_id": request_id}))
-
-    async def cancel_async(
-        self, request_id: str, reason: str = "cancelled by client"
-    ) -> RequestStatus:
-        """``OrchestratorService.cancel_async``."""
-        args = {"request_id": request_id, "reason": reason}
-        return _status_dec.decode(await self._call_async("cancel", args))
-
-    # -------------------------------------------------------------- sync (worker threads)
-    def _connect(self, timeout: float | None) -> socket.socket:
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.settimeout(timeout)
-        try:
-            s.connect(self.path)
-        except OSError as e:
-            s.close()
-            raise ServiceUnavailable(f"the orchestrator is not answering: {e}") from None
-        return s
-
-    def _call(self, op: str, args: dict[str, Any], timeout: Any = _CALL_TIMEOUT) -> msgspec.Raw:
-        """One call on this thread's connection; ``timeout`` (default the call
-        timeout; None waits as long as it takes) bounds the answer."""
-        if self._closed:
-            raise ServiceUnavailable("the orchestrator client is closed")
-        limit: float | None = self.call_timeout_s if timeout is _CALL_TIMEOUT else timeout
-        s: socket.socket | None = getattr(self._local, "sock", None)
-        try:
-            if s is None:
-                s = self._local.sock = self._connect(limit)
-            s.settimeout(limit)
-            call = Call(next(self._ids), op, args)
-            s.sendall(_frame(call))
-            reply = _read_reply(s)
-        except (OSError, ConnectionError, msgspec.DecodeError) as e:
-            if s is not None:
-                s.close()  # a late answer must not meet the next call
-            self._local.sock = None
-            if isinstance(e, TimeoutError):
-                raise ServiceUnavailable(
-                    f"the orchestrator did not answer within {limit} s"
-                ) from None
-            raise ServiceUnavailable(f"the orchestrator connection broke: {e}") from None
-        if reply.id != call.id:  # cannot happen: one call at a time per connection
-            s.close()
-            self._local.sock = None
-            raise ServiceUnavailable("the orchestrator answered another call")
-        if reply.fault is not None:
-            _raise(reply.fault)
-        return reply.value
-
-    def submit(
-        self,
-        params: dict[str, Any] | bytes = b"",
-        *,
-        request_id: str | None = None,
-        slo_class: str | None = None,
-        cached_embeddings: bytes | None = None,
-        deadline_s: float | None = None,
-    ) -> str:
-        """``OrchestratorService.submit``."""
-        args = _submit_args(params, request_id, slo_class, cached_embeddings, deadline_s)
-        return _status_dec.decode(self._call("submit", args)).request_id
-
-    def status(self, request_id: str) -> RequestStatus:
-        """``OrchestratorService.status``."""
-        return _status_dec.decode(self._call("status", {"request_id": request_id}))
-
-    def cancel(self, request_id: str, reason: str = "cancelled by client") -> RequestStatus:
-        """``OrchestratorService.cancel``."""
-        args = {"request_id": request_id, "reason": reason}
-        return _status_dec.decode(self._call("cancel", args))
-
-    def wait(self, request_id: str, timeout: float | None = None) -> RequestStatus:
-        """``OrchestratorService.wait`` (the connection waits ``timeout`` plus the call
-        timeout; forever with none, as the service's own)."""
-        limit = None if timeout is None else timeout + self.call_timeout_s
-        args = {"request_id": request_id, "timeout": timeout}
-        return _status_dec.decode(self._call("wait", args, limit))
-
-    def events(self, request_id: str, timeout: float | None = None) -> Iterator[RequestEvent]:
-        """``OrchestratorService.events``, on a connection of its own."""
-        s = self._connect(self.call_timeout_s)
-        try:
-            call = Call(next(self._ids), "events", {"request_id": request_id, "timeout": timeout})
-            s.sendall(_frame(call))
-            # the history comes at once; then each event may take up to ``timeout``
-            first = True
-            while True:
-                try:
-                    reply = _read_reply(s)
-                except (OSError, ConnectionError, msgspec.DecodeError) as e:
-                    if first:
-                        raise ServiceUnavailable(
-                            f"the orchestrator is not answering: {e}"
-                        ) from None
-                    return  # the service went away: the stream ends, as the service's own
-                if first:
-                    first = False
-                    s.settimeout(None if timeout is None else timeout + self.call_timeout_s)
-                if reply.fault is not None:
-                    _raise(reply.fault)
-                if reply.end:
-                    return
-                yield _event_dec.decode(reply.value)
-        finally:
-            s.close()
-
-    def reassign(self, worker_id: str, stages: tuple[str, ...], reason: str = "planner") -> str:
-        """``OrchestratorService.reassign``."""
-        args = {"worker_id": worker_id, "stages": list(stages), "reason": reason}
-        return _str_dec.decode(self._call("reassign", args))
-
-    def drain(self, worker_id: str, reason: str = "drain") -> str:
-        """``OrchestratorService.drain``."""
-        return _str_dec.decode(self._call("drain", {"worker_id": worker_id, "reason": reason}))
-
-    def cluster(self) -> dict[str, Any]:
-        """``OrchestratorService.cluster``."""
-        return _dict_dec.decode(self._call("cluster", {}))
-
-    def metrics_text(self) -> str:
-        """``OrchestratorService.metrics_text``."""
-        return _str_dec.decode(self._call("metrics", {}))
-
-    def close(self) -> None:
-        """Refuse further calls and close this thread's connection. Idempotent."""
-        self._closed = True
-        s = getattr(self._local, "sock", None)
-        if s is not None:
-            s.close()
-            self._local.sock = None
-
-
-def _submit_args(
-    params: dict[str, Any] | bytes,
-    request_id: str | None,
-    slo_class: str | None,
-    cached_embeddings: bytes | None,
-    deadline_s: float | None,
-) -> dict[str, Any]:
-    blob = params if isinstance(params, bytes) else msgspec.json.encode(params)
-    return {
-        "params": blob,
-        "request_id": request_id,
-        "slo_class": slo_class,
-        "cached_embeddings": cached_embeddings,
-        "deadline_s": deadline_s,
-    }
-
-
 def _read_exactly(s: socket.socket, n: int) -> bytes:
     buf = bytearray()
     while len(buf) < n:
@@ -573,8 +323,10 @@ def _read_exactly(s: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def _read_reply(s: socket.socket) -> Reply:
-    (n,) = _HEAD.unpack(_read_exactly(s, _HEAD.size))
+def read_reply(s: socket.socket) -> Reply:
+    """One ``Reply`` from a blocking socket. Raises ``ConnectionError`` (closed, or
+    over ``MAX_FRAME``), ``OSError`` (its timeout) or ``msgspec.DecodeError``."""
+    (n,) = HEAD.unpack(_read_exactly(s, HEAD.size))
     if n > MAX_FRAME:
         raise ConnectionError(f"a {n}-byte reply, over the limit")
     return _reply_dec.decode(_read_exactly(s, n))

@@ -95,7 +95,7 @@ def _stage_fns(stages: list[str], fns: list[str]) -> tuple[dict[str, Any], Any]:
 
 def _run_orchestrator(args: argparse.Namespace) -> int:
     from mooncake_diffusion.orchestrator.api import ApiServer
-    from mooncake_diffusion.orchestrator.errors import OrchestratorConfigError
+    from mooncake_diffusion.orchestrator.errors import OrchestratorConfigError, OrchestratorError
     from mooncake_diffusion.orchestrator.front import DEFAULT_MAX_COST, FrontConfig
     from mooncake_diffusion.orchestrator.frontproc import FrontProcess
     from mooncake_diffusion.orchestrator.model import OrchestratorConfig
@@ -168,7 +168,11 @@ def _run_orchestrator(args: argparse.Namespace) -> int:
                 print(f"orchestrator failed: {service.failure}", file=sys.stderr, flush=True)
                 return 1
             if isinstance(api, FrontProcess):
-                api.check()  # a front that exited is started again on the same socket
+                try:  # a front that exited is started again on the same socket
+                    api.check()
+                except OrchestratorError as e:  # it cannot start any more: say so, exit
+                    print(f"orchestrator failed: {e}", file=sys.stderr, flush=True)
+                    return 1
         print("orchestrator stopping", flush=True)
     finally:
         service.close()

@@ -9,7 +9,7 @@ The service's process binds the API's port (so a bad address fails there, and a
 respawned front serves the same socket), serves the client API on a
 ``bridge.BridgeServer`` and starts ``python -m mooncake_diffusion.orchestrator.frontproc``
 with the listening socket inherited and its settings (``FrontSpec``, JSON) on stdin.
-The child serves ``api.build_app`` over a ``bridge.RemoteService``: the same routes,
+The child serves ``api.build_app`` over a ``remote.RemoteService``: the same routes,
 answers and errors as the in-process API, but uvicorn, the middleware and the JSON
 work run on another interpreter lock than the driver's. It prints ``front ready``
 and exits when its stdin closes (the service closed it, or died); it ignores SIGINT
@@ -29,9 +29,10 @@ from pathlib import Path
 import msgspec
 
 from mooncake_diffusion.orchestrator.api import ApiServer, listen
-from mooncake_diffusion.orchestrator.bridge import BridgeServer, RemoteService
+from mooncake_diffusion.orchestrator.bridge import BridgeServer
 from mooncake_diffusion.orchestrator.errors import OrchestratorError
 from mooncake_diffusion.orchestrator.front import FrontConfig
+from mooncake_diffusion.orchestrator.remote import RemoteService
 from mooncake_diffusion.orchestrator.service import OrchestratorService
 
 __all__ = ["FrontProcess", "FrontSpec"]
