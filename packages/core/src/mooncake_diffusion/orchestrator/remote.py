@@ -96,6 +96,8 @@ class RemoteService:
     async def _link(self) -> _Link:
         loop = asyncio.get_running_loop()
         with self._lock:
+            for gone in [lp for lp in self._links if lp.is_closed()]:
+                del self._links[gone]  # its connection closed with it
             task = self._links.get(loop)
             if (
                 task is not None
@@ -124,6 +126,8 @@ class RemoteService:
                 fut: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
                 link.pending[call.id] = fut
                 try:
+                    if link.broken:  # it broke after the check in _link: no answer will come
+                        raise ServiceUnavailable("the orchestrator connection broke")
                     link.w.write(frame(call))
                     reply = await fut
                 finally:
