@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import time
 from typing import Any
 
@@ -20,9 +21,16 @@ from mooncake_diffusion.settings import MooncakeSettings
 from mooncake_diffusion.transports.memory import fabric_keys
 
 
-def raw(api: ApiServer, method: str, path: str, body: bytes | None = None, headers=None):
+def raw(
+    api: ApiServer,
+    method: str,
+    path: str,
+    body: bytes | None = None,
+    headers=None,
+    timeout: float = 10.0,
+):
     """One HTTP request on a fresh connection: (status, the JSON body or {})."""
-    conn = http.client.HTTPConnection(api.host, api.port, timeout=10)
+    conn = http.client.HTTPConnection(api.host, api.port, timeout=timeout)
     try:
         conn.request(method, path, body=body, headers=headers or {})
         resp = conn.getresponse()
@@ -94,6 +102,7 @@ class Stack:
         if self.remote is not None and self.bridge is not None:
             self.remote.close()
             self.bridge.close()
+            assert not os.path.exists(os.path.dirname(self.bridge.path)), "its folder is left"
         for c in self.connectors:
             assert c.stats().live_publications == 0, c.stats()
             c.close()

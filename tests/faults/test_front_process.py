@@ -19,7 +19,7 @@ from gated import Gate
 from servicestack import CLI
 
 from mooncake_diffusion.orchestrator import toy
-from mooncake_diffusion.testing import non_loopback_listeners
+from mooncake_diffusion.testing import descendants, non_loopback_listeners
 
 pytestmark = pytest.mark.faults
 
@@ -27,20 +27,15 @@ GATED = "gated:toy_denoise"
 
 
 def fronts_of(pid: int) -> list[int]:
-    """The live ``frontproc`` children of ``pid``."""
+    """The live ``frontproc`` processes below ``pid``."""
     found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+    for p in descendants(pid) - {pid}:
         try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmd = f.read()
-        except (OSError, IndexError, ValueError):
+            with open(f"/proc/{p}/cmdline", "rb") as f:
+                if b"orchestrator.frontproc" in f.read():  # a zombie's is empty
+                    found.append(p)
+        except OSError:
             continue  # gone meanwhile
-        if ppid == pid and b"orchestrator.frontproc" in cmd:
-            found.append(int(entry))
     return found
 
 

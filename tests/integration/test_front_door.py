@@ -17,7 +17,7 @@ from pathlib import Path
 
 import openai
 import pytest
-from apistack import Stack
+from apistack import Stack, raw
 
 from mooncake_diffusion.orchestrator.api import MAX_BODY
 from mooncake_diffusion.orchestrator.front import FrontConfig
@@ -64,13 +64,7 @@ def front(tmp_path):
 
 
 def http_json(f: Front, method: str, path: str, body=None, headers=None):
-    c = http.client.HTTPConnection(f.api.host, f.api.port, timeout=30)
-    try:
-        c.request(method, path, body=body, headers=headers or {})
-        r = c.getresponse()
-        return r.status, json.loads(r.read() or b"{}")
-    finally:
-        c.close()
+    return raw(f.api, method, path, body, headers, timeout=30)
 
 
 def test_every_abuse_case_gets_its_status_the_error_shape_and_leaves_nothing(front, tmp_path):

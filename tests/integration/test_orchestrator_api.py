@@ -44,12 +44,14 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture
-def stack():
-    s = Stack()
+def stack(request):
+    """``Stack()``; a test parametrized ``indirect`` with True gets it ``bridged``."""
+    s = Stack(bridged=getattr(request, "param", False))
     yield s
     s.close_released()
 
 
+@pytest.mark.parametrize("stack", [False, True], ids=["in-process", "bridged"], indirect=True)
 def test_requests_flow_through_every_stage_with_events_and_metrics(stack):
     stack.pipeline()
     params = [{"prompt": f"p{i}", "size": 256, "steps": 3} for i in range(5)]

@@ -46,10 +46,10 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return b"".join(chunks)
 
 
-def _recv(sock: socket.socket) -> bytes:
+def _recv(sock: socket.socket, limit: int = _MAX_FRAME) -> bytes:
     (n,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
-    if n > _MAX_FRAME:
-        raise HandleError(f"side-channel frame of {n} bytes exceeds {_MAX_FRAME}")
+    if n > limit:
+        raise HandleError(f"frame of {n} bytes exceeds {limit}")
     return _recv_exact(sock, n)
 
 
@@ -58,9 +58,10 @@ def send_frame(sock: socket.socket, data: bytes) -> None:
     _send(sock, data)
 
 
-def recv_frame(sock: socket.socket) -> bytes:
-    """One frame; ``ConnectionError`` when the peer closed, ``HandleError`` if oversized."""
-    return _recv(sock)
+def recv_frame(sock: socket.socket, limit: int = _MAX_FRAME) -> bytes:
+    """One frame; ``ConnectionError`` when the peer closed, ``HandleError`` if over
+    ``limit`` bytes (default the side channel's 1 MiB)."""
+    return _recv(sock, limit)
 
 
 def connect(endpoint: str, deadline: float) -> socket.socket:

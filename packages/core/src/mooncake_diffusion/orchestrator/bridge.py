@@ -33,7 +33,7 @@ import struct
 import tempfile
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import msgspec
@@ -44,6 +44,7 @@ from mooncake_diffusion.orchestrator.service import (
     RequestRejected,
     ServiceUnavailable,
 )
+from mooncake_diffusion.sidechannel import recv_frame
 
 __all__ = [
     "BRIDGE_VERSION",
@@ -147,26 +148,26 @@ class BridgeServer:
 
     def start(self) -> BridgeServer:
         """Listen; returns once the socket accepts connections."""
-        started: list[BaseException | None] = []
-        ready = threading.Event()
+        listening: Future = Future()
 
         def run() -> None:
             loop = _new_loop()
             self._loop = loop
             try:
-                loop.run_until_complete(self._serve(ready, started))
+                loop.run_until_complete(self._serve(listening))
             finally:
                 loop.close()
 
         self._thread = threading.Thread(target=run, name="mcd-bridge", daemon=True)
         self._thread.start()
-        ready.wait()
-        if started and started[0] is not None:
+        try:
+            listening.result()
+        except OSError as e:
             self.close()
-            raise OrchestratorError(f"cannot listen on {self.path}: {started[0]}")
+            raise OrchestratorError(f"cannot listen on {self.path}: {e}") from e
         return self
 
-    async def _serve(self, ready: threading.Event, started: list[BaseException | None]) -> None:
+    async def _serve(self, listening: Future) -> None:
         self._stop = asyncio.Event()
         conns: set[asyncio.Task] = set()
 
@@ -182,11 +183,9 @@ class BridgeServer:
         try:
             server = await asyncio.start_unix_server(accepted, self.path, limit=1 << 20)
         except OSError as e:
-            started.append(e)
-            ready.set()
+            listening.set_exception(e)
             return
-        started.append(None)
-        ready.set()
+        listening.set_result(None)
         async with server:
             await self._stop.wait()
             server.close()
@@ -227,9 +226,7 @@ class BridgeServer:
                 await self._stream(call, w)
                 return
             reply = Reply(call.id, msgspec.Raw(_enc.encode(await self._run(call.op, call.args))))
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
+        except Exception as e:  # a cancelled call (the front went away) is not answered
             if not isinstance(e, (RequestRejected, ServiceUnavailable)):
                 log.exception("bridge: %s failed", call.op)
             reply = Reply(call.id, fault=_fault_of(e))
@@ -313,20 +310,8 @@ def _new_loop() -> asyncio.AbstractEventLoop:
     return uvloop.new_event_loop()
 
 
-def _read_exactly(s: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = s.recv(min(n - len(buf), 1 << 20))
-        if not chunk:
-            raise ConnectionError("the orchestrator closed the connection")
-        buf += chunk
-    return bytes(buf)
-
-
 def read_reply(s: socket.socket) -> Reply:
-    """One ``Reply`` from a blocking socket. Raises ``ConnectionError`` (closed, or
-    over ``MAX_FRAME``), ``OSError`` (its timeout) or ``msgspec.DecodeError``."""
-    (n,) = HEAD.unpack(_read_exactly(s, HEAD.size))
-    if n > MAX_FRAME:
-        raise ConnectionError(f"a {n}-byte reply, over the limit")
-    return _reply_dec.decode(_read_exactly(s, n))
+    """One ``Reply`` from a blocking socket. Raises ``ConnectionError`` (closed),
+    ``HandleError`` (over ``MAX_FRAME``), ``OSError`` (its timeout) or
+    ``msgspec.DecodeError``."""
+    return _reply_dec.decode(recv_frame(s, MAX_FRAME))

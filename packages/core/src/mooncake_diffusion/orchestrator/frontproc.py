@@ -2,7 +2,7 @@
 
     front = FrontProcess(service, "127.0.0.1", 7421, token=None, outputs=None,
                          front=FrontConfig())
-    front.url; front.check()    # respawns a front that exited; True if it had to
+    front.url; front.check()    # respawns a front that exited
     front.close()
 
 The service's process binds the API's port (so a bad address fails there, and a
@@ -51,10 +51,7 @@ class FrontSpec(msgspec.Struct, frozen=True):
     host: str
     token: str | None
     outputs: str | None
-    hosts: list[str]
-    max_cost: dict[str, int]
-    cancel_on_disconnect: bool
-    models: list[str]
+    front: FrontConfig
     call_timeout_s: float
     v: int = 1
 
@@ -78,7 +75,6 @@ class FrontProcess:
         self.host, self.port = self._sock.getsockname()[:2]
         self._bridge: BridgeServer | None = None
         self._proc: subprocess.Popen | None = None
-        self.restarts = 0
         try:
             self._bridge = BridgeServer(service).start()
             self._spec = FrontSpec(
@@ -87,10 +83,7 @@ class FrontProcess:
                 host=host,
                 token=token,
                 outputs=None if outputs is None else str(outputs),
-                hosts=list(front.hosts),
-                max_cost=dict(front.max_cost),
-                cancel_on_disconnect=front.cancel_on_disconnect,
-                models=list(front.models),
+                front=front,
                 call_timeout_s=service.config.call_timeout_s,
             )
             self._proc = self._spawn()
@@ -124,16 +117,15 @@ class FrontProcess:
             )
         return proc
 
-    def check(self) -> bool:
-        """Respawn the front if its process exited; True if it had to (it logs why)."""
+    def check(self) -> None:
+        """Respawn the front if its process exited (it logs why). Raises
+        ``OrchestratorError`` if the new one does not start."""
         if self._proc is None or self._proc.poll() is None:
-            return False
+            return
         log.warning(
             "the HTTP front's process exited (rc %s); starting another", self._proc.returncode
         )
-        self.restarts += 1
         self._proc = self._spawn()
-        return True
 
     def close(self) -> None:
         """Stop the front (its stdin closes; killed after 10 s), the bridge and the
@@ -168,18 +160,12 @@ def main() -> int:
     logging.basicConfig(level="WARNING", format="%(asctime)s front %(message)s")
     spec = msgspec.json.decode(sys.stdin.buffer.readline(), type=FrontSpec)
     remote = RemoteService(spec.bridge, spec.call_timeout_s)
-    front = FrontConfig(
-        hosts=tuple(spec.hosts),
-        max_cost=spec.max_cost,
-        cancel_on_disconnect=spec.cancel_on_disconnect,
-        models=tuple(spec.models),
-    )
     api = ApiServer(
         remote,  # type: ignore[arg-type]  # the service's client API, over the bridge
         spec.host,
         token=spec.token,
         outputs=spec.outputs,
-        front=front,
+        front=spec.front,
         sock=socket.socket(fileno=spec.fd),
     )
     try:

@@ -24,6 +24,7 @@ from typing import Any
 
 import msgspec
 
+from mooncake_diffusion.errors import HandleError
 from mooncake_diffusion.orchestrator.bridge import (
     HEAD,
     MAX_FRAME,
@@ -189,7 +190,7 @@ class RemoteService:
             call = Call(next(self._ids), op, args)
             s.sendall(frame(call))
             reply = read_reply(s)
-        except (OSError, ConnectionError, msgspec.DecodeError) as e:
+        except (OSError, ConnectionError, HandleError, msgspec.DecodeError) as e:
             if s is not None:
                 s.close()  # a late answer must not meet the next call
             self._local.sock = None
@@ -246,7 +247,7 @@ class RemoteService:
             while True:
                 try:
                     reply = read_reply(s)
-                except (OSError, ConnectionError, msgspec.DecodeError) as e:
+                except (OSError, ConnectionError, HandleError, msgspec.DecodeError) as e:
                     if first:
                         raise ServiceUnavailable(
                             f"the orchestrator is not answering: {e}"
