@@ -29,6 +29,16 @@ this process under a virtual clock. Two parts:
                slow a run down; every run's figure is kept) and the handle
                percentiles of its least disturbed run; the ratio between pools is
                also given paired, per repeat (median and range).
+    newest     A diagnostic of the saturated part, smallest and largest pool only:
+               the same workload, but the item dispatched last finishes first, so the
+               request, worker and index entries a decision touches were touched a
+               few events before (in the CPU's cache), where in ``saturated`` they
+               were last touched about as many decisions ago as the pool has credits
+               (7,168 on ``xl``: out of cache). One credit turns over while the
+               others stay held; the queue (FIFO, its requests out of cache in both)
+               and every index are as large. Its ratio largest/smallest against the
+               saturated one says how much of the larger pool's cost is memory, not
+               work that grows with the pool.
     service    The submit-to-dispatch round trip through the real service over loopback,
                open loop: ``mooncake-diffusion orchestrator`` runs as its own process
                (with and without its SQLite journal) with 1,024 workers registered
@@ -134,6 +144,8 @@ class SaturatedRow:
     #: decisions per second of this thread's CPU time in the timed loop (the driver
     #: included): blind to the time other jobs take the CPU away, so steadier here
     loop_cpu_decisions_per_s: float = 0.0
+    #: which dispatched item finishes next: "oldest" (saturated) or "newest" (diagnostic)
+    order: str = "oldest"
 
 
 @dataclass
@@ -157,12 +169,13 @@ class ChaosRow:
 
 # --------------------------------------------------------------------------- saturated
 def saturated(
-    policy: str, pool: str, decisions: int, seed: int
+    policy: str, pool: str, decisions: int, seed: int, order: str = "oldest"
 ) -> tuple[SaturatedRow, list[float]]:
     """One run of the saturated workload; the row and its per-event ``handle`` seconds.
-    Starts from a collected heap: the previous run's core is garbage (its requests and
-    workers reference each other), which the collector would otherwise walk inside
-    this run's timed loop."""
+    ``order``: the oldest dispatched item finishes next, or (``newest``) the one
+    dispatched last (see the module docstring). Starts from a collected heap: the
+    previous run's core is garbage (its requests and workers reference each other),
+    which the collector would otherwise walk inside this run's timed loop."""
     gc.collect()
     rng = random.Random(seed)
     clock = VirtualClock()
@@ -173,6 +186,7 @@ def saturated(
     pending: deque[Dispatch] = deque()
     counts = {"decisions": 0, "completed": 0}
     perf = time.perf_counter
+    oldest = order == "oldest"
 
     def feed(ev: Event) -> None:
         t0 = perf()
@@ -211,7 +225,7 @@ def saturated(
             cached = b"emb-cached-handle" if rng.random() < 0.5 else None
             feed(Submit(f"r{submitted}", cls, params=b"p" * 64, cached_embeddings=cached))
             submitted += 1
-        d = pending.popleft()
+        d = pending.popleft() if oldest else pending.pop()
         clock.advance(step)
         it = d.item
         feed(ItemDone(d.worker_id, it.request_id, it.stage, it.attempt, b"h" * 200))
@@ -237,12 +251,13 @@ def saturated(
         handle_us_p50=q[49] * 1e6,
         handle_us_p99=q[98] * 1e6,
         loop_cpu_decisions_per_s=counts["decisions"] / cpu_s,
+        order=order,
     )
     return row, samples
 
 
 def saturated_all(
-    decisions: int, repeats: int, seed: int
+    decisions: int, repeats: int, seed: int, order: str = "oldest"
 ) -> tuple[list[SaturatedRow], dict[str, dict[str, list[float]]]]:
     """Every (policy, pool) ``repeats`` times, the pools of one policy back to back in
     each repeat (their order flipped every other repeat), so a ratio between pools is
@@ -251,16 +266,19 @@ def saturated_all(
     run down) with every run's in ``core_decisions_per_s_runs``, sums of its counts
     and seconds, and the handle percentiles of its least disturbed run (the lowest
     p99). Also returns, per policy, the paired per-repeat ratios
-    ``largest/smallest`` and ``fleet/smallest``."""
+    ``largest/smallest`` and ``fleet/smallest``. ``order="newest"``: the diagnostic,
+    the smallest and largest pools only, and ``largest/smallest`` alone."""
     runs: dict[tuple[str, str], list[tuple[SaturatedRow, list[float]]]] = {}
-    order = list(POOLS)
+    pools = list(POOLS) if order == "oldest" else [next(iter(POOLS)), list(POOLS)[-1]]
+    part = "saturated" if order == "oldest" else "newest first"
     for r in range(repeats):
         for policy in POLICIES:
-            for pool in order if r % 2 == 0 else order[::-1]:
-                log(f"saturated: {policy}, {pool} pool, {decisions} decisions (repeat {r + 1})")
-                runs.setdefault((policy, pool), []).append(saturated(policy, pool, decisions, seed))
+            for pool in pools if r % 2 == 0 else pools[::-1]:
+                log(f"{part}: {policy}, {pool} pool, {decisions} decisions (repeat {r + 1})")
+                row = saturated(policy, pool, decisions, seed, order)
+                runs.setdefault((policy, pool), []).append(row)
     rows = []
-    for pool in order:
+    for pool in pools:
         for policy in POLICIES:
             rs = runs[(policy, pool)]
             calm = min((row for row, _ in rs), key=lambda row: row.handle_us_p99)
@@ -283,17 +301,19 @@ def saturated_all(
                     handle_us_p99=calm.handle_us_p99,
                     repeats=len(rs),
                     core_decisions_per_s_runs=dps,
+                    order=order,
                 )
             )
     ratios: dict[str, dict[str, list[float]]] = {}
+    named = [("largest", pools[-1])] + [("fleet", "fleet")] * (order == "oldest")
     for policy in POLICIES:
-        small = [row.core_decisions_per_s for row, _ in runs[(policy, order[0])]]
+        small = [row.core_decisions_per_s for row, _ in runs[(policy, pools[0])]]
         ratios[policy] = {
             name: [
                 row.core_decisions_per_s / s
                 for (row, _), s in zip(runs[(policy, pool)], small, strict=True)
             ]
-            for name, pool in (("largest", order[-1]), ("fleet", "fleet"))
+            for name, pool in named
         }
     return rows, ratios
 
@@ -463,9 +483,11 @@ def raw_open_loop(
     request pre-built and sent on a connection with no answer pending, stamped just
     before its send. Request ``i`` is due at ``t0 + i / rate`` whatever the answers
     (it waits only when every connection has an answer pending: that is its send
-    lag). Returns ``{request id: (due, sent)}`` and one line per answer that was not
-    201. Raises ``TimeoutError`` past ``limit_s`` and ``ConnectionError`` when the
-    server closes a connection."""
+    lag). A connection the server closes while idle (its keep-alive timeout, 5 s by
+    default: reused last-in first-out, a few connections carry 1,000/s and the rest
+    sit idle) is replaced at once. Returns ``{request id: (due, sent)}`` and one line
+    per answer that was not 201. Raises ``TimeoutError`` past ``limit_s`` and
+    ``ConnectionError`` when the server closes a connection with an answer pending."""
     import selectors
     import socket
 
@@ -473,13 +495,17 @@ def raw_open_loop(
     free: list[socket.socket] = []
     bufs: dict[socket.socket, bytes] = {}
     pending: dict[socket.socket, str] = {}
-    for _ in range(conns if rate else 1):
+
+    def connect() -> None:
         s = socket.create_connection(("127.0.0.1", port))
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         s.setblocking(False)
         sel.register(s, selectors.EVENT_READ)
-        free.append(s)
+        free.insert(0, s)  # used last: the others are warm
         bufs[s] = b""
+
+    for _ in range(conns if rate else 1):
+        connect()
     head = (
         f"POST /v1/requests HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
         "Content-Type: application/json\r\n"
@@ -509,6 +535,7 @@ def raw_open_loop(
         bufs[s] = buf
 
     i = 0
+    closed_idle = 0
     t0 = time.monotonic() + 0.05
     stop = t0 + limit_s
     try:
@@ -533,13 +560,23 @@ def raw_open_loop(
                 s = key.fileobj  # type: ignore[assignment]
                 data = s.recv(65536)
                 if not data:
-                    raise ConnectionError("the orchestrator closed a connection")
+                    if s in pending:
+                        raise ConnectionError("the orchestrator closed a connection")
+                    sel.unregister(s)  # closed while idle: its keep-alive ran out
+                    s.close()
+                    free.remove(s)
+                    del bufs[s]
+                    connect()
+                    closed_idle += 1
+                    continue
                 bufs[s] += data
                 answers(s)
     finally:
         for s in bufs:
             s.close()
         sel.close()
+    if closed_idle:
+        log(f"the service closed {closed_idle} idle connections (keep-alive); replaced")
     return sent, failures
 
 
@@ -688,27 +725,30 @@ def markdown(
     sat: list[SaturatedRow],
     ch: list[ChaosRow],
     svc: list[ServiceRow],
-    ratios: dict[str, dict[str, list[float]]] | None = None,
+    ratios: dict[str, dict[str, dict[str, list[float]]]] | None = None,
 ) -> str:
+    """The tables; ``ratios``: per order (``oldest``, ``newest``), saturated_all's ratios."""
     lines = [
-        "| policy | pool (E/D/V workers) | decisions | core dec/s (best) | runs min-max "
-        "| loop dec/s | loop dec/CPU-s | handle p50 us | handle p99 us |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| policy | pool (E/D/V workers) | finishes next | decisions | core dec/s (best) "
+        "| runs min-max | loop dec/s | loop dec/CPU-s | handle p50 us | handle p99 us |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in sat:
         runs = r.core_decisions_per_s_runs or [r.core_decisions_per_s]
         lines.append(
-            f"| {r.policy} | {r.pool} ({r.workers}) | {r.decisions} "
+            f"| {r.policy} | {r.pool} ({r.workers}) | {r.order} | {r.decisions} "
             f"| {r.core_decisions_per_s:,.0f} | {min(runs):,.0f}-{max(runs):,.0f} "
             f"| {r.loop_decisions_per_s:,.0f} | {r.loop_cpu_decisions_per_s:,.0f} "
             f"| {r.handle_us_p50:.1f} | {r.handle_us_p99:.1f} |"
         )
-    for policy, rs in (ratios or {}).items():
-        parts = [
-            f"{name}/smallest {statistics.median(v):.2f} [{min(v):.2f}, {max(v):.2f}]"
-            for name, v in rs.items()
-        ]
-        lines.append(f"\n{policy}, paired per repeat, median [min, max]: {'; '.join(parts)}")
+    for order, by_policy in (ratios or {}).items():
+        for policy, rs in by_policy.items():
+            parts = [
+                f"{name}/smallest {statistics.median(v):.2f} [{min(v):.2f}, {max(v):.2f}]"
+                for name, v in rs.items()
+            ]
+            what = f"{policy}, {order} first, paired per repeat, median [min, max]"
+            lines.append(f"\n{what}: {'; '.join(parts)}")
     lines += [
         "",
         "| policy | requests | completed | failed | cancelled | lost | dup | deaths "
@@ -745,7 +785,7 @@ def markdown(
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     p.add_argument(
-        "--quick", action="store_true", help="fewer decisions and repeats, one chaos run (~40 s)"
+        "--quick", action="store_true", help="fewer decisions and repeats, one chaos run (~50 s)"
     )
     p.add_argument("--json", metavar="PATH", help="also write results as JSON here")
     p.add_argument("--seed", type=int, default=0, help="seed of the workloads")
@@ -761,6 +801,7 @@ def main(argv: list[str] | None = None) -> int:
     load_start = os.getloadavg()
     decisions, repeats = (10_000, 3) if a.quick else (40_000, 5)
     sat, ratios = saturated_all(decisions, repeats, a.seed)
+    newest, newest_ratios = saturated_all(decisions, repeats, a.seed, "newest")
     ch = []
     for policy in ("affinity",) if a.quick else POLICIES:
         log(f"chaos: {CHAOS_REQUESTS} requests, {policy}")
@@ -784,12 +825,13 @@ def main(argv: list[str] | None = None) -> int:
         log("service: one submission at a time, journal on, raw client")
         svc.append(service_rtt(None, 300 if a.quick else 2000, True, tmp))
     total = time.perf_counter() - t0
-    print(markdown(sat, ch, svc, ratios))
+    print(markdown(sat + newest, ch, svc, {"oldest": ratios, "newest": newest_ratios}))
     print(f"\ntotal {total:.1f} s; dec/s = Dispatch actions per second (see --help)")
     print(f"load average at start {load_start}, at end {os.getloadavg()}")
     smallest, largest = next(iter(POOLS)), list(POOLS)[-1]
     by = {(r.policy, r.pool): r.core_decisions_per_s for r in sat}
     cpu = {(r.policy, r.pool): r.loop_cpu_decisions_per_s for r in sat}
+    nby = {(r.policy, r.pool): r.core_decisions_per_s for r in newest}
     jsvc = next(
         r
         for r in svc
@@ -807,6 +849,11 @@ def main(argv: list[str] | None = None) -> int:
             by[(p, "fleet")] / by[(p, smallest)] for p in POLICIES
         ),
         "decisions_per_s_ratios_paired": ratios,
+        # the diagnostic: the item dispatched last finishes first (module docstring)
+        "decisions_per_s_ratio_largest_to_smallest_newest_first": min(
+            nby[(p, largest)] / nby[(p, smallest)] for p in POLICIES
+        ),
+        "decisions_per_s_ratios_paired_newest_first": newest_ratios,
         "handle_us_p99": max(r.handle_us_p99 for r in sat),
         "loop_decisions_per_s": min(r.loop_decisions_per_s for r in sat),
         "loop_cpu_decisions_per_s": min(r.loop_cpu_decisions_per_s for r in sat),
@@ -844,6 +891,9 @@ def main(argv: list[str] | None = None) -> int:
                 "decisions_per_s_ratio_largest_to_smallest": "per policy, the largest pool's "
                 "decisions/s over the smallest's; the worst policy",
                 "handle_us_p99": "the largest handle() p99 of any saturated row",
+                "decisions_per_s_ratio_largest_to_smallest_newest_first": "the same ratio "
+                "with the item dispatched last finishing first (its state in cache): a "
+                "diagnostic, not the target",
                 "service_rtt": "ms from sending a submission to its encode item arriving at "
                 "a worker, open loop, journal on, the raw client (raw_open_loop); "
                 "_library_client: OrchestratorClient in 8 threads (library_open_loop); "
@@ -851,6 +901,7 @@ def main(argv: list[str] | None = None) -> int:
                 "front in a child process)",
             },
             "rows": [{"part": "saturated", **asdict(r)} for r in sat]
+            + [{"part": "newest first", **asdict(r)} for r in newest]
             + [{"part": "chaos", **asdict(c)} for c in ch]
             + [{"part": "service", **asdict(r)} for r in svc],
             "summary": summary,
