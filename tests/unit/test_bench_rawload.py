@@ -65,3 +65,38 @@ def test_raw_client_sends_every_request_and_reports_the_refused(rate):
     assert len(failures) == 1 and failures[0].startswith("open-3: HTTP/1.1 409")
     assert all(t >= due for due, t in sent.values())  # never sent before it was due
     assert_no_leaks(None, baseline)
+
+
+class _Idle(_Submit):
+    """Closes a connection that sent nothing for ``timeout`` seconds, as uvicorn's
+    keep-alive timeout does; counts the connections it was given."""
+
+    timeout = 1.0
+    connections: ClassVar[list[int]] = []
+
+    def setup(self) -> None:
+        super().setup()
+        self.connections.append(1)
+
+
+def test_raw_client_replaces_connections_the_server_closes_while_idle():
+    """At 20/s one connection carries every request (each answered long before the
+    next is due, and reused last-in first-out), so the other three sit idle and the
+    server closes them after 1 s, and closes their replacements in turn; the run goes
+    on and loses nothing (before, the first such close stopped it)."""
+    baseline = thread_names()
+    _Idle.seen, _Idle.connections = [], []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Idle)
+    serving = threading.Thread(target=server.serve_forever, name="test-http")
+    serving.start()
+    try:
+        sent, failures = bench.raw_open_loop(server.server_address[1], 20.0, 50, conns=4)
+    finally:
+        server.shutdown()
+        server.server_close()
+        serving.join()
+    assert sorted(sent) == sorted(f"open-{i}" for i in range(50))
+    assert sorted(b["request_id"] for _, b in _Idle.seen) == sorted(sent)
+    assert len(failures) == 1 and failures[0].startswith("open-3: HTTP/1.1 409")
+    assert len(_Idle.connections) > 4  # idle ones were closed and replaced
+    assert_no_leaks(None, baseline)
