@@ -1,8 +1,9 @@
 """Orchestrator benchmark: how fast the in-process core decides, and that chaos loses nothing.
 
-Run ``uv run python bench/orchestrator.py [--quick] [--json PATH] [--seed N]``. No cluster,
-no processes: the deterministic core (``mooncake_diffusion.orchestrator``) is driven in
-this process under a virtual clock. Two parts:
+Run ``uv run python bench/orchestrator.py [--quick] [--json PATH] [--seed N]``. The
+saturated, newest-first and chaos parts need no cluster and no other process: the
+deterministic core (``mooncake_diffusion.orchestrator``) is driven in this process under
+a virtual clock; the service part starts the orchestrator and a stand-in fleet. Parts:
 
     saturated  A steady workload that keeps every worker busy: a backlog of requests
                (70 % interactive, 30 % batch; half with cached embeddings, so they skip
@@ -29,7 +30,8 @@ this process under a virtual clock. Two parts:
                slow a run down; every run's figure is kept) and the handle
                percentiles of its least disturbed run; the ratio between pools is
                also given paired, per repeat (median and range).
-    newest     A diagnostic of the saturated part, smallest and largest pool only:
+    newest first
+               A diagnostic of the saturated part, smallest and largest pool only:
                the same workload, but the item dispatched last finishes first, so the
                request, worker and index entries a decision touches were touched a
                few events before (in the CPU's cache), where in ``saturated`` they
@@ -783,7 +785,10 @@ def markdown(
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    # the whole docstring: what each part measures (the run's output points here)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument(
         "--quick", action="store_true", help="fewer decisions and repeats, one chaos run (~50 s)"
     )
