@@ -132,7 +132,9 @@ def disaggregated(batch: list, denoise_workers: int, out: Path) -> dict[str, Any
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--quick", action="store_true", help="a small batch (~1 min)")
     ap.add_argument("--json", metavar="PATH", help="also write results as JSON here")
     ap.add_argument("--denoise-workers", type=int, default=2)

@@ -319,7 +319,9 @@ class Flood:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--quick", action="store_true", help="fewer timed health calls")
     p.add_argument("--json", metavar="PATH", help="also write results as JSON here")
     a = p.parse_args(argv)

@@ -216,7 +216,9 @@ def spill_row(spill: bool, multiple: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--quick", action="store_true", help="each row once (else 3 times)")
     p.add_argument("--objects", type=int, default=8)
     p.add_argument("--json", help="write the result here")

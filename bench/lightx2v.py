@@ -520,7 +520,9 @@ def machine_info() -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--quick", action="store_true", help="3 repeats (under a minute)")
     p.add_argument("--json", metavar="PATH", help="also write results as JSON here")
     p.add_argument("--repeats", type=int, help="timed runs per scheme and phase")

@@ -617,7 +617,9 @@ def run_all(cfg: Config, cluster: LocalCluster) -> tuple[list[Row], Decoder, dic
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument(
         "--quick", action="store_true", help="3 repeats instead of 7 (same configurations)"
     )

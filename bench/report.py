@@ -179,7 +179,9 @@ def render(paths: list[Path]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("json", nargs="+", type=Path, help="bench JSON files")
     ap.add_argument("-o", "--out", type=Path, help="write here (default: stdout)")
     ap.add_argument("--check", action="store_true", help="fail if --out differs")

@@ -633,7 +633,9 @@ def run_all(
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--quick", action="store_true", help="few repeats (finishes in ~30 s)")
     p.add_argument("--json", metavar="PATH", help="also write results as JSON here")
     p.add_argument("--sizes-mb", default="1,16,64,256", help="comma-separated MiB sizes")
