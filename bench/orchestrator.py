@@ -117,6 +117,8 @@ POOLS = {
     "xl": (256, 3072, 768),
 }
 CREDITS = {"encode": 4, "denoise": 1, "decode": 4}
+#: a saturated run's ``order`` -> its part's name in the log, the tables and the JSON
+PARTS = {"oldest": "saturated", "newest": "newest first"}
 CHAOS_REQUESTS = 10_000
 SERVICE_RATE = 1000.0  # submissions/s offered to the service, open loop
 BEAT_SECONDS = 10.0  # each worker's heartbeat period in the saturated part
@@ -272,11 +274,11 @@ def saturated_all(
     the smallest and largest pools only, and ``largest/smallest`` alone."""
     runs: dict[tuple[str, str], list[tuple[SaturatedRow, list[float]]]] = {}
     pools = list(POOLS) if order == "oldest" else [next(iter(POOLS)), list(POOLS)[-1]]
-    part = "saturated" if order == "oldest" else "newest first"
     for r in range(repeats):
         for policy in POLICIES:
             for pool in pools if r % 2 == 0 else pools[::-1]:
-                log(f"{part}: {policy}, {pool} pool, {decisions} decisions (repeat {r + 1})")
+                what = f"{policy}, {pool} pool, {decisions} decisions (repeat {r + 1})"
+                log(f"{PARTS[order]}: {what}")
                 row = saturated(policy, pool, decisions, seed, order)
                 runs.setdefault((policy, pool), []).append(row)
     rows = []
@@ -307,7 +309,9 @@ def saturated_all(
                 )
             )
     ratios: dict[str, dict[str, list[float]]] = {}
-    named = [("largest", pools[-1])] + [("fleet", "fleet")] * (order == "oldest")
+    named = {"largest": pools[-1]}
+    if "fleet" in pools:
+        named["fleet"] = "fleet"
     for policy in POLICIES:
         small = [row.core_decisions_per_s for row, _ in runs[(policy, pools[0])]]
         ratios[policy] = {
@@ -315,9 +319,17 @@ def saturated_all(
                 row.core_decisions_per_s / s
                 for (row, _), s in zip(runs[(policy, pool)], small, strict=True)
             ]
-            for name, pool in named
+            for name, pool in named.items()
         }
     return rows, ratios
+
+
+def worst_ratio(rows: list[SaturatedRow], pool: str, rate: str = "core_decisions_per_s") -> float:
+    """Per policy, ``pool``'s ``rate`` over the smallest pool's (best run over best
+    run, the rows of one ``saturated_all``); the worst policy's."""
+    by = {(r.policy, r.pool): getattr(r, rate) for r in rows}
+    smallest = next(iter(POOLS))
+    return min(by[(p, pool)] / by[(p, smallest)] for p in POLICIES)
 
 
 # --------------------------------------------------------------------------- chaos
@@ -833,10 +845,7 @@ def main(argv: list[str] | None = None) -> int:
     print(markdown(sat + newest, ch, svc, {"oldest": ratios, "newest": newest_ratios}))
     print(f"\ntotal {total:.1f} s; dec/s = Dispatch actions per second (see --help)")
     print(f"load average at start {load_start}, at end {os.getloadavg()}")
-    smallest, largest = next(iter(POOLS)), list(POOLS)[-1]
-    by = {(r.policy, r.pool): r.core_decisions_per_s for r in sat}
-    cpu = {(r.policy, r.pool): r.loop_cpu_decisions_per_s for r in sat}
-    nby = {(r.policy, r.pool): r.core_decisions_per_s for r in newest}
+    largest = list(POOLS)[-1]
     jsvc = next(
         r
         for r in svc
@@ -847,24 +856,16 @@ def main(argv: list[str] | None = None) -> int:
     summary = {
         "decisions_per_s": min(r.core_decisions_per_s for r in sat),
         # per policy, best run over best run; the worst policy (paired ratios below)
-        "decisions_per_s_ratio_largest_to_smallest": min(
-            by[(p, largest)] / by[(p, smallest)] for p in POLICIES
-        ),
-        "decisions_per_s_ratio_fleet_to_smallest": min(
-            by[(p, "fleet")] / by[(p, smallest)] for p in POLICIES
-        ),
+        "decisions_per_s_ratio_largest_to_smallest": worst_ratio(sat, largest),
+        "decisions_per_s_ratio_fleet_to_smallest": worst_ratio(sat, "fleet"),
         "decisions_per_s_ratios_paired": ratios,
         # the diagnostic: the item dispatched last finishes first (module docstring)
-        "decisions_per_s_ratio_largest_to_smallest_newest_first": min(
-            nby[(p, largest)] / nby[(p, smallest)] for p in POLICIES
-        ),
+        "decisions_per_s_ratio_largest_to_smallest_newest_first": worst_ratio(newest, largest),
         "decisions_per_s_ratios_paired_newest_first": newest_ratios,
         "handle_us_p99": max(r.handle_us_p99 for r in sat),
         "loop_decisions_per_s": min(r.loop_decisions_per_s for r in sat),
         "loop_cpu_decisions_per_s": min(r.loop_cpu_decisions_per_s for r in sat),
-        "loop_cpu_ratio_largest_to_smallest": min(
-            cpu[(p, largest)] / cpu[(p, smallest)] for p in POLICIES
-        ),
+        "loop_cpu_ratio_largest_to_smallest": worst_ratio(sat, largest, "loop_cpu_decisions_per_s"),
         "lost_requests": sum(c.lost for c in ch),
         "duplicate_completions": sum(c.duplicate_completions for c in ch),
         "service_rtt_p50_ms": jsvc.rtt_ms_p50,
@@ -905,8 +906,7 @@ def main(argv: list[str] | None = None) -> int:
                 "_front_process: the same as service_rtt with --front-process (the HTTP "
                 "front in a child process)",
             },
-            "rows": [{"part": "saturated", **asdict(r)} for r in sat]
-            + [{"part": "newest first", **asdict(r)} for r in newest]
+            "rows": [{"part": PARTS[r.order], **asdict(r)} for r in sat + newest]
             + [{"part": "chaos", **asdict(c)} for c in ch]
             + [{"part": "service", **asdict(r)} for r in svc],
             "summary": summary,

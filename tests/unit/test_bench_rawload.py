@@ -5,10 +5,12 @@ answers 201, except 409 for one request id."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import sys
 import threading
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import ClassVar
@@ -45,19 +47,26 @@ class _Submit(BaseHTTPRequestHandler):
         pass
 
 
+@contextlib.contextmanager
+def serving(handler: type[BaseHTTPRequestHandler]) -> Iterator[int]:
+    """A ThreadingHTTPServer with ``handler`` on a loopback port (yielded), for the block."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, name="test-http")
+    thread.start()
+    try:
+        yield server.server_address[1]
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
 @pytest.mark.parametrize("rate", [500.0, None], ids=["open-loop", "one-at-a-time"])
 def test_raw_client_sends_every_request_and_reports_the_refused(rate):
     baseline = thread_names()
     _Submit.seen = []
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Submit)
-    serving = threading.Thread(target=server.serve_forever, name="test-http")
-    serving.start()
-    try:
-        sent, failures = bench.raw_open_loop(server.server_address[1], rate, 40, conns=4)
-    finally:
-        server.shutdown()
-        server.server_close()
-        serving.join()
+    with serving(_Submit) as port:
+        sent, failures = bench.raw_open_loop(port, rate, 40, conns=4)
     assert sorted(sent) == sorted(f"open-{i}" for i in range(40))
     assert sorted(b["request_id"] for _, b in _Submit.seen) == sorted(sent)
     assert {p for p, _ in _Submit.seen} == {"/v1/requests"}
@@ -86,15 +95,8 @@ def test_raw_client_replaces_connections_the_server_closes_while_idle():
     on and loses nothing (before, the first such close stopped it)."""
     baseline = thread_names()
     _Idle.seen, _Idle.connections = [], []
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Idle)
-    serving = threading.Thread(target=server.serve_forever, name="test-http")
-    serving.start()
-    try:
-        sent, failures = bench.raw_open_loop(server.server_address[1], 20.0, 50, conns=4)
-    finally:
-        server.shutdown()
-        server.server_close()
-        serving.join()
+    with serving(_Idle) as port:
+        sent, failures = bench.raw_open_loop(port, 20.0, 50, conns=4)
     assert sorted(sent) == sorted(f"open-{i}" for i in range(50))
     assert sorted(b["request_id"] for _, b in _Idle.seen) == sorted(sent)
     assert len(failures) == 1 and failures[0].startswith("open-3: HTTP/1.1 409")
