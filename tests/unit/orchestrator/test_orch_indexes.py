@@ -146,18 +146,25 @@ def test_an_index_decides_as_choose_over_every_candidate(name, options, seed):
 
 
 def test_affinity_groups_are_dropped_with_their_last_worker():
+    """Groups, and the lanes workers of the same groups share, live as long as a
+    worker of theirs does."""
     policy = create_policy("affinity")
     core = Orchestrator(OrchestratorConfig(), policy=policy)
     index = core._index
     assert isinstance(index, AffinityIndex)
     core.handle(RegisterWorker("d0", "decode", 2, {"node": "n0", "rail": "0"}), now=0.0)
     core.handle(RegisterWorker("d1", "decode", 2, {"node": "n1"}), now=0.0)
+    core.handle(RegisterWorker("d2", "decode", 2, {"rail": "0", "node": "n0"}), now=0.0)
     groups = len(index._groups)
     assert groups == 4 + 1  # d0: none, node, rail, node+rail; d1: its node (none is shared)
+    assert len(index._lanes.lanes) == 2  # d0 and d2 share theirs
     core.handle(WorkerLost("d0"), now=1.0)
-    assert len(index._groups) == 2
+    assert len(index._groups) == 5 and sorted(index._lanes.users.values()) == [1, 1]
+    core.handle(WorkerLost("d2"), now=1.0)
+    assert len(index._groups) == 2 and len(index._lanes.lanes) == 1
     core.handle(WorkerLost("d1"), now=1.0)
     assert index._groups == {} and index._stamps.of == {}
+    assert index._lanes.lanes == {} and index._lanes.users == {}
 
 
 def test_a_heap_of_a_group_seldom_asked_stays_bounded():

@@ -99,9 +99,9 @@ class _LoadHeap:
     (``order``): the best worker is the smallest seq of the first bucket that
     holds a current one. An entry ``seq`` in bucket ``key`` is current while
     ``keys[seq] is key`` (``_Stamps``: a worker's key now; absent when it has no
-    free credit). A bucket lives as long as its group, so a worker keeps the
-    buckets it pushes to (``_Lanes``) and an update costs a push per group, no
-    lookup. A heap of ints compares without reading cold memory; the tuples of
+    free credit). A bucket lives as long as its group, so the workers of the same
+    groups keep the buckets they push to (``_Lanes``, shared: ``_LaneSets``) and an
+    update costs a push per group, no lookup. A heap of ints compares without reading cold memory; the tuples of
     a heap of ``(load, -free, seq)`` entries are each a cache miss in a fleet of
     thousands, and a worker freed goes to the top of the heap.
     """
@@ -145,6 +145,37 @@ _Key = tuple[float, int]  # (held / advertised, -free)
 _Lanes = dict[_Key, list[tuple[_LoadHeap, list[int]]]]  # a worker's buckets, per key
 
 
+class _LaneSets:
+    """The buckets a worker pushes to, per key, shared by every worker of the same
+    groups (``heaps``): workers of one stage with the same labels, of which a fleet
+    has few. A worker's update then reads lanes that other workers' updates keep in
+    the CPU's cache; a lane per worker was a cold read per decision on a fleet of
+    thousands. A set of groups is forgotten with its last worker (``leave``), so a
+    group dropped by ``AffinityIndex`` is not kept alive here."""
+
+    __slots__ = ("lanes", "users")
+
+    def __init__(self) -> None:
+        self.lanes: dict[tuple[_LoadHeap, ...], _Lanes] = {}
+        self.users: dict[tuple[_LoadHeap, ...], int] = {}
+
+    def join(self, heaps: tuple[_LoadHeap, ...]) -> _Lanes:
+        """One more worker of ``heaps``; its lanes."""
+        self.users[heaps] = self.users.get(heaps, 0) + 1
+        lanes = self.lanes.get(heaps)
+        if lanes is None:
+            lanes = self.lanes[heaps] = {}
+        return lanes
+
+    def leave(self, heaps: tuple[_LoadHeap, ...]) -> None:
+        """A worker of ``heaps`` left; the last one takes the lanes with it."""
+        left = self.users[heaps] - 1
+        if left:
+            self.users[heaps] = left
+        else:
+            del self.users[heaps], self.lanes[heaps]
+
+
 class _Stamps:
     """Per free worker (by seq) its ``_Key`` now, and the worker. One tuple per
     (held, advertised, free) is made and reused, so keys compare by identity."""
@@ -156,7 +187,7 @@ class _Stamps:
         self.free: dict[int, WorkerView] = {}
         self.made: dict[tuple[int, int, int], _Key] = {}
 
-    def update(self, w: WorkerView, heaps: list[_LoadHeap], lanes: _Lanes) -> None:
+    def update(self, w: WorkerView, heaps: tuple[_LoadHeap, ...], lanes: _Lanes) -> None:
         """``w`` changed: note its key (entries under any other key go stale) and push
         its seq into that key's bucket of each of ``heaps`` (its groups), unless the
         key is the one its current entries have; no free credit: all its entries go
@@ -196,8 +227,9 @@ class LeastLoadedIndex:
 
     def __init__(self) -> None:
         self._stamps = _Stamps()
+        self._lanes = _LaneSets()
         self._heaps: dict[str, _LoadHeap] = {}
-        self._of: dict[int, tuple[list[_LoadHeap], _Lanes]] = {}  # a worker's heaps
+        self._of: dict[int, tuple[tuple[_LoadHeap, ...], _Lanes]] = {}  # a worker's heaps
 
     def update(self, w: WorkerView) -> None:
         mine = self._of.get(w.seq)
@@ -209,12 +241,14 @@ class LeastLoadedIndex:
                     h = self._heaps[s] = _LoadHeap()
                 h.join(w)
                 heaps.append(h)
-            mine = self._of[w.seq] = (heaps, {})
+            mine = self._of[w.seq] = (tuple(heaps), self._lanes.join(tuple(heaps)))
         self._stamps.update(w, *mine)
 
     def remove(self, w: WorkerView) -> None:
         self._stamps.drop(w.seq)
-        self._of.pop(w.seq, None)
+        mine = self._of.pop(w.seq, None)
+        if mine is not None:
+            self._lanes.leave(mine[0])
         for s in w.stages:
             h = self._heaps.get(s)
             if h is not None:
@@ -246,9 +280,10 @@ class AffinityIndex:
     def __init__(self, keys: tuple[str, ...]) -> None:
         self._keys = keys
         self._stamps = _Stamps()
+        self._lanes = _LaneSets()
         self._groups: dict[_Group, _LoadHeap] = {}
         #: a worker's groups (by key, and their heaps in the same order) and buckets
-        self._of: dict[int, tuple[list[_Group], list[_LoadHeap], _Lanes]] = {}
+        self._of: dict[int, tuple[list[_Group], tuple[_LoadHeap, ...], _Lanes]] = {}
         self._plans: dict[tuple[str, tuple[str | None, ...]], list[_LoadHeap]] = {}
         n = len(keys)
         #: (mask, indexes of its keys), best score first
@@ -263,7 +298,7 @@ class AffinityIndex:
             mine = self._of[w.seq] = self._join(w)
         self._stamps.update(w, mine[1], mine[2])
 
-    def _join(self, w: WorkerView) -> tuple[list[_Group], list[_LoadHeap], _Lanes]:
+    def _join(self, w: WorkerView) -> tuple[list[_Group], tuple[_LoadHeap, ...], _Lanes]:
         vals = tuple(map(w.labels.get, self._keys))
         groups: list[_Group] = []
         heaps: list[_LoadHeap] = []
@@ -278,11 +313,15 @@ class AffinityIndex:
                     h.join(w)
                     groups.append(key)  # type: ignore[arg-type]
                     heaps.append(h)
-        return groups, heaps, {}
+        return groups, tuple(heaps), self._lanes.join(tuple(heaps))
 
     def remove(self, w: WorkerView) -> None:
         self._stamps.drop(w.seq)
-        groups, heaps, _ = self._of.pop(w.seq, ((), (), None))
+        mine = self._of.pop(w.seq, None)
+        if mine is None:
+            return
+        groups, heaps, _ = mine
+        self._lanes.leave(heaps)
         for key, h in zip(groups, heaps, strict=True):
             h.leave(w)
             if not h.members:  # no worker has these labels any more
