@@ -167,6 +167,23 @@ def test_affinity_groups_are_dropped_with_their_last_worker():
     assert index._lanes.lanes == {} and index._lanes.users == {}
 
 
+def test_workers_with_the_same_labels_share_one_dict_until_the_last_leaves():
+    """An item's hint is its producer's labels: one dict per label set, so a fleet's
+    hints are a few dicts that stay in the cache, not one per worker."""
+    core = Orchestrator(OrchestratorConfig(), policy=create_policy("affinity"))
+    core.handle(RegisterWorker("d0", "decode", 2, {"node": "n0", "rail": "0"}), now=0.0)
+    core.handle(RegisterWorker("d1", "decode", 2, {"rail": "0", "node": "n0"}), now=0.0)
+    core.handle(RegisterWorker("d2", "decode", 2, {"node": "n1"}), now=0.0)
+    w = core._pools.workers
+    assert w["d0"].labels is w["d1"].labels and w["d2"].labels is not w["d0"].labels
+    assert w["d1"].labels == {"node": "n0", "rail": "0"}
+    core.handle(WorkerLost("d0"), now=1.0)
+    core.handle(WorkerLost("d1"), now=1.0)
+    assert list(core._pools._labels.values()) == [{"node": "n1"}]
+    core.handle(WorkerLost("d2"), now=1.0)
+    assert core._pools._labels == {} and core._pools._label_users == {}
+
+
 def test_a_heap_of_a_group_seldom_asked_stays_bounded():
     """Credits move all the time; stale entries of groups no hint asks for are
     rebuilt away, so memory follows the workers, not the number of decisions."""

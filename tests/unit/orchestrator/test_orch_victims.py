@@ -46,7 +46,10 @@ def scan_preempt(self: Orchestrator, out: list[Action]) -> None:
     if not q or self._pools.free_total["denoise"] > 0:
         return
     running = [
-        r for w in self._pools.workers.values() if w.stage == "denoise" for r in w.running.values()
+        self._requests[rid]
+        for w in self._pools.workers.values()
+        if w.stage == "denoise"
+        for rid in w.running
     ]
     pending = sum(r.preempting for r in running)
     victims = sorted(

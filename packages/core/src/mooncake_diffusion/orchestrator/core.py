@@ -82,9 +82,10 @@ Rules:
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, cast
+
+import msgspec
 
 from mooncake_diffusion.orchestrator.clock import Clock
 from mooncake_diffusion.orchestrator.errors import ClockError, PolicyContractError
@@ -147,74 +148,47 @@ def _ok_id(x: object) -> bool:
     return isinstance(x, str) and 0 < len(x) <= MAX_ID
 
 
-class _Request:
+class _Request(msgspec.Struct, gc=False):
     """A live request. ``attempt`` counts dispatches of the current stage; ``token``
-    is its queue token (0: not queued); ``worker`` is set while it runs."""
+    is its queue token (0: not queued); ``worker`` is set while it runs.
 
-    __slots__ = (
-        "attempt",
-        "cls",
-        "deadline",
-        "first_input",
-        "handles",
-        "hint",
-        "index",
-        "input",
-        "lost",
-        "params",
-        "preempting",
-        "reasons",
-        "reruns",
-        "reserved",
-        "rid",
-        "since",
-        "stages",
-        "started",
-        "submitted_at",
-        "token",
-        "tried",
-        "worker",
-        "yielded",
-        "yields",
-    )
+    Not tracked by the garbage collector (``gc=False``): a fleet keeps thousands of
+    requests live, and each full collection walked every one of them, at 4,096
+    workers tens of milliseconds at a time. That is sound only while no reference
+    cycle runs through a record: nothing a record refers to may refer back to it
+    (a worker's ``running`` holds request ids, not records; the indexes, queues and
+    ``Victims`` refer to records, and no record refers to them).
+    """
 
-    def __init__(
-        self,
-        rid: str,
-        cls: SloClass,
-        params: bytes,
-        deadline: float,
-        now: float,
-        stages: tuple[Stage, ...],
-        first_input: bytes,
-    ) -> None:
-        self.rid = rid
-        self.cls = cls
-        self.params = params
-        self.deadline = deadline
-        self.submitted_at = now
-        self.stages = stages
-        self.index = 0
-        self.attempt = 0
-        self.worker: Worker | None = None
-        self.input = first_input
-        self.first_input = first_input
-        self.hint: dict[str, str] = {}
-        self.since = now
-        self.token = 0
-        self.reserved = False
-        # tuples, not lists: a tuple of str/bytes leaves the garbage collector's books at
-        # its first pass, so a fleet's thousands of live requests are not rescanned
-        self.reasons: tuple[str, ...] = ()
-        self.handles: tuple[bytes, ...] = ()
-        self.yields = 0  # priority preemptions that ended in ItemYielded (max_preemptions)
-        #: per stage, dispatches that ended in ItemYielded (any cause): not failed attempts
-        self.yielded: dict[str, int] = {}
-        self.preempting = False  # a Preempt was sent for the running attempt
-        self.started = now  # when the running attempt was dispatched
-        self.reruns = 0  # Rerun actions taken for this request
-        self.tried: dict[str, int] = {}  # highest attempt dispatched per stage
-        self.lost: tuple[bytes, ...] = ()  # handles of outputs lost (released at the end)
+    rid: str
+    cls: SloClass
+    params: bytes
+    deadline: float
+    submitted_at: float
+    stages: tuple[Stage, ...]
+    input: bytes
+    first_input: bytes
+    since: float
+    started: float  # when the running attempt was dispatched
+    index: int = 0
+    attempt: int = 0
+    worker: Worker | None = None
+    hint: dict[str, str] = {}
+    token: int = 0
+    reserved: bool = False
+    # tuples, not lists: a tuple of str/bytes leaves the garbage collector's books at
+    # its first pass
+    reasons: tuple[str, ...] = ()
+    handles: tuple[bytes, ...] = ()
+    lost: tuple[bytes, ...] = ()  # handles of outputs lost (released at the end)
+    yields: int = 0  # priority preemptions that ended in ItemYielded (max_preemptions)
+    #: per stage, dispatches that ended in ItemYielded (any cause): not failed attempts
+    yielded: dict[str, int] = {}
+    preempting: bool = False  # a Preempt was sent for the running attempt
+    reruns: int = 0  # Rerun actions taken for this request
+    #: highest attempt dispatched per stage it has left (the current one's is
+    #: ``attempt``): written when it leaves a stage, not at every dispatch
+    tried: dict[str, int] = {}
 
     @property
     def stage(self) -> Stage:
@@ -256,7 +230,13 @@ class Orchestrator:
             s: ClassQueue(self.config.classes) for s in STAGES
         }
         self._requests: dict[str, _Request] = {}
-        self._finished: OrderedDict[str, str] = OrderedDict()
+        #: finished request id -> outcome, the last ``finished_memory`` of them; and
+        #: their ids by finishing number, to forget the oldest. Plain dicts of str and
+        #: int, which the garbage collector does not track: an ``OrderedDict`` is walked
+        #: at every full collection, 65,536 ids by default
+        self._finished: dict[str, str] = {}
+        self._finished_ids: dict[int, str] = {}
+        self._finished_n = 0
         self._decode_reserved = 0
         #: running denoise jobs for the preemption rule (None: preemption is off)
         self._victims = Victims(self.config.max_preemptions) if self.config.preemption else None
@@ -391,7 +371,8 @@ class Orchestrator:
             return _reject(out, "bad_value", msg, ev)
         deadline = ev.deadline if ev.deadline is not None else now + cls.deadline
         stages = _FULL if cached is None else _CACHED
-        req = _Request(rid, cls, ev.params, deadline, now, stages, cached or b"")
+        first = cached or b""
+        req = _Request(rid, cls, ev.params, deadline, now, stages, first, first, now, now)
         self._requests[rid] = req
         self._enqueue(req, now)
 
@@ -466,6 +447,7 @@ class Orchestrator:
             self._finish(req, "completed", done, out)
             return
         req.handles += (ev.output,)
+        req.tried[req.stage] = req.attempt
         req.index += 1
         req.attempt = req.tried.get(req.stage, 0)
         req.input = ev.output
@@ -500,6 +482,7 @@ class Orchestrator:
             self._unreserve(req)  # admission reserves again
         req.lost += req.handles[-1:]
         req.handles = req.handles[:-1]
+        req.tried[lost_stage] = req.attempt
         req.index -= 1
         req.input = req.handles[req.index - 1] if req.index > 0 else req.first_input
         req.attempt = req.tried.get(req.stage, 0)
@@ -564,7 +547,7 @@ class Orchestrator:
         w.reason = reason
         self._pools.set_state(w, state)
         why = f"{what}: {reason}"
-        for req in w.running.values():
+        for req in map(self._requests.__getitem__, w.running):
             if req.stage == "denoise" and not req.preempting:
                 if self._victims is not None:
                     self._victims.stopped(req)  # not a victim of the priority rule any more
@@ -658,7 +641,7 @@ class Orchestrator:
         at = len(out)
         requeued: list[str] = []
         failed: list[str] = []
-        reqs = list(w.running.values())
+        reqs = [self._requests[rid] for rid in w.running]
         w.running.clear()
         w.held = 0
         for req in reqs:
@@ -690,8 +673,11 @@ class Orchestrator:
         self._unreserve(req)
         del self._requests[req.rid]
         self._finished[req.rid] = outcome
+        self._finished_ids[self._finished_n] = req.rid
+        self._finished_n += 1
         if len(self._finished) > self.config.finished_memory:
-            self._finished.popitem(last=False)
+            oldest = self._finished_n - len(self._finished)
+            del self._finished[self._finished_ids.pop(oldest)]
         out.append(action)
         out.append(ReleasePayloads(req.rid, (*req.lost, *req.handles)))
 
@@ -764,10 +750,9 @@ class Orchestrator:
                 f"routing policy chose {w!r}, not a serving {stage} worker with a free credit"
             )
         req.attempt = attempt
-        req.tried[stage] = attempt
         req.started = now
         req.worker = w
-        w.running[req.rid] = req
+        w.running[req.rid] = None
         pools.hold(w)
         if stage == "denoise":
             if "decode" not in w.stages:  # else its own credit is its latent's (docstring)

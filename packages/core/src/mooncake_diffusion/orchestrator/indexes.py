@@ -101,9 +101,10 @@ class _LoadHeap:
     ``keys[seq] is key`` (``_Stamps``: a worker's key now; absent when it has no
     free credit). A bucket lives as long as its group, so the workers of the same
     groups keep the buckets they push to (``_Lanes``, shared: ``_LaneSets``) and an
-    update costs a push per group, no lookup. A heap of ints compares without reading cold memory; the tuples of
-    a heap of ``(load, -free, seq)`` entries are each a cache miss in a fleet of
-    thousands, and a worker freed goes to the top of the heap.
+    update costs a push per group, no lookup. A heap of ints compares without
+    reading cold memory; the tuples of a heap of ``(load, -free, seq)`` entries
+    are each a cache miss in a fleet of thousands, and a worker freed goes to the
+    top of the heap.
     """
 
     __slots__ = ("buckets", "limit", "members", "order")

@@ -32,7 +32,7 @@ anything be dispatched?" is O(1).
 from __future__ import annotations
 
 import heapq
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from mooncake_diffusion.orchestrator.model import STAGES, Stage, WorkerState
 
@@ -86,8 +86,9 @@ class Worker:
         self.advertised = 0
         self.held = 0
         self.free = 0
-        #: request id -> the core's request record, in dispatch order
-        self.running: dict[str, Any] = {}
+        #: the ids of its running requests, in dispatch order (values ``None``: ids,
+        #: not the core's records, which must not be reachable from their worker)
+        self.running: dict[str, None] = {}
 
     def __repr__(self) -> str:
         return (
@@ -107,6 +108,11 @@ class Pools:
         self.free_total: dict[str, int] = dict.fromkeys(STAGES, 0)
         self._deadlines: list[tuple[float, int, str]] = []
         self._seq = 0
+        #: one dict per distinct label set, shared by its workers, and how many use it
+        #: (an item's affinity hint is its producer's labels: one shared dict stays in
+        #: the cache where a dict per worker of a fleet of thousands is a miss)
+        self._labels: dict[tuple[tuple[str, str], ...], dict[str, str]] = {}
+        self._label_users: dict[tuple[tuple[str, str], ...], int] = {}
 
     # ---- membership
     def add(
@@ -119,8 +125,12 @@ class Pools:
         now: float,
     ) -> Worker:
         """A new live, serving worker of ``stages`` (non-empty, no repeats); the id must
-        not be live already (the core checks)."""
+        not be live already (the core checks). ``labels`` may be shared with other
+        workers from here on: nobody may change it."""
         self._seq += 1
+        key = tuple(sorted(labels.items()))
+        labels = self._labels.setdefault(key, labels)
+        self._label_users[key] = self._label_users.get(key, 0) + 1
         w = Worker(worker_id, stages, self._seq, labels, timeout)
         self.workers[worker_id] = w
         for s in stages:
@@ -133,6 +143,12 @@ class Pools:
     def remove(self, w: Worker) -> None:
         """Forget ``w`` and its credits. Its ``running`` items are the caller's to re-home."""
         del self.workers[w.worker_id]
+        key = tuple(sorted(w.labels.items()))
+        users = self._label_users[key] - 1
+        if users:
+            self._label_users[key] = users
+        else:
+            del self._labels[key], self._label_users[key]
         for s in w.stages:
             self.by_stage[s].remove(w)
             self.free_total[s] -= w.counted
