@@ -163,7 +163,7 @@ def test_affinity_groups_are_dropped_with_their_last_worker():
     core.handle(WorkerLost("d2"), now=1.0)
     assert len(index._groups) == 2 and len(index._lanes.lanes) == 1
     core.handle(WorkerLost("d1"), now=1.0)
-    assert index._groups == {} and index._stamps.of == {}
+    assert index._groups == {} and index._stamps.free == {}
     assert index._lanes.lanes == {} and index._lanes.users == {}
 
 

@@ -32,6 +32,12 @@ per worker for k affinity keys (8 for node/rail/numa), and a pick looks at most
 2**k of them, best score first. Heaps of ints, not of ``(load, -free, seq)``
 tuples: on a fleet of thousands every tuple a heap operation reads is a cache
 miss, and the collector would keep visiting them.
+
+Memory: the built-in indexes take the core's own workers (``pools.Worker``) and
+keep what they know of each in its ``routing`` slot rather than in tables by
+worker number, which on a fleet of thousands cost a cache miss per lookup; no
+structure a worker refers to through it refers back to the worker (numbers, not
+workers), so a worker and its index state go by reference counting.
 """
 
 from __future__ import annotations
@@ -39,12 +45,19 @@ from __future__ import annotations
 import heapq
 from bisect import bisect_right, insort
 from collections.abc import Mapping
-from typing import Protocol
+from typing import Any, Protocol
 
 from mooncake_diffusion.orchestrator.model import WorkItem
 from mooncake_diffusion.orchestrator.policy import WorkerView
 
 __all__ = ["AffinityIndex", "LeastLoadedIndex", "RoundRobinIndex", "RoutingIndex"]
+
+
+class RoutedWorker(WorkerView, Protocol):
+    """A worker as the built-in indexes take it (the core's ``pools.Worker``): a view
+    with a ``routing`` slot the index owns (None until the index first sees it)."""
+
+    routing: Any
 
 
 class RoutingIndex(Protocol):
@@ -56,31 +69,35 @@ class RoutingIndex(Protocol):
 
 
 class RoundRobinIndex:
-    """The free workers of each stage by sequence number; the cursor is the policy's."""
+    """The free workers of each stage by sequence number; the cursor is the policy's.
+    Whether a worker is listed is noted on it (``w.routing``), not looked up."""
 
     def __init__(self, last: dict[str, int]) -> None:
         self._last = last  # shared with RoundRobin.choose: one cursor per stage
         self._seqs: dict[str, list[int]] = {}
-        self._free: dict[int, WorkerView] = {}
+        self._free: dict[int, RoutedWorker] = {}
 
-    def update(self, w: WorkerView) -> None:
-        seq = w.seq
+    def update(self, w: RoutedWorker) -> None:
         if w.free > 0:
-            if seq not in self._free:
+            if not w.routing:
+                w.routing = True
+                seq = w.seq
                 self._free[seq] = w
                 for s in w.stages:
                     insort(self._seqs.setdefault(s, []), seq)
-        elif seq in self._free:
+        elif w.routing:
             self.remove(w)
 
-    def remove(self, w: WorkerView) -> None:
-        seq = w.seq
-        if self._free.pop(seq, None) is not None:
+    def remove(self, w: RoutedWorker) -> None:
+        if w.routing:
+            w.routing = None
+            seq = w.seq
+            del self._free[seq]
             for s in w.stages:
                 seqs = self._seqs[s]
                 del seqs[bisect_right(seqs, seq) - 1]
 
-    def pick(self, item: WorkItem) -> WorkerView | None:
+    def pick(self, item: WorkItem) -> RoutedWorker | None:
         seqs = self._seqs.get(item.stage)
         if not seqs:
             return None
@@ -112,15 +129,17 @@ class _LoadHeap:
     def __init__(self) -> None:
         self.buckets: dict[_Key, list[int]] = {}
         self.order: list[tuple[_Key, list[int]]] = []  # (key, its bucket), ascending keys
-        self.members: dict[int, WorkerView] = {}  # every live worker of the group
+        #: the seqs of every live worker of the group (numbers, not workers: a worker
+        #: refers to its heaps through ``w.routing``, and no cycle may run back)
+        self.members: set[int] = set()
         self.limit = 16  # past this many entries in a bucket, most are stale: compact
 
     def join(self, w: WorkerView) -> None:
-        self.members[w.seq] = w
+        self.members.add(w.seq)
         self.limit = 2 * len(self.members) + 16
 
     def leave(self, w: WorkerView) -> None:
-        self.members.pop(w.seq, None)
+        self.members.discard(w.seq)
         self.limit = 2 * len(self.members) + 16
 
     def bucket(self, key: _Key) -> list[int]:
@@ -131,13 +150,13 @@ class _LoadHeap:
             self.order.insert(bisect_right([k for k, _ in self.order], key), (key, b))
         return b
 
-    def best(self, keys: Mapping[int, _Key]) -> int | None:
-        """The seq of the least loaded free worker, or None."""
+    def best(self, free: Mapping[int, RoutedWorker]) -> RoutedWorker | None:
+        """The least loaded free worker (``free``: ``_Stamps.free``), or None."""
         for key, b in self.order:
             while b:
-                s = b[0]
-                if keys.get(s) is key:
-                    return s
+                w = free.get(b[0])
+                if w is not None and w.routing.key is key:
+                    return w
                 heapq.heappop(b)
         return None
 
@@ -177,50 +196,71 @@ class _LaneSets:
             del self.users[heaps], self.lanes[heaps]
 
 
+class _Routed:
+    """What a least-loaded or affinity index keeps on a worker (``w.routing``): its
+    ``_Key`` now (``None``: no free credit; entries under any other key are stale),
+    its groups' heaps, their lanes and (affinity) the groups' names. On the worker,
+    not in tables by worker number: a decision reads the worker anyway, where a
+    lookup in a table of thousands was a cache miss."""
+
+    __slots__ = ("groups", "heaps", "key", "lanes")
+
+    def __init__(
+        self, heaps: tuple[_LoadHeap, ...], lanes: _Lanes, groups: tuple[_Group, ...] = ()
+    ) -> None:
+        self.key: _Key | None = None
+        self.heaps = heaps
+        self.lanes = lanes
+        self.groups = groups
+
+
 class _Stamps:
-    """Per free worker (by seq) its ``_Key`` now, and the worker. One tuple per
+    """The free workers by seq (their keys are on them: ``_Routed``). One key tuple per
     (held, advertised, free) is made and reused, so keys compare by identity."""
 
-    __slots__ = ("free", "made", "of")
+    __slots__ = ("free", "made")
 
     def __init__(self) -> None:
-        self.of: dict[int, _Key] = {}
-        self.free: dict[int, WorkerView] = {}
+        self.free: dict[int, RoutedWorker] = {}
         self.made: dict[tuple[int, int, int], _Key] = {}
 
-    def update(self, w: WorkerView, heaps: tuple[_LoadHeap, ...], lanes: _Lanes) -> None:
+    def update(self, w: RoutedWorker, r: _Routed) -> None:
         """``w`` changed: note its key (entries under any other key go stale) and push
-        its seq into that key's bucket of each of ``heaps`` (its groups), unless the
-        key is the one its current entries have; no free credit: all its entries go
+        its seq into that key's bucket of each of its groups' heaps, unless the key
+        is the one its current entries have; no free credit: all its entries go
         stale. A bucket past its group's limit is rebuilt first without its stale
         entries and repeats, O(entries), amortised over the pushes that made them."""
-        seq = w.seq
-        of = self.of
         if w.free <= 0:
-            if of.pop(seq, None) is not None:
-                del self.free[seq]
-            return
+            return self.drop(w, r)
         held, adv, free = w.held, w.advertised, w.free
         key = self.made.get((held, adv, free))
         if key is None:
             key = self.made[(held, adv, free)] = (held / adv, -free)
-        if of.get(seq) is key:
+        if r.key is key:
             return  # its entries stand
-        of[seq] = key
-        self.free[seq] = w
-        lane = lanes.get(key)
+        seq = w.seq
+        if r.key is None:
+            self.free[seq] = w
+        r.key = key
+        lane = r.lanes.get(key)
         if lane is None:
-            lane = lanes[key] = [(h, h.bucket(key)) for h in heaps]
+            lane = r.lanes[key] = [(h, h.bucket(key)) for h in r.heaps]
         push = heapq.heappush
         for h, b in lane:
             if len(b) > h.limit:
-                b[:] = sorted({s for s in b if of.get(s) is key})  # sorted: a heap
+                b[:] = sorted({s for s in b if self.current(s, key)})  # sorted: a heap
             push(b, seq)
 
-    def drop(self, seq: int) -> None:
-        """``seq``'s entries are stale from now on."""
-        if self.of.pop(seq, None) is not None:
-            del self.free[seq]
+    def current(self, seq: int, key: _Key) -> bool:
+        """Whether an entry ``seq`` under ``key`` stands."""
+        w = self.free.get(seq)
+        return w is not None and w.routing.key is key
+
+    def drop(self, w: RoutedWorker, r: _Routed) -> None:
+        """``w``'s entries are stale from now on."""
+        if r.key is not None:
+            r.key = None
+            del self.free[w.seq]
 
 
 class LeastLoadedIndex:
@@ -230,11 +270,10 @@ class LeastLoadedIndex:
         self._stamps = _Stamps()
         self._lanes = _LaneSets()
         self._heaps: dict[str, _LoadHeap] = {}
-        self._of: dict[int, tuple[tuple[_LoadHeap, ...], _Lanes]] = {}  # a worker's heaps
 
-    def update(self, w: WorkerView) -> None:
-        mine = self._of.get(w.seq)
-        if mine is None:
+    def update(self, w: RoutedWorker) -> None:
+        r = w.routing
+        if r is None:
             heaps = []
             for s in w.stages:
                 h = self._heaps.get(s)
@@ -242,23 +281,23 @@ class LeastLoadedIndex:
                     h = self._heaps[s] = _LoadHeap()
                 h.join(w)
                 heaps.append(h)
-            mine = self._of[w.seq] = (tuple(heaps), self._lanes.join(tuple(heaps)))
-        self._stamps.update(w, *mine)
+            r = w.routing = _Routed(tuple(heaps), self._lanes.join(tuple(heaps)))
+        self._stamps.update(w, r)
 
-    def remove(self, w: WorkerView) -> None:
-        self._stamps.drop(w.seq)
-        mine = self._of.pop(w.seq, None)
-        if mine is not None:
-            self._lanes.leave(mine[0])
+    def remove(self, w: RoutedWorker) -> None:
+        r = w.routing
+        if r is not None:
+            self._stamps.drop(w, r)
+            self._lanes.leave(r.heaps)
+            w.routing = None
         for s in w.stages:
             h = self._heaps.get(s)
             if h is not None:
                 h.leave(w)
 
-    def pick(self, item: WorkItem) -> WorkerView | None:
+    def pick(self, item: WorkItem) -> RoutedWorker | None:
         h = self._heaps.get(item.stage)
-        seq = None if h is None else h.best(self._stamps.of)
-        return None if seq is None else self._stamps.free[seq]
+        return None if h is None else h.best(self._stamps.free)
 
 
 _Group = tuple[str, int, tuple[str, ...]]  # stage, mask, the masked keys' values
@@ -283,8 +322,6 @@ class AffinityIndex:
         self._stamps = _Stamps()
         self._lanes = _LaneSets()
         self._groups: dict[_Group, _LoadHeap] = {}
-        #: a worker's groups (by key, and their heaps in the same order) and buckets
-        self._of: dict[int, tuple[list[_Group], tuple[_LoadHeap, ...], _Lanes]] = {}
         self._plans: dict[tuple[str, tuple[str | None, ...]], list[_LoadHeap]] = {}
         n = len(keys)
         #: (mask, indexes of its keys), best score first
@@ -293,13 +330,13 @@ class AffinityIndex:
             for m in range((1 << n) - 1, -1, -1)
         ]
 
-    def update(self, w: WorkerView) -> None:
-        mine = self._of.get(w.seq)
-        if mine is None:
-            mine = self._of[w.seq] = self._join(w)
-        self._stamps.update(w, mine[1], mine[2])
+    def update(self, w: RoutedWorker) -> None:
+        r = w.routing
+        if r is None:
+            r = w.routing = self._join(w)
+        self._stamps.update(w, r)
 
-    def _join(self, w: WorkerView) -> tuple[list[_Group], tuple[_LoadHeap, ...], _Lanes]:
+    def _join(self, w: RoutedWorker) -> _Routed:
         vals = tuple(map(w.labels.get, self._keys))
         groups: list[_Group] = []
         heaps: list[_LoadHeap] = []
@@ -314,34 +351,34 @@ class AffinityIndex:
                     h.join(w)
                     groups.append(key)  # type: ignore[arg-type]
                     heaps.append(h)
-        return groups, tuple(heaps), self._lanes.join(tuple(heaps))
+        return _Routed(tuple(heaps), self._lanes.join(tuple(heaps)), tuple(groups))
 
-    def remove(self, w: WorkerView) -> None:
-        self._stamps.drop(w.seq)
-        mine = self._of.pop(w.seq, None)
-        if mine is None:
+    def remove(self, w: RoutedWorker) -> None:
+        r = w.routing
+        if r is None:
             return
-        groups, heaps, _ = mine
-        self._lanes.leave(heaps)
-        for key, h in zip(groups, heaps, strict=True):
+        self._stamps.drop(w, r)
+        self._lanes.leave(r.heaps)
+        w.routing = None
+        for key, h in zip(r.groups, r.heaps, strict=True):
             h.leave(w)
             if not h.members:  # no worker has these labels any more
                 del self._groups[key]
                 self._plans.clear()
 
-    def pick(self, item: WorkItem) -> WorkerView | None:
+    def pick(self, item: WorkItem) -> RoutedWorker | None:
         hint = item.hint
         vals = tuple(map(hint.get, self._keys)) if hint else (None,) * len(self._keys)
         plan = self._plans.get((item.stage, vals))
         if plan is None:
             plan = self._plans[(item.stage, vals)] = self._plan(item.stage, vals)
-        keys = self._stamps.of
+        free = self._stamps.free
         for h in plan:
-            for key, b in h.order:  # h.best(keys), inline: the per-decision path
+            for key, b in h.order:  # h.best(free), inline: the per-decision path
                 while b:
-                    s = b[0]
-                    if keys.get(s) is key:
-                        return self._stamps.free[s]
+                    w = free.get(b[0])
+                    if w is not None and w.routing.key is key:
+                        return w
                     heapq.heappop(b)
         return None
 

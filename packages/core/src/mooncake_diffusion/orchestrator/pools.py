@@ -32,7 +32,7 @@ anything be dispatched?" is O(1).
 from __future__ import annotations
 
 import heapq
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from mooncake_diffusion.orchestrator.model import STAGES, Stage, WorkerState
 
@@ -53,6 +53,7 @@ class Worker:
         "held",
         "labels",
         "reason",
+        "routing",
         "running",
         "seq",
         "stage",
@@ -86,6 +87,8 @@ class Worker:
         self.advertised = 0
         self.held = 0
         self.free = 0
+        #: the routing index's own state for this worker (``indexes._Routed``), or None
+        self.routing: Any = None
         #: the ids of its running requests, in dispatch order (values ``None``: ids,
         #: not the core's records, which must not be reachable from their worker)
         self.running: dict[str, None] = {}
