@@ -114,9 +114,9 @@ class _LoadHeap:
     Workers are bucketed by its first two parts (``_Key``; a fleet has a few:
     one per credit level), each bucket a heap of seqs, the buckets in key order
     (``order``): the best worker is the smallest seq of the first bucket that
-    holds a current one. An entry ``seq`` in bucket ``key`` is current while
-    ``keys[seq] is key`` (``_Stamps``: a worker's key now; absent when it has no
-    free credit). A bucket lives as long as its group, so the workers of the same
+    holds a current one. An entry ``seq`` in bucket ``key`` is current while its
+    worker is free with ``key`` its key now (``w.routing.key``, ``_Routed``; None
+    when it has no free credit). A bucket lives as long as its group, so the workers of the same
     groups keep the buckets they push to (``_Lanes``, shared: ``_LaneSets``) and an
     update costs a push per group, no lookup. A heap of ints compares without
     reading cold memory; the tuples of a heap of ``(load, -free, seq)`` entries
