@@ -461,8 +461,8 @@ def test_finished_ids_are_remembered_up_to_a_bound():
 
 
 def _busy_core() -> None:
-    """A core with 300 requests live (running, queued, a latent waiting) and one
-    worker lost with items on it, dropped at the end with everything in flight."""
+    """A core with 300 requests live (encode items running and queued, four at
+    denoise) and one worker lost with items on it, dropped with all of it in flight."""
     core = Orchestrator(OrchestratorConfig(), clock=VirtualClock())
     for i in range(32):
         core.handle(RegisterWorker(f"e{i}", "encode", 4, {"node": f"n{i % 2}"}))
