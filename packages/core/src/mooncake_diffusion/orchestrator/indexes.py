@@ -281,7 +281,8 @@ class LeastLoadedIndex:
                     h = self._heaps[s] = _LoadHeap()
                 h.join(w)
                 heaps.append(h)
-            r = w.routing = _Routed(tuple(heaps), self._lanes.join(tuple(heaps)))
+            mine = tuple(heaps)
+            r = w.routing = _Routed(mine, self._lanes.join(mine))
         self._stamps.update(w, r)
 
     def remove(self, w: RoutedWorker) -> None:
@@ -351,7 +352,8 @@ class AffinityIndex:
                     h.join(w)
                     groups.append(key)  # type: ignore[arg-type]
                     heaps.append(h)
-        return _Routed(tuple(heaps), self._lanes.join(tuple(heaps)), tuple(groups))
+        mine = tuple(heaps)
+        return _Routed(mine, self._lanes.join(mine), tuple(groups))
 
     def remove(self, w: RoutedWorker) -> None:
         r = w.routing
