@@ -293,7 +293,15 @@ def leftovers(
     eventfd, an epoll, a timerfd), as Mooncake allocates its loop lazily; those go to
     ``lazy_fds``, reported and not asserted. A second one of a kind on the same
     process, in this scenario or a later one on the deployment, is in ``leaked_fds``:
-    a fault that leaks such an fd each time it lands is caught the second time."""
+    a fault that leaks such an fd each time it lands is caught the second time.
+
+    Sockets in CLOSE-WAIT are read in the same pass and waited for too: a peer that
+    closes a pool connection as the scenario ends leaves the other end in CLOSE-WAIT
+    until that process reads the close and closes its own. CI's run of 2026-12-05
+    failed den-partition on one such socket in the store host, read just after the
+    pass that found its fds at baseline; the fds by kind read just after that showed
+    no extra socket in CLOSE-WAIT, so it was closed meanwhile (inferred, not shown).
+    One still there at ``LEFTOVER_S`` is what a dead peer leaves, and asserted."""
     deadline = time.monotonic() + LEFTOVER_S
     lazy: dict[str, Counter[str]] = {}
     while True:
@@ -326,7 +334,13 @@ def leftovers(
             extra[h][0] -= min(extra[h][0], sum(got.values()))
         ours = sum(e[0] for h, e in extra.items() if h not in NOT_OURS and h not in replaced)
         thr = sum(e[1] for h, e in extra.items() if h not in NOT_OURS and h not in replaced)
-        if (not keys and not ours and not thr) or time.monotonic() > deadline:
+        # sockets in CLOSE-WAIT of the hosts reported below, read in the same pass: one
+        # the process closes on its own within the bound is no leak (CI, 2026-12-05)
+        close_wait = {
+            h: len(close_wait_sockets(d.procs[h].pid)) for h, e in extra.items() if any(e)
+        }
+        settled = not keys and not ours and not thr and not any(close_wait.values())
+        if settled or time.monotonic() > deadline:
             break
         time.sleep(0.25)
     for h, got in lazy.items():
@@ -348,7 +362,7 @@ def leftovers(
     o.replaced_threads = sum(extra[h][1] + extra[h][3] for h in replaced if h not in NOT_OURS)
     o.replaced_fds = sum(extra[h][0] for h in replaced if h not in NOT_OURS)
     o.left_by_host = {
-        h: [f, t + pt, p, len(close_wait_sockets(d.procs[h].pid))]
+        h: [f, t + pt, p, close_wait.get(h, 0)]
         for h, (f, t, p, pt) in extra.items()
         if f or t or p or pt
     }
