@@ -157,14 +157,15 @@ def test_affinity_groups_are_dropped_with_their_last_worker():
     core.handle(RegisterWorker("d2", "decode", 2, {"rail": "0", "node": "n0"}), now=0.0)
     groups = len(index._groups)
     assert groups == 4 + 1  # d0: none, node, rail, node+rail; d1: its node (none is shared)
-    assert len(index._lanes.lanes) == 2  # d0 and d2 share theirs
+    assert len(index._lanes) == 2  # d0 and d2 share theirs
     core.handle(WorkerLost("d0"), now=1.0)
-    assert len(index._groups) == 5 and sorted(index._lanes.users.values()) == [1, 1]
+    assert len(index._groups) == 5 and len(index._lanes) == 2
+    assert [index._lanes.holders(w.routing.heaps) for w in core._pools.workers.values()] == [1, 1]
     core.handle(WorkerLost("d2"), now=1.0)
-    assert len(index._groups) == 2 and len(index._lanes.lanes) == 1
+    assert len(index._groups) == 2 and len(index._lanes) == 1
     core.handle(WorkerLost("d1"), now=1.0)
     assert index._groups == {} and index._stamps.free == {}
-    assert index._lanes.lanes == {} and index._lanes.users == {}
+    assert len(index._lanes) == 0
 
 
 def test_workers_with_the_same_labels_share_one_dict_until_the_last_leaves():
@@ -181,7 +182,7 @@ def test_workers_with_the_same_labels_share_one_dict_until_the_last_leaves():
     core.handle(WorkerLost("d1"), now=1.0)
     assert list(core._pools._labels.values()) == [{"node": "n1"}]
     core.handle(WorkerLost("d2"), now=1.0)
-    assert core._pools._labels == {} and core._pools._label_users == {}
+    assert len(core._pools._labels) == 0
 
 
 def test_a_heap_of_a_group_seldom_asked_stays_bounded():

@@ -47,6 +47,7 @@ from bisect import bisect_right, insort
 from collections.abc import Mapping
 from typing import Any, Protocol
 
+from mooncake_diffusion.orchestrator.interned import Interned
 from mooncake_diffusion.orchestrator.model import WorkItem
 from mooncake_diffusion.orchestrator.policy import WorkerView
 
@@ -117,7 +118,7 @@ class _LoadHeap:
     holds a current one. An entry ``seq`` in bucket ``key`` is current while its
     worker is free with ``key`` its key now (``w.routing.key``, ``_Routed``; None
     when it has no free credit). A bucket lives as long as its group, so the workers of the same
-    groups keep the buckets they push to (``_Lanes``, shared: ``_LaneSets``) and an
+    groups keep the buckets they push to (``_Lanes``, shared: ``Interned``) and an
     update costs a push per group, no lookup. A heap of ints compares without
     reading cold memory; the tuples of a heap of ``(load, -free, seq)`` entries
     are each a cache miss in a fleet of thousands, and a worker freed goes to the
@@ -165,35 +166,12 @@ _Key = tuple[float, int]  # (held / advertised, -free)
 _Lanes = dict[_Key, list[tuple[_LoadHeap, list[int]]]]  # a worker's buckets, per key
 
 
-class _LaneSets:
-    """The buckets a worker pushes to, per key, shared by every worker of the same
-    groups (``heaps``): workers of one stage with the same labels, of which a fleet
-    has few. A worker's update then reads lanes that other workers' updates keep in
-    the CPU's cache; a lane per worker was a cold read per decision on a fleet of
-    thousands. A set of groups is forgotten with its last worker (``leave``), so a
-    group dropped by ``AffinityIndex`` is not kept alive here."""
-
-    __slots__ = ("lanes", "users")
-
-    def __init__(self) -> None:
-        self.lanes: dict[tuple[_LoadHeap, ...], _Lanes] = {}
-        self.users: dict[tuple[_LoadHeap, ...], int] = {}
-
-    def join(self, heaps: tuple[_LoadHeap, ...]) -> _Lanes:
-        """One more worker of ``heaps``; its lanes."""
-        self.users[heaps] = self.users.get(heaps, 0) + 1
-        lanes = self.lanes.get(heaps)
-        if lanes is None:
-            lanes = self.lanes[heaps] = {}
-        return lanes
-
-    def leave(self, heaps: tuple[_LoadHeap, ...]) -> None:
-        """A worker of ``heaps`` left; the last one takes the lanes with it."""
-        left = self.users[heaps] - 1
-        if left:
-            self.users[heaps] = left
-        else:
-            del self.users[heaps], self.lanes[heaps]
+#: a worker's lanes are shared by every worker of the same groups (``heaps``): workers
+#: of one stage with the same labels, of which a fleet has few. A worker's update then
+#: reads lanes that other workers' updates keep in the CPU's cache; a lane per worker
+#: was a cold read per decision on a fleet of thousands. The lanes of a set of groups
+#: go with its last worker, so a group dropped by ``AffinityIndex`` is not kept alive.
+_LaneSets = Interned[tuple[_LoadHeap, ...], _Lanes]  # heaps -> their lanes
 
 
 class _Routed:
@@ -268,7 +246,7 @@ class LeastLoadedIndex:
 
     def __init__(self) -> None:
         self._stamps = _Stamps()
-        self._lanes = _LaneSets()
+        self._lanes: _LaneSets = Interned()
         self._heaps: dict[str, _LoadHeap] = {}
 
     def update(self, w: RoutedWorker) -> None:
@@ -282,14 +260,14 @@ class LeastLoadedIndex:
                 h.join(w)
                 heaps.append(h)
             mine = tuple(heaps)
-            r = w.routing = _Routed(mine, self._lanes.join(mine))
+            r = w.routing = _Routed(mine, self._lanes.hold(mine, {}))
         self._stamps.update(w, r)
 
     def remove(self, w: RoutedWorker) -> None:
         r = w.routing
         if r is not None:
             self._stamps.drop(w, r)
-            self._lanes.leave(r.heaps)
+            self._lanes.drop(r.heaps)
             w.routing = None
         for s in w.stages:
             h = self._heaps.get(s)
@@ -321,7 +299,7 @@ class AffinityIndex:
     def __init__(self, keys: tuple[str, ...]) -> None:
         self._keys = keys
         self._stamps = _Stamps()
-        self._lanes = _LaneSets()
+        self._lanes: _LaneSets = Interned()
         self._groups: dict[_Group, _LoadHeap] = {}
         self._plans: dict[tuple[str, tuple[str | None, ...]], list[_LoadHeap]] = {}
         n = len(keys)
@@ -353,14 +331,14 @@ class AffinityIndex:
                     groups.append(key)  # type: ignore[arg-type]
                     heaps.append(h)
         mine = tuple(heaps)
-        return _Routed(mine, self._lanes.join(mine), tuple(groups))
+        return _Routed(mine, self._lanes.hold(mine, {}), tuple(groups))
 
     def remove(self, w: RoutedWorker) -> None:
         r = w.routing
         if r is None:
             return
         self._stamps.drop(w, r)
-        self._lanes.leave(r.heaps)
+        self._lanes.drop(r.heaps)
         w.routing = None
         for key, h in zip(r.groups, r.heaps, strict=True):
             h.leave(w)

@@ -34,6 +34,7 @@ from __future__ import annotations
 import heapq
 from typing import TYPE_CHECKING, Any
 
+from mooncake_diffusion.orchestrator.interned import Interned
 from mooncake_diffusion.orchestrator.model import STAGES, Stage, WorkerState
 
 if TYPE_CHECKING:
@@ -115,8 +116,7 @@ class Pools:
         #: one dict per distinct label set, shared by its workers, and how many use it
         #: (an item's affinity hint is its producer's labels: one shared dict stays in
         #: the cache where a dict per worker of a fleet of thousands is a miss)
-        self._labels: dict[tuple[tuple[str, str], ...], dict[str, str]] = {}
-        self._label_users: dict[tuple[tuple[str, str], ...], int] = {}
+        self._labels: Interned[tuple[tuple[str, str], ...], dict[str, str]] = Interned()
 
     # ---- membership
     def add(
@@ -133,8 +133,7 @@ class Pools:
         workers from here on: nobody may change it."""
         seq = self._next_seq()
         key = tuple(sorted(labels.items()))
-        labels = self._labels.setdefault(key, labels)
-        self._label_users[key] = self._label_users.get(key, 0) + 1
+        labels = self._labels.hold(key, labels)
         w = Worker(worker_id, stages, seq, labels, timeout)
         self.workers[worker_id] = w
         for s in stages:
@@ -157,12 +156,7 @@ class Pools:
     def remove(self, w: Worker) -> None:
         """Forget ``w`` and its credits. Its ``running`` items are the caller's to re-home."""
         del self.workers[w.worker_id]
-        key = tuple(sorted(w.labels.items()))
-        users = self._label_users[key] - 1
-        if users:
-            self._label_users[key] = users
-        else:
-            del self._labels[key], self._label_users[key]
+        self._labels.drop(tuple(sorted(w.labels.items())))
         for s in w.stages:
             self.by_stage[s].remove(w)
             self.free_total[s] -= w.counted
