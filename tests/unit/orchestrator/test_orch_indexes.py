@@ -29,13 +29,16 @@ from mooncake_diffusion.orchestrator import (
     OrchestratorConfig,
     Reassign,
     RegisterWorker,
+    RoundRobin,
     Submit,
     Tick,
     VirtualClock,
     WorkerLost,
+    WorkItem,
     create_policy,
 )
-from mooncake_diffusion.orchestrator.indexes import AffinityIndex
+from mooncake_diffusion.orchestrator.indexes import AffinityIndex, RoundRobinIndex
+from mooncake_diffusion.orchestrator.pools import Worker
 
 pytestmark = pytest.mark.unit
 
@@ -200,6 +203,50 @@ def test_a_heap_of_a_group_seldom_asked_stays_bounded():
     # 2 * members + 16 entries
     assert sum(len(b) for b in heap.buckets.values()) <= len(heap.buckets) * (2 * 2 + 17)
     assert len(heap.buckets) <= 16
+
+
+def test_round_robin_picks_as_the_rule_while_workers_flap_and_stays_bounded():
+    """Round robin's two heaps around the cursor, driven directly: workers go free and
+    busy at random (often freed again before their old entry comes up, which leaves
+    repeats, and bursts of that with no pick in between), picks take a credit, and the
+    cursor is sometimes moved by ``choose`` itself. Every pick is the rule's (the
+    smallest free seq after the cursor, else the smallest), and each heap stays within
+    2 n + 17 entries for n workers however many changes came."""
+    rng = random.Random(7)
+    policy = RoundRobin()
+    index = policy.index()
+    assert isinstance(index, RoundRobinIndex)
+    workers = [Worker(f"w{i}", ("decode",), i, {}, 30.0) for i in range(1, 41)]
+    for w in workers:
+        w.advertised = 2
+    item = WorkItem("r", "decode", 1, "batch", 0.0, b"", b"", {})
+
+    def set_free(w: Worker, free: int) -> None:
+        w.free = free
+        index.update(w) if free else index.remove(w)
+
+    for w in workers:
+        set_free(w, rng.randrange(0, 3))
+    for step in range(5000):
+        roll = rng.random()
+        if roll < 0.45 or step % 1500 >= 1000:  # and bursts of changes with no pick
+            set_free(rng.choice(workers), rng.randrange(0, 3))
+        elif roll < 0.47:  # the cursor moved outside the index
+            policy._last["decode"] = rng.randrange(0, 45)
+        else:
+            last = policy._last.get("decode", -1)
+            free = [w for w in workers if w.free > 0]
+            want = next((w for w in free if w.seq > last), free[0] if free else None)
+            got = index.pick(item)
+            assert got is want, (step, last)
+            if got is not None:
+                assert policy._last["decode"] == got.seq
+                set_free(got, got.free - 1)  # dispatched: one credit taken
+        ring = index._rings["decode"]  # memory follows the workers, not the changes
+        assert max(len(ring.ahead), len(ring.behind)) <= 2 * len(workers) + 17, step
+    for w in workers:  # leak check: every worker gone leaves no listed worker
+        set_free(w, 0)
+    assert index._free == {} and index.pick(item) is None
 
 
 class MostLoaded(LeastLoaded):

@@ -21,8 +21,8 @@ sequence (tests check this against ``choose`` on random event sequences), or
 ``None`` when no worker of the stage has a free credit.
 
 Costs, with n workers in a stage: round robin keeps the free workers' sequence
-numbers sorted (``bisect``: O(log n) comparisons and a memmove of at most n
-pointers per change). Least loaded keeps a ``_LoadHeap`` per stage: a heap of
+numbers in two heaps around its cursor, with lazy deletion (O(log n) per change
+and per pick, amortised). Least loaded keeps a ``_LoadHeap`` per stage: a heap of
 worker sequence numbers per credit level (held, advertised), the levels in load
 order, with lazy deletion: O(log n) per change and per pick, amortised, a
 bucket's stale entries dropped in one pass when they outnumber the members; a
@@ -43,7 +43,7 @@ workers), so a worker and its index state go by reference counting.
 from __future__ import annotations
 
 import heapq
-from bisect import bisect_right, insort
+from bisect import bisect_right
 from collections.abc import Mapping
 from typing import Any, Protocol
 
@@ -69,13 +69,46 @@ class RoutingIndex(Protocol):
     def pick(self, item: WorkItem) -> WorkerView | None: ...
 
 
+class _Ring:
+    """One stage's free workers for round robin: the seqs after the cursor (``ahead``)
+    and those at or before it (``behind``), two heaps with lazy deletion. An entry
+    stands while its worker is free (``RoundRobinIndex._free``); a worker freed again
+    before its old entry came up leaves two, and a copy at or before the cursor in
+    ``ahead`` is the one just picked (its place is in ``behind``): dropped. A heap
+    past ``2 n + 16`` entries for ``n`` free workers is rebuilt (``compact``)."""
+
+    __slots__ = ("ahead", "behind", "cursor")
+
+    def __init__(self, cursor: int) -> None:
+        self.ahead: list[int] = []
+        self.behind: list[int] = []
+        self.cursor = cursor  # the policy's cursor the split was made at
+
+    def compact(self, h: list[int], free: Mapping[int, Any]) -> None:
+        """Rebuild ``h`` (past ``2 n + 16`` entries for ``n`` free workers: mostly
+        stale) without its stale entries and repeats."""
+        low = self.cursor if h is self.ahead else -1
+        h[:] = sorted({s for s in h if s > low and s in free})  # sorted: a heap
+
+    def split(self, cursor: int, free: Mapping[int, Any]) -> None:
+        """The cursor moved outside ``pick`` (``RoundRobin.choose``): split anew."""
+        seqs = sorted({s for s in (*self.ahead, *self.behind) if s in free})
+        self.ahead = [s for s in seqs if s > cursor]
+        self.behind = [s for s in seqs if s <= cursor]
+        self.cursor = cursor
+
+
 class RoundRobinIndex:
-    """The free workers of each stage by sequence number; the cursor is the policy's.
-    Whether a worker is listed is noted on it (``w.routing``), not looked up."""
+    """The free workers of each stage in two heaps around the policy's cursor
+    (``_Ring``): a pick pops the smallest free seq after the cursor, and when none is
+    left, the heap of those before it becomes the next round. Whether a worker is
+    listed is noted on it (``w.routing``), not looked up. (A sorted list with
+    ``bisect`` moved up to n pointers per change: on a fleet of 3,072 denoise
+    workers, half of them idle, about 12 KB per dispatch and per completion.)"""
 
     def __init__(self, last: dict[str, int]) -> None:
         self._last = last  # shared with RoundRobin.choose: one cursor per stage
-        self._seqs: dict[str, list[int]] = {}
+        self._rings: dict[str, _Ring] = {}
         self._free: dict[int, RoutedWorker] = {}
 
     def update(self, w: RoutedWorker) -> None:
@@ -83,29 +116,51 @@ class RoundRobinIndex:
             if not w.routing:
                 w.routing = True
                 seq = w.seq
-                self._free[seq] = w
+                free = self._free
+                free[seq] = w
                 for s in w.stages:
-                    insort(self._seqs.setdefault(s, []), seq)
+                    r = self._rings.get(s)
+                    if r is None:
+                        r = self._rings[s] = _Ring(self._last.get(s, -1))
+                    h = r.ahead if seq > r.cursor else r.behind
+                    heapq.heappush(h, seq)
+                    if len(h) > 2 * len(free) + 16:
+                        r.compact(h, free)
         elif w.routing:
             self.remove(w)
 
     def remove(self, w: RoutedWorker) -> None:
         if w.routing:
             w.routing = None
-            seq = w.seq
-            del self._free[seq]
-            for s in w.stages:
-                seqs = self._seqs[s]
-                del seqs[bisect_right(seqs, seq) - 1]
+            del self._free[w.seq]  # its entries are stale from now on
 
     def pick(self, item: WorkItem) -> RoutedWorker | None:
-        seqs = self._seqs.get(item.stage)
-        if not seqs:
+        stage = item.stage
+        r = self._rings.get(stage)
+        if r is None:
             return None
-        i = bisect_right(seqs, self._last.get(item.stage, -1))
-        w = self._free[seqs[i] if i < len(seqs) else seqs[0]]
-        self._last[item.stage] = w.seq
-        return w
+        free = self._free
+        last = r.cursor
+        if self._last.get(stage, -1) != last:
+            last = self._last.get(stage, -1)
+            r.split(last, free)
+        ahead = r.ahead
+        while ahead:
+            seq = ahead[0]
+            if seq > last and seq in free:
+                break
+            heapq.heappop(ahead)
+        else:  # every free worker is at or before the cursor: the next round
+            ahead = r.ahead = r.behind
+            r.behind = []
+            while ahead and ahead[0] not in free:
+                heapq.heappop(ahead)
+            if not ahead:
+                return None
+        seq = heapq.heappop(ahead)
+        heapq.heappush(r.behind, seq)  # it may stay free: at or before the cursor now
+        r.cursor = self._last[stage] = seq
+        return free[seq]
 
 
 class _LoadHeap:
