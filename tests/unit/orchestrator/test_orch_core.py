@@ -482,7 +482,7 @@ def _busy_core() -> None:
     assert len(records) == 300 and len(running) > 100
     # the collector does not track a record, and nothing a record holds holds it
     assert not any(gc.is_tracked(r) for r in records)
-    assert all(r.worker.running[r.rid] is None for r in running)  # ids, not records
+    assert all(r.rid in r.worker.running for r in running)  # ids, not records
     assert not gc.is_tracked(core._finished)
 
 
@@ -529,6 +529,16 @@ class _Rogue:
         return object()
 
 
+class _Stale:
+    """Returns the worker it was given to keep, whatever the candidates."""
+
+    def __init__(self) -> None:
+        self.kept: object = None
+
+    def choose(self, item, candidates):
+        return self.kept
+
+
 def test_a_policy_that_breaks_its_contract_raises_and_leaves_state_consistent():
     h = Harness(policy=_Rogue())
     with pytest.raises(PolicyContractError) as e:
@@ -537,3 +547,29 @@ def test_a_policy_that_breaks_its_contract_raises_and_leaves_state_consistent():
     assert e.value.actions == []
     check_invariants(h.core)
     assert h.core.snapshot().queued["encode"] == ("r",)
+
+
+@pytest.mark.parametrize("other_core", [True, False], ids=["other-core", "removed"])
+def test_a_worker_not_live_in_this_core_is_refused(other_core):
+    """Membership is checked on the worker itself (``Worker.owner``), not by id: a
+    worker object of another core, or one this core dropped, is refused though a live
+    worker of the same id, serving with a free credit, exists here."""
+    policy = _Stale()
+    h = Harness(policy=policy)
+    h.feed(RegisterWorker("enc-0", "encode", 2))
+    if other_core:
+        other = Orchestrator(OrchestratorConfig(), policy=create_policy("round_robin"))
+        other.handle(RegisterWorker("enc-0", "encode", 2), now=0.0)
+        policy.kept = other._pools.workers["enc-0"]
+    else:
+        policy.kept = h.core._pools.workers["enc-0"]
+        h.feed(WorkerLost("enc-0"))
+        h.feed(RegisterWorker("enc-0", "encode", 2))  # a new enc-0, live and free
+    assert policy.kept is not h.core._pools.workers["enc-0"]
+    with pytest.raises(PolicyContractError, match="not a serving encode worker"):
+        h.feed(Submit("r"))
+    check_invariants(h.core)
+    assert h.core.snapshot().queued["encode"] == ("r",)
+    policy.kept = h.core._pools.workers["enc-0"]  # the live one is taken
+    h.feed(Tick())
+    assert h.core.snapshot().queued["encode"] == () and len(h.dispatched) == 1

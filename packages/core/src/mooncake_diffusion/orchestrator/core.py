@@ -560,7 +560,7 @@ class Orchestrator:
         """Workers that stopped serving and hold nothing now: load, or leave."""
         pending, self._settle = self._settle, []
         for w in pending:
-            if self._pools.workers.get(w.worker_id) is not w or w.running:
+            if w.owner is not self._pools.token or w.running:
                 continue  # gone already (lost, expired), or settled by an earlier entry
             if w.state == "changing":
                 self._pools.set_state(w, "loading")
@@ -603,7 +603,7 @@ class Orchestrator:
     def _release_worker(self, req: _Request, now: float) -> Worker:
         w = req.worker
         assert w is not None
-        del w.running[req.rid]
+        w.running = _without(w.running, req.rid)
         self._pools.release(w)
         self._pools.touch(w, now)
         if w.state != "serving" and not w.running:
@@ -642,7 +642,7 @@ class Orchestrator:
         requeued: list[str] = []
         failed: list[str] = []
         reqs = [self._requests[rid] for rid in w.running]
-        w.running.clear()
+        w.running = ()
         w.held = 0
         for req in reqs:
             if self._victims is not None:
@@ -662,7 +662,7 @@ class Orchestrator:
             req.token = 0
         w = req.worker
         if w is not None:  # cancelled while running
-            del w.running[req.rid]
+            w.running = _without(w.running, req.rid)
             self._pools.release(w)
             if w.state != "serving" and not w.running:
                 self._settle.append(w)
@@ -696,7 +696,7 @@ class Orchestrator:
         free = self._pools.free_total
         for stage in _PUMP_ORDER:
             q = self._queues[stage]
-            while free[stage] > 0 and q:
+            while free[stage] > 0 and q.live:
                 if stage == "denoise" and free["decode"] <= self._decode_reserved:
                     break  # no decode credit to reserve for the latent
                 req = q.pop(now)
@@ -738,9 +738,8 @@ class Orchestrator:
         except Exception as e:
             req.token = q.push(req, req.cls.name, req.since)
             raise PolicyContractError(f"routing policy raised on {stage} item: {e!r}") from e
-        wid = getattr(w, "worker_id", None)
         if (
-            pools.workers.get(wid) is not w  # type: ignore[arg-type]
+            getattr(w, "owner", None) is not pools.token  # one of our live workers
             or stage not in w.stages
             or w.state != "serving"
             or w.free < 1
@@ -752,7 +751,7 @@ class Orchestrator:
         req.attempt = attempt
         req.started = now
         req.worker = w
-        w.running[req.rid] = None
+        w.running += (req.rid,)
         pools.hold(w)
         if stage == "denoise":
             if "decode" not in w.stages:  # else its own credit is its latent's (docstring)
@@ -762,6 +761,12 @@ class Orchestrator:
         elif stage == "decode":
             self._unreserve(req)
         out.append(Dispatch(w.worker_id, item))
+
+
+def _without(running: tuple[str, ...], rid: str) -> tuple[str, ...]:
+    """``running`` less ``rid`` (which it holds), in the same order."""
+    i = running.index(rid)
+    return running[1:] if i == 0 else running[:i] + running[i + 1 :]
 
 
 def _ok_credits(x: object) -> bool:

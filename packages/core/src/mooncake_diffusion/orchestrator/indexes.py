@@ -281,13 +281,16 @@ class _Stamps:
         push = heapq.heappush
         for h, b in lane:
             if len(b) > h.limit:
-                b[:] = sorted({s for s in b if self.current(s, key)})  # sorted: a heap
+                b[:] = self.standing(b, key)
             push(b, seq)
 
-    def current(self, seq: int, key: _Key) -> bool:
-        """Whether an entry ``seq`` under ``key`` stands."""
-        w = self.free.get(seq)
-        return w is not None and w.routing.key is key
+    def standing(self, bucket: list[int], key: _Key) -> list[int]:
+        """The entries of ``bucket`` (under ``key``) that stand, once each, sorted (a
+        heap): an entry stands while its worker is free with ``key`` its key now."""
+        free = self.free
+        return sorted(
+            {s for s in bucket if (w := free.get(s)) is not None and w.routing.key is key}
+        )
 
     def drop(self, w: RoutedWorker, r: _Routed) -> None:
         """``w``'s entries are stale from now on."""

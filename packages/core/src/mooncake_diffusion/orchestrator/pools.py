@@ -53,6 +53,7 @@ class Worker:
         "free",
         "held",
         "labels",
+        "owner",
         "reason",
         "routing",
         "running",
@@ -84,15 +85,19 @@ class Worker:
         self.seq = seq
         self.labels = labels
         self.timeout = timeout
+        #: the ``Pools.token`` of the pools it is live in; None once removed
+        self.owner: object = None
         self.expires_at = 0.0
         self.advertised = 0
         self.held = 0
         self.free = 0
         #: the routing index's own state for this worker (``indexes._Routed``), or None
         self.routing: Any = None
-        #: the ids of its running requests, in dispatch order (values ``None``: ids,
-        #: not the core's records, which must not be reachable from their worker)
-        self.running: dict[str, None] = {}
+        #: the ids of its running requests, in dispatch order (ids, not the core's
+        #: records, which must not be reachable from their worker; a tuple of at most
+        #: its credits, one small object where a dict per worker was two or three
+        #: cache lines to touch per dispatch and per completion on a fleet)
+        self.running: tuple[str, ...] = ()
 
     def __repr__(self) -> str:
         return (
@@ -113,6 +118,9 @@ class Pools:
         self._deadlines: list[tuple[float, int, str]] = []
         self._seq = 0
         self._spare: list[int] = []  # registration numbers made ahead (``_next_seq``)
+        #: on each of its live workers (``Worker.owner``): membership in one read of a
+        #: worker the caller holds, where a lookup by id in a fleet's table is a miss
+        self.token = object()
         #: one dict per distinct label set, shared by its workers, and how many use it
         #: (an item's affinity hint is its producer's labels: one shared dict stays in
         #: the cache where a dict per worker of a fleet of thousands is a miss)
@@ -135,6 +143,7 @@ class Pools:
         key = tuple(sorted(labels.items()))
         labels = self._labels.hold(key, labels)
         w = Worker(worker_id, stages, seq, labels, timeout)
+        w.owner = self.token
         self.workers[worker_id] = w
         for s in stages:
             self.by_stage[s].append(w)
@@ -156,6 +165,7 @@ class Pools:
     def remove(self, w: Worker) -> None:
         """Forget ``w`` and its credits. Its ``running`` items are the caller's to re-home."""
         del self.workers[w.worker_id]
+        w.owner = None
         self._labels.drop(tuple(sorted(w.labels.items())))
         for s in w.stages:
             self.by_stage[s].remove(w)

@@ -57,18 +57,20 @@ class ClassQueue(Generic[T]):
             c.name: (deque(), deque()) for c in classes
         }
         self._heaps: dict[str, list[tuple[float, int]]] = {c.name: [] for c in classes}
-        self._live: dict[int, T] = {}
+        #: the queued items by token; read-only outside (its truth is whether anything
+        #: is queued, read without a call: the core asks at every dispatch)
+        self.live: dict[int, T] = {}
         self._seq = 0
         self._priority = {c.name: c.priority for c in classes}
         self._class_of: dict[int, str] = {}
         self._counts: dict[str, int] = {c.name: 0 for c in classes}
 
     def __len__(self) -> int:
-        return len(self._live)
+        return len(self.live)
 
     def __iter__(self) -> Iterator[T]:
         """Queued items in push order (not service order)."""
-        return iter(self._live.values())
+        return iter(self.live.values())
 
     def push(self, item: T, slo_class: str, since: float) -> int:
         """Queue ``item``; returns the token that ``discard`` takes. ``slo_class`` must be known."""
@@ -79,14 +81,14 @@ class ClassQueue(Generic[T]):
             fseq.append(self._seq)
         else:
             heapq.heappush(self._heaps[slo_class], (since, self._seq))
-        self._live[self._seq] = item
+        self.live[self._seq] = item
         self._class_of[self._seq] = slo_class
         self._counts[slo_class] += 1
         return self._seq
 
     def discard(self, token: int) -> None:
         """Forget a queued item; a token already popped or discarded is ignored."""
-        if self._live.pop(token, None) is not None:
+        if self.live.pop(token, None) is not None:
             self._counts[self._class_of.pop(token)] -= 1
 
     def waiting_better_than(self, priority: int) -> int:
@@ -95,9 +97,9 @@ class ClassQueue(Generic[T]):
 
     def pop(self, now: float) -> T | None:
         """Remove and return the next item to serve at ``now``, or ``None`` if empty."""
-        if not self._live:
+        if not self.live:
             return None
-        live = self._live
+        live = self.live
         best: tuple[tuple[deque[float], deque[int]], list[tuple[float, int]], bool] | None = None
         best_key: tuple[float, ...] | None = None
         for c in self._classes:
