@@ -603,7 +603,7 @@ class Orchestrator:
     def _release_worker(self, req: _Request, now: float) -> Worker:
         w = req.worker
         assert w is not None
-        w.running = _without(w.running, req.rid)
+        w.running.remove(req.rid)
         self._pools.release(w)
         self._pools.touch(w, now)
         if w.state != "serving" and not w.running:
@@ -642,7 +642,7 @@ class Orchestrator:
         requeued: list[str] = []
         failed: list[str] = []
         reqs = [self._requests[rid] for rid in w.running]
-        w.running = ()
+        w.running.clear()
         w.held = 0
         for req in reqs:
             if self._victims is not None:
@@ -662,7 +662,7 @@ class Orchestrator:
             req.token = 0
         w = req.worker
         if w is not None:  # cancelled while running
-            w.running = _without(w.running, req.rid)
+            w.running.remove(req.rid)
             self._pools.release(w)
             if w.state != "serving" and not w.running:
                 self._settle.append(w)
@@ -751,7 +751,7 @@ class Orchestrator:
         req.attempt = attempt
         req.started = now
         req.worker = w
-        w.running += (req.rid,)
+        w.running.append(req.rid)
         pools.hold(w)
         if stage == "denoise":
             if "decode" not in w.stages:  # else its own credit is its latent's (docstring)
@@ -761,12 +761,6 @@ class Orchestrator:
         elif stage == "decode":
             self._unreserve(req)
         out.append(Dispatch(w.worker_id, item))
-
-
-def _without(running: tuple[str, ...], rid: str) -> tuple[str, ...]:
-    """``running`` less ``rid`` (which it holds), in the same order."""
-    i = running.index(rid)
-    return running[1:] if i == 0 else running[:i] + running[i + 1 :]
 
 
 def _ok_credits(x: object) -> bool:

@@ -94,10 +94,9 @@ class Worker:
         #: the routing index's own state for this worker (``indexes._Routed``), or None
         self.routing: Any = None
         #: the ids of its running requests, in dispatch order (ids, not the core's
-        #: records, which must not be reachable from their worker; a tuple of at most
-        #: its credits, one small object where a dict per worker was two or three
-        #: cache lines to touch per dispatch and per completion on a fleet)
-        self.running: tuple[str, ...] = ()
+        #: records, which must not be reachable from their worker; a list of at most
+        #: its credits, fewer cache lines per dispatch and completion than a dict)
+        self.running: list[str] = []
 
     def __repr__(self) -> str:
         return (
