@@ -34,7 +34,9 @@ class Interned(Generic[K, V]):
     def hold(self, key: K, value: V) -> V:
         """One more holder of ``key``; returns the key's shared value: ``value`` if the
         key is new, else the one its first holder gave (``value`` is then unused).
-        Holders must not change a shared value."""
+        The value is every holder's: a change one makes, all see (the core's label
+        dicts are read-only; index lanes are filled in by whichever worker first
+        needs a key, for all of them)."""
         got = self._held.get(key)
         if got is None:
             self._held[key] = (value, 1)
