@@ -125,7 +125,18 @@ class Deployment:
             time.sleep(0.05)
         raise AssertionError(f"master did not come up:\n{p.output()[-2000:]}")
 
-    def start_store(self) -> Spawned:
+    def start_store(self, avoid: set[str] | None = None) -> Spawned:
+        """Start the store host. ``avoid``: segment names (``ip:port``) a new store host
+        must not take again: a restarted one then mounts under a name of its own, which
+        the scenarios wait for (Mooncake draws the port at random, and a restart that
+        drew its predecessor's, as CI's run of 2026-12-05 under load did, left them
+        waiting for a name that never came; a store host back under its old name is
+        covered by ``tests/integration/test_store_recycle.py``)."""
+        env = self.env("store")
+        ports = [int(name.rsplit(":", 1)[1]) for name in avoid or ()]
+        if ports:
+            port = str(max(ports) + 1)
+            env = {**env, "MC_STORE_CLIENT_MIN_PORT": port, "MC_STORE_CLIENT_MAX_PORT": port}
         p = self.net.spawn(
             "store",
             [
@@ -138,7 +149,7 @@ class Deployment:
                 f"--pool-bytes={self.pool_bytes}",
                 "--reap-interval=0.5",
             ],
-            self.env("store"),
+            env,
         )
         p.wait_for('"ready": true')
         self.procs["store"] = p

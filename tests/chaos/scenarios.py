@@ -536,7 +536,7 @@ def restart_store_host(d: Deployment) -> set[str]:
     """SIGKILL the store host and start a new one; the segments listed before."""
     old = set(d.segments())
     d.procs["store"].kill()
-    d.start_store()
+    d.start_store(avoid=old)
     return old
 
 
@@ -606,7 +606,7 @@ def scenario_master_kill(d: Deployment) -> Outcome:
     d.procs["master"].kill()
     d.start_master()
     d.procs["store"].stop()  # its segment died with the master's metadata
-    d.start_store()
+    d.start_store(avoid=old)
     return _resume(d, r, old, (a, b), "master killed and restarted; store host restarted")
 
 
