@@ -140,9 +140,8 @@ class RoundRobinIndex:
         if r is None:
             return None
         free = self._free
-        last = r.cursor
-        if self._last.get(stage, -1) != last:
-            last = self._last.get(stage, -1)
+        last = self._last.get(stage, -1)
+        if last != r.cursor:
             r.split(last, free)
         ahead = r.ahead
         while ahead:
