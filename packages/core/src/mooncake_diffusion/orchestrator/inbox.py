@@ -4,6 +4,7 @@
     poller.register(inbox.fileno(), zmq.POLLIN)   # the loop's thread
     inbox.put(item)                               # any thread; wakes the poll
     for item in inbox.drain(): ...                # the loop's thread, after poll returns
+    inbox.waiting()                               # any time: is an item queued (no syscall)
     inbox.close()                                 # once, after the loop has ended
 
 Items are delivered in order, each once. ``wake()`` makes the poll return with
@@ -39,6 +40,11 @@ class Inbox(Generic[T]):
     def wake(self) -> None:
         with contextlib.suppress(OSError):
             os.write(self._w, b"x")
+
+    def waiting(self) -> bool:
+        """Whether an item is queued now (a ``drain`` would yield one); reads no
+        file descriptor, so a loop can ask between two pieces of other work."""
+        return not self._q.empty()
 
     def drain(self) -> Iterator[T]:
         """Clear the wake-up and yield what is queued now."""

@@ -24,9 +24,11 @@ Group commit: each turn of the driver loop (every worker frame and API call
 ready at one poll, up to ``_TURN_FRAMES`` frames) is one journal transaction; the
 frames it sends, the API answers and the stream events it produces are held until
 that commit, then go out in order. One write per turn instead of one per event is
-what lets 1,024 workers' heartbeats and 1,000 submissions/s share one thread. The
-cap bounds a turn: a submission that arrives while a burst of heartbeats is being
-handled waits for the turn under way, not for the whole burst.
+what lets 1,024 workers' heartbeats and 1,000 submissions/s share one thread. A
+turn stops taking frames as soon as an API call is posted (``take_frames``): a
+submission that arrives during a burst of heartbeats or results waits for the
+frame being handled and the turn's commit, not for the rest of the burst, which
+the next turn takes.
 
 Delivery: a ``Work`` frame can be lost (the worker was not connected yet, or
 the service restarted between commit and send). Workers list what they hold in
@@ -185,8 +187,8 @@ class ServiceUnavailable(OrchestratorError):
 
 
 #: worker frames handled in one driver turn (one journal commit) at most: it bounds
-#: how long an API call waits behind a burst of worker frames (a 1,024-worker fleet's
-#: heartbeats); 1,024 beats a second are still only 16 commits
+#: the most worker frames one turn (one commit) takes when no API call waits; 1,024
+#: beats a second are still only 16 commits
 _TURN_FRAMES = 64
 #: Finished request ids ``cluster()`` lists (newest last), for dashboards.
 _RECENT = 50
@@ -613,15 +615,7 @@ class OrchestratorService:
             started = time.monotonic()
             with self._turn():
                 if router in ready:
-                    for _ in range(_TURN_FRAMES):
-                        try:
-                            ident, frame = router.recv_multipart(zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
-                        except ValueError:  # not two frames: a foreign peer
-                            self._counters["wire_errors"] += 1
-                            continue
-                        self._guard(self._on_frame, ident, frame)
+                    take_frames(router, self._on_worker_frame, self._mail.waiting, _TURN_FRAMES)
                 for fn, fut in self._mail.drain():
                     if fut.set_running_or_notify_cancel():
                         try:
@@ -934,6 +928,14 @@ class OrchestratorService:
             self._counters["send_failures"] += 1
 
     # ------------------------------------------------------------------ worker frames
+    def _on_worker_frame(self, msg: list[bytes]) -> None:
+        """One message off the ROUTER socket: a worker's frame, or a foreign peer's
+        message of another shape (counted, dropped)."""
+        if len(msg) != 2:
+            self._counters["wire_errors"] += 1
+            return
+        self._guard(self._on_frame, msg[0], msg[1])
+
     def _on_frame(self, ident: bytes, frame: bytes) -> None:
         try:
             msg = decode_from_worker(frame)
@@ -1168,6 +1170,27 @@ class OrchestratorService:
             snap.decode_reserved,
         )
         return self.metrics.text()
+
+
+def take_frames(
+    socket: zmq.Socket,
+    handle: Callable[[list[bytes]], None],
+    waiting: Callable[[], bool],
+    limit: int,
+) -> int:
+    """Receive and ``handle`` up to ``limit`` messages from ``socket`` without
+    blocking, stopping early when none is left or once ``waiting()`` is true after
+    a message (an API call is posted: the turn takes it now and leaves the rest of
+    the messages to the next turn). Returns how many were handled."""
+    for n in range(limit):
+        try:
+            msg = socket.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            return n
+        handle(msg)
+        if waiting():
+            return n + 1
+    return limit
 
 
 def _rejected(actions: list[Action], event: str) -> bool:
