@@ -391,9 +391,10 @@ class ServiceRow:
     rtt_ms_max: float
     send_lag_ms_p99: float
     dispatched: int
-    #: where the HTTP front ran: ``thread`` (the driver's process, the default) or
-    #: ``process`` (``--front-process``: a child process over the bridge)
-    front: str = "thread"
+    #: where the HTTP front ran: ``loop`` (the default: on the driver's event loop, in
+    #: the service's process; ``thread`` in results before it) or ``process``
+    #: (``--front-process``: a child process over the bridge)
+    front: str = "loop"
 
 
 def fleet_agent(address: str, out_path: str, stages: str) -> int:
@@ -720,7 +721,7 @@ def service_rtt(
         rtt_ms_max=max(rtts),
         send_lag_ms_p99=statistics.quantiles(lags, n=100)[98],
         dispatched=len(rtts),
-        front="process" if front_process else "thread",
+        front="process" if front_process else "loop",
     )
 
 
@@ -835,7 +836,7 @@ def main(argv: list[str] | None = None) -> int:
             log(
                 f"service: {SERVICE_RATE:.0f} submissions/s for {seconds:g} s, open loop, "
                 f"{sum(FLEET.values())} workers, journal {'on' if journal else 'off'}, "
-                f"{client} client, HTTP front in {'a process' if fp else 'a thread'}"
+                f"{client} client, HTTP front {'in a process' if fp else 'on the driver loop'}"
             )
             n = int(SERVICE_RATE * seconds)
             svc.append(service_rtt(SERVICE_RATE, n, journal, tmp, client, fp))
@@ -847,9 +848,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"load average at start {load_start}, at end {os.getloadavg()}")
     largest = list(POOLS)[-1]
     jsvc = next(
-        r
-        for r in svc
-        if r.journal and r.offered_per_s and r.client == "raw" and r.front == "thread"
+        r for r in svc if r.journal and r.offered_per_s and r.client == "raw" and r.front == "loop"
     )
     fsvc = next(r for r in svc if r.front == "process")
     lsvc = next(r for r in svc if r.client == "library")

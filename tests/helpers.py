@@ -3,11 +3,13 @@ producer processes and tests agree on every byte."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from mooncake_diffusion.handoff import make_tensor
 
-__all__ = ["make_tensor", "same_bytes"]
+__all__ = ["driven", "from_service", "make_tensor", "same_bytes"]
 
 
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -52,3 +54,52 @@ def from_service(sock, kind: type, within: float = 30.0) -> object | None:
             if isinstance(msg, kind):
                 return msg
     return None
+
+
+@contextlib.contextmanager
+def driven(svc, mode: str):  # type: ignore[no-untyped-def]
+    """``svc`` (an ``OrchestratorService`` never started) running with its driver as a
+    thread of its own (``mode`` ``thread``: ``start``) or turning on an asyncio loop
+    in a thread of its own (``loop``: ``run_on_loop``, as under
+    ``ApiServer(drive=True)``); yields that loop (None for ``thread``) and closes the
+    service after."""
+    if mode == "thread":
+        svc.start()
+        try:
+            yield None
+        finally:
+            svc.close()
+        return
+    import asyncio
+    import threading
+
+    ready: list = []
+    opened, stop = threading.Event(), threading.Event()
+
+    async def main() -> None:
+        try:
+            svc.run_on_loop()
+        except BaseException as e:
+            ready.append(e)
+            opened.set()
+            return
+        ready.append(asyncio.get_running_loop())
+        opened.set()
+        try:
+            while not stop.is_set():
+                await asyncio.sleep(0.01)
+        finally:
+            svc.leave_loop()
+
+    t = threading.Thread(target=lambda: asyncio.run(main()), name="test-driver-loop")
+    t.start()
+    opened.wait(30)
+    if isinstance(ready[0], BaseException):
+        t.join()
+        raise ready[0]
+    try:
+        yield ready[0]
+    finally:
+        svc.close()
+        stop.set()
+        t.join(30)

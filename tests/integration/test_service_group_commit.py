@@ -13,7 +13,7 @@ import time
 import pytest
 import zmq
 
-from helpers import from_service
+from helpers import driven, from_service
 from mooncake_diffusion.orchestrator import JournalError, OrchestratorConfig
 from mooncake_diffusion.orchestrator.service import (
     OrchestratorService,
@@ -40,26 +40,27 @@ def _next(sock: zmq.Socket, kind: type, within: float = 30.0) -> object:
     return msg
 
 
-@pytest.fixture
-def service(tmp_path):
-    """A journaled service and a worker ``enc`` (a DEALER socket) it has welcomed."""
+@pytest.fixture(params=["thread", "loop"])
+def service(request, tmp_path):
+    """A journaled service and a worker ``enc`` (a DEALER socket) it has welcomed;
+    its driver a thread, or turning on an asyncio loop (``helpers.driven``)."""
     cfg = ServiceConfig(
         orchestrator=OrchestratorConfig(heartbeat_timeout=60.0),
         worker_bind="tcp://127.0.0.1:0",
         journal=str(tmp_path / "orchestrator.db"),
     )
-    svc = OrchestratorService(cfg).start()
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.ROUTING_ID, b"enc")
-    sock.setsockopt(zmq.LINGER, 0)
-    try:
-        sock.connect(svc.worker_address)
-        yield svc, sock
-    finally:
-        sock.close()
-        ctx.term()
-        svc.close()
+    svc = OrchestratorService(cfg)
+    with driven(svc, request.param):
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.ROUTING_ID, b"enc")
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.connect(svc.worker_address)
+            yield svc, sock
+        finally:
+            sock.close()
+            ctx.term()
 
 
 def test_nothing_of_a_turn_leaves_before_its_commit(service):

@@ -14,7 +14,7 @@ import time
 import pytest
 import zmq
 
-from helpers import from_service
+from helpers import driven, from_service
 from mooncake_diffusion.orchestrator import OrchestratorConfig
 from mooncake_diffusion.orchestrator.clock import StallClock
 from mooncake_diffusion.orchestrator.service import OrchestratorService, ServiceConfig
@@ -27,7 +27,9 @@ HEARTBEAT_S = 10.0
 FROZEN_S = 30.0
 
 
-def test_a_freeze_inside_a_turn_is_out_of_that_turn_s_time():
+@pytest.mark.parametrize("mode", ["thread", "loop"])
+def test_a_freeze_inside_a_turn_is_out_of_that_turn_s_time(mode):
+    """(``mode``: the driver a thread, or turning on an asyncio loop.)"""
     baseline = thread_names()
     jump = [0.0]
 
@@ -38,7 +40,13 @@ def test_a_freeze_inside_a_turn_is_out_of_that_turn_s_time():
         orchestrator=OrchestratorConfig(heartbeat_timeout=HEARTBEAT_S),
         worker_bind="tcp://127.0.0.1:0",
     )
-    svc = OrchestratorService(cfg, clock=StallClock(source)).start()
+    svc = OrchestratorService(cfg, clock=StallClock(source))
+    with driven(svc, mode):
+        frozen_in_a_turn(svc, jump)
+    assert_no_leaks(None, baseline)
+
+
+def frozen_in_a_turn(svc: OrchestratorService, jump: list[float]) -> None:
     ctx = zmq.Context()
     socks = {}
     try:
@@ -75,5 +83,3 @@ def test_a_freeze_inside_a_turn_is_out_of_that_turn_s_time():
         for sock in socks.values():
             sock.close()
         ctx.term()
-        svc.close()
-    assert_no_leaks(None, baseline)

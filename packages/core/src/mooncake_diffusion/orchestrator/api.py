@@ -40,6 +40,7 @@ address requires a token (every route but /healthz, /readyz, /docs and
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import hmac
@@ -48,6 +49,7 @@ import socket
 import threading
 import time
 from collections.abc import Awaitable, Callable
+from functools import partial
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -511,7 +513,10 @@ class ApiServer:
     thread. ``outputs``: the folder the decode workers write into (their ``MCD_OUTPUTS``)
     and OpenAI-style requests' files are served from. ``front`` and ``limits``: see
     ``build_app``; ``sock``: a listening socket to serve (``listen``; the server
-    closes it) instead of binding ``host:port``.
+    closes it) instead of binding ``host:port``. ``drive``: ``service`` is not
+    started yet, and its driver turns on the server's event loop
+    (``OrchestratorService.run_on_loop``): one thread for HTTP and the driver, no
+    hand-off between them; the service's startup errors are raised here.
 
     ``close()`` stops accepting and joins the server thread (close the service first so
     open event streams end). Raises ``OrchestratorError`` for a non-loopback host
@@ -529,6 +534,7 @@ class ApiServer:
         front: FrontConfig | None = None,
         limits: HttpLimits | None = None,
         sock: socket.socket | None = None,
+        drive: bool = False,
     ) -> None:
         import uvicorn
 
@@ -555,16 +561,38 @@ class ApiServer:
             timeout_graceful_shutdown=2,
         )
         self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(
-            target=self._server.run, kwargs={"sockets": [self._sock]}, name="mcd-http"
-        )
+        self._failed: BaseException | None = None
+        run: Callable[[], None] = partial(self._server.run, sockets=[self._sock])
+        if drive:
+            run = partial(self._drive, service, config.get_loop_factory())
+        self._thread = threading.Thread(target=run, name="mcd-http")
         self._thread.start()
         deadline = time.monotonic() + 30
         while not self._server.started:
             if not self._thread.is_alive() or time.monotonic() > deadline:
                 self.close()
+                if self._failed is not None:
+                    raise self._failed
                 raise OrchestratorError(f"the API server on {host}:{port} did not start")
             time.sleep(0.005)
+
+    def _drive(self, service: OrchestratorService, loop_factory: Any) -> None:
+        """The server thread with ``drive``: the service's driver and uvicorn on one
+        loop; the driver leaves it when the server stops."""
+
+        async def main() -> None:
+            try:
+                service.run_on_loop()
+            except BaseException as e:
+                self._failed = e
+                return
+            try:
+                await self._server.serve(sockets=[self._sock])
+            finally:
+                service.leave_loop()
+
+        with asyncio.Runner(loop_factory=loop_factory) as runner:
+            runner.run(main())
 
     @property
     def url(self) -> str:

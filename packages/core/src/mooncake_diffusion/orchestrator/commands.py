@@ -143,15 +143,23 @@ def _run_orchestrator(args: argparse.Namespace) -> int:
         service = OrchestratorService(config)
     except OrchestratorConfigError as e:
         raise SystemExit(f"mooncake-diffusion: error: {e}") from None
-    service.start()
     try:
-        api: ApiServer | FrontProcess = (
-            FrontProcess(
+        api: ApiServer | FrontProcess
+        if args.front_process:  # the driver is a thread; the HTTP front another process
+            service.start()
+            api = FrontProcess(
                 service, args.host, args.port, token=token, outputs=args.outputs, front=front
             )
-            if args.front_process
-            else api_of(service)
-        )
+        else:  # the driver turns on the HTTP server's loop: one thread, no hand-off
+            api = ApiServer(
+                service,
+                args.host,
+                args.port,
+                token=token,
+                outputs=args.outputs,
+                front=front,
+                drive=True,
+            )
     except BaseException:
         service.close()
         raise

@@ -14,10 +14,14 @@ same object:
     svc.drain("den-2", "scale-down")
     svc.close()                                # stops the driver; the journal keeps the rest
 
-Threads: one driver thread owns the core, the ROUTER socket and the request
-table; it runs every event to completion before the next. API calls (from any
-thread) are posted to it and wait for its answer (``call_timeout_s``), so the
-API never sees a half-applied event. With a journal, every accepted event is
+Threads: one driver owns the core, the ROUTER socket and the request table; it
+runs every event to completion before the next. API calls (from any thread) are
+posted to it and wait for its answer (``call_timeout_s``), so the API never sees
+a half-applied event. The driver is a thread of its own (``start``), or turns on
+an asyncio loop that also serves the HTTP API (``run_on_loop``, what the
+standalone command does through ``ApiServer(drive=True)``): there an API call
+made on that loop is taken by the next turn with no thread hand-off, and no
+second Python thread contends for the interpreter lock. With a journal, every accepted event is
 committed before its actions take effect (``JournaledOrchestrator``), and a
 restarted service replays it: statuses are rebuilt, running items are re-sent.
 Group commit: each turn of the driver loop (every worker frame and API call
@@ -190,6 +194,10 @@ class ServiceUnavailable(OrchestratorError):
 #: the most worker frames one turn (one commit) takes when no API call waits; 1,024
 #: beats a second are still only 16 commits
 _TURN_FRAMES = 64
+#: the same on a shared asyncio loop, where HTTP requests are read only between turns
+_LOOP_TURN_FRAMES = 16
+#: the longest a loop-driven driver sleeps with nothing due (it then looks again)
+_LOOP_IDLE_S = 1.0
 #: Finished request ids ``cluster()`` lists (newest last), for dashboards.
 _RECENT = 50
 #: releases of the requests that ended last before a restart, sent again (module doc)
@@ -263,6 +271,14 @@ class OrchestratorService:
         self._ctx: zmq.Context | None = None
         self._router: zmq.Socket | None = None
         self._thread: threading.Thread | None = None
+        #: the asyncio loop the driver turns on (``run_on_loop``), and its state there
+        self._aloop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread = 0
+        self._local: list[tuple[Callable[[], Any], asyncio.Future]] = []
+        self._kicked = False
+        self._timer: asyncio.TimerHandle | None = None
+        self._wake_at: float | None = None
+        self._watch: StallWatch | None = None
         self._stopping = False
         self._closed = False
         self._core: Orchestrator | JournaledOrchestrator | None = None
@@ -294,6 +310,69 @@ class OrchestratorService:
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> OrchestratorService:
         """Bind the worker socket, recover the journal, start the driver thread."""
+        if self._thread is not None or self._aloop is not None:
+            raise OrchestratorError("the service is already running")
+        router = self._bind()
+        opened: Future = Future()
+        self._thread = threading.Thread(
+            target=self._run, args=(opened,), name="mcd-orchestrator", daemon=True
+        )
+        self._thread.start()
+        try:
+            opened.result()
+        except BaseException:
+            self._thread.join()
+            self._unbind(router)
+            raise
+        return self
+
+    def run_on_loop(self) -> None:
+        """Instead of ``start``: bind, recover the journal and drive the service from
+        the running asyncio loop's thread (this call's), which must go on running
+        the loop; returns once the service is ready. Obligations: call it on that
+        thread, on a service never started; call ``leave_loop`` on the same thread
+        before the loop ends. Never call a blocking method of this service
+        (``submit``, ``status``...) on that thread: it would wait for itself (it
+        raises ``OrchestratorError``); the ``*_async`` ones are for it. Raises like
+        ``start``."""
+        if self._thread is not None or self._aloop is not None:
+            raise OrchestratorError("the service is already running")
+        loop = asyncio.get_running_loop()
+        router = self._bind()
+        try:
+            self._open_core()
+        except BaseException:
+            if isinstance(self._core, JournaledOrchestrator):
+                self._core.close()  # recovered, then failed: release the journal
+            self._unbind(router)
+            raise
+        self._aloop, self._loop_thread = loop, threading.get_ident()
+        self._watch = self._open_watch()
+        loop.add_reader(router.getsockopt(zmq.FD), self._kick)
+        loop.add_reader(self._mail.fileno(), self._kick)
+        self._kick()
+
+    def leave_loop(self) -> None:
+        """On the loop's thread: stop driving (the journal is closed, API calls not
+        yet taken fail with ``ServiceUnavailable``, ``stopped`` is set). Idempotent;
+        ``close`` calls it through the loop."""
+        loop = self._aloop
+        if loop is None or self.stopped.is_set():
+            return
+        assert self._router is not None
+        with contextlib.suppress(ValueError, zmq.ZMQError):  # the socket is gone already
+            loop.remove_reader(self._router.getsockopt(zmq.FD))
+        loop.remove_reader(self._mail.fileno())
+        if self._timer is not None:
+            self._timer.cancel()
+        local, self._local = self._local, []
+        for _, fut in local:
+            if not fut.done():
+                fut.set_exception(self._stopped_error())
+        self._driver_ended(self._watch)
+
+    def _bind(self) -> zmq.Socket:
+        """The worker channel's ROUTER socket, bound to ``config.worker_bind``."""
         self._ctx = zmq.Context()
         router = self._ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 0)
@@ -307,21 +386,15 @@ class OrchestratorService:
             raise OrchestratorError(f"cannot bind {self.config.worker_bind}: {e}") from e
         self._router = router
         self.worker_address = router.getsockopt_string(zmq.LAST_ENDPOINT)
-        opened: Future = Future()
-        self._thread = threading.Thread(
-            target=self._run, args=(opened,), name="mcd-orchestrator", daemon=True
-        )
-        self._thread.start()
-        try:
-            opened.result()
-        except BaseException:
-            self._thread.join()
-            self._closed = True
-            router.close()
-            self._ctx.term()
-            self._mail.close()
-            raise
-        return self
+        return router
+
+    def _unbind(self, router: zmq.Socket) -> None:
+        """After a start that failed: nothing of it stays open."""
+        self._closed = True
+        router.close()
+        assert self._ctx is not None
+        self._ctx.term()
+        self._mail.close()
 
     def _open_core(self) -> None:
         """In the driver thread (SQLite objects stay in the thread that made them)."""
@@ -365,6 +438,12 @@ class OrchestratorService:
             self._stopping = True
             self._mail.wake()
             self._thread.join(timeout=10)
+        elif self._aloop is not None and self._loop_thread == threading.get_ident():
+            self.leave_loop()
+        elif self._aloop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop has ended (it left first)
+                self._aloop.call_soon_threadsafe(self.leave_loop)
+                self.stopped.wait(10)
         if self._router is not None:
             self._router.close()
         if self._ctx is not None:
@@ -528,7 +607,8 @@ class OrchestratorService:
     def _post(self, fn: Callable[[], Any]) -> Future:
         """Hand ``fn`` to the driver (its mailbox wakes the loop at once); the future
         is answered after the turn's journal commit."""
-        if self._closed or self._thread is None or self.stopped.is_set():
+        running = self._thread is not None or self._aloop is not None
+        if self._closed or not running or self.stopped.is_set():
             raise ServiceUnavailable(f"the orchestrator service is not running ({self.failure})")
         fut: Future = Future()
         self._mail.put((fn, fut))
@@ -540,6 +620,8 @@ class OrchestratorService:
         )
 
     def _call(self, fn: Callable[[], Any]) -> Any:
+        if self._aloop is not None and self._loop_thread == threading.get_ident():
+            raise OrchestratorError("a blocking service call on the driver's own loop")
         fut = self._post(fn)
         try:
             return fut.result(timeout=self.config.call_timeout_s)
@@ -549,8 +631,17 @@ class OrchestratorService:
     async def _call_async(self, fn: Callable[[], Any]) -> Any:
         """``_call`` awaited on the running asyncio loop: the driver's answer comes back
         through the loop (``asyncio.wrap_future``), no thread pool in between. On the
-        timeout the call is cancelled if the driver has not started it."""
-        fut = asyncio.wrap_future(self._post(fn))
+        timeout the call is cancelled if the driver has not started it. On the loop
+        the driver turns on (``run_on_loop``), the call goes to its next turn."""
+        fut: asyncio.Future
+        if self._aloop is not None and self._loop_thread == threading.get_ident():
+            if self._closed or self.stopped.is_set():
+                raise self._stopped_error()
+            fut = self._aloop.create_future()
+            self._local.append((fn, fut))
+            self._kick()
+        else:
+            fut = asyncio.wrap_future(self._post(fn))
         try:  # a timeout scope, not wait_for: no task and waiter of its own per call
             async with asyncio.timeout(self.config.call_timeout_s):
                 return await fut
@@ -572,23 +663,38 @@ class OrchestratorService:
             opened.set_exception(e)
             return
         opened.set_result(None)
-        # only a clock that stalls can be told of stalls (a VirtualClock is the caller's)
-        watch = None
-        if isinstance(self._clock, StallClock):
-            watch = StallWatch(clock=self._clock.source).start()
-            self._clock.attach(watch)
+        watch = self._open_watch()
         try:
             self._loop(watch)
         finally:
+            self._driver_ended(watch)
+
+    def _open_watch(self) -> StallWatch | None:
+        """A started stall watch attached to the clock; only a clock that stalls can
+        be told of stalls (a VirtualClock is the caller's): None for another."""
+        if not isinstance(self._clock, StallClock):
+            return None
+        watch = StallWatch(clock=self._clock.source).start()
+        self._clock.attach(watch)
+        return watch
+
+    def _driver_ended(self, watch: StallWatch | None) -> None:
+        """On the driver, once it turns no more: release the watch and the journal,
+        set ``stopped``, fail the calls nobody will answer now."""
+        try:
             if watch is not None:
                 assert isinstance(self._clock, StallClock)
                 self._clock.detach()
                 watch.close()
             if isinstance(self._core, JournaledOrchestrator):
                 self._core.close()
+        finally:
             self.stopped.set()
-            for _, fut in self._mail.drain():  # nobody will answer these now
-                fut.set_exception(ServiceUnavailable(f"the orchestrator stopped: {self.failure}"))
+            for _, fut in self._mail.drain():
+                fut.set_exception(self._stopped_error())
+
+    def _stopped_error(self) -> ServiceUnavailable:
+        return ServiceUnavailable(f"the orchestrator stopped: {self.failure}")
 
     def _loop(self, watch: StallWatch | None) -> None:
         """Turns until stopped. With a ``watch`` (attached to the clock), a stall of
@@ -616,21 +722,84 @@ class OrchestratorService:
             with self._turn():
                 if router in ready:
                     take_frames(router, self._on_worker_frame, self._mail.waiting, _TURN_FRAMES)
-                for fn, fut in self._mail.drain():
-                    if fut.set_running_or_notify_cancel():
-                        try:
-                            self._answers.append((fut, fn(), None))
-                        except JournalError as e:
-                            self._journal_failed(e)
-                            self._answers.append((fut, None, e))
-                        except BaseException as e:
-                            self._answers.append((fut, None, e))
-                if deadline is not None and self._now() >= deadline:
-                    self._guard(self._feed, Tick(), None)
-                if self._elastic.due(self._now()):
-                    self._guard(self._plan)
+                self._turn_rest(deadline)
             if watch is not None:
                 self._count_stalls(watch, time.monotonic() - started, frozen)
+
+    def _turn_rest(self, deadline: float | None) -> None:
+        """Inside a turn, after its worker frames: the API calls posted (and, on a
+        loop, made on it), a tick if the heartbeat ``deadline`` has come, the
+        planner if it is due."""
+        for fn, fut in self._mail.drain():
+            if fut.set_running_or_notify_cancel():
+                self._answer(fn, fut)
+        if self._local:
+            local, self._local = self._local, []
+            for fn, afut in local:
+                if not afut.done():  # not cancelled by its caller's timeout
+                    self._answer(fn, afut)
+        if deadline is not None and self._now() >= deadline:
+            self._guard(self._feed, Tick(), None)
+        if self._elastic.due(self._now()):
+            self._guard(self._plan)
+
+    def _answer(self, fn: Callable[[], Any], fut: Future | asyncio.Future) -> None:
+        try:
+            self._answers.append((fut, fn(), None))
+        except JournalError as e:
+            self._journal_failed(e)
+            self._answers.append((fut, None, e))
+        except BaseException as e:
+            self._answers.append((fut, None, e))
+
+    # ------------------------------------------------------------------ on a loop
+    def _kick(self) -> None:
+        """Have the loop run a turn soon (once, however often it is asked)."""
+        if not self._kicked and self._aloop is not None:
+            self._kicked = True
+            self._aloop.call_soon(self._loop_turn)
+
+    def _loop_turn(self) -> None:
+        """One turn on the loop (``_loop``'s body, with ``_LOOP_TURN_FRAMES``), then
+        what brings the next: frames still queued or a call made meanwhile (at
+        once), the next heartbeat deadline or planner round (a timer)."""
+        self._kicked = False
+        if self._stopping or self.stopped.is_set():
+            return
+        router, core, watch = self._router, self._core, self._watch
+        assert router is not None and core is not None
+        frozen = 0.0 if watch is None else watch.frozen()
+        started = time.monotonic()
+        with self._turn():
+            # the FD only says that something changed: the socket's events tell what
+            if router.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                take_frames(router, self._on_worker_frame, self._mail.waiting, _LOOP_TURN_FRAMES)
+            self._turn_rest(core.next_deadline())
+        if watch is not None:
+            self._count_stalls(watch, time.monotonic() - started, frozen)
+        if self._stopping:  # the journal failed
+            self.leave_loop()
+            return
+        if self._local or router.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            self._kick()
+        self._arm(core.next_deadline())
+
+    def _arm(self, deadline: float | None) -> None:
+        """The timer for the next turn nothing else brings."""
+        assert self._aloop is not None
+        now = self._now()
+        wake = min(
+            (t for t in (deadline, self._elastic.next_at()) if t is not None),
+            default=now + _LOOP_IDLE_S,
+        )
+        wake = min(wake, now + _LOOP_IDLE_S)
+        timer, at = self._timer, self._wake_at
+        if timer is not None and not timer.cancelled() and at is not None and now < at <= wake:
+            return  # the timer set already comes first
+        if timer is not None:
+            timer.cancel()
+        self._wake_at = wake
+        self._timer = self._aloop.call_later(max(0.0, wake - now) + 0.001, self._kick)
 
     def _count_stalls(self, watch: StallWatch, turn_s: float, frozen_before: float) -> None:
         """After a turn: a turn that ran long past ``STALL_S`` (less the freezes in
