@@ -231,9 +231,9 @@ def demo_stack(
             **bindshim.env(settings.local_hostname),
             "MCD_OUTPUTS": str(out),
         }
-        svc = OrchestratorService(cfg).start()
-        try:
-            api = ApiServer(svc, "127.0.0.1", port, outputs=out)
+        svc = OrchestratorService(cfg)
+        try:  # the driver turns on the API server's loop, as under the command
+            api = ApiServer(svc, "127.0.0.1", port, outputs=out, drive=True)
         except BaseException:
             svc.close()
             raise
