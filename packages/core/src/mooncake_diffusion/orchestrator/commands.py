@@ -120,9 +120,15 @@ def _run_orchestrator(args: argparse.Namespace) -> int:
         cancel_on_disconnect=not args.keep_on_disconnect,
     )
 
-    def api_of(service: OrchestratorService) -> ApiServer:
+    def api_of(service: OrchestratorService, drive: bool = False) -> ApiServer:
         return ApiServer(
-            service, args.host, args.port, token=token, outputs=args.outputs, front=front
+            service,
+            args.host,
+            args.port,
+            token=token,
+            outputs=args.outputs,
+            front=front,
+            drive=drive,
         )
 
     config = ServiceConfig(
@@ -151,15 +157,7 @@ def _run_orchestrator(args: argparse.Namespace) -> int:
                 service, args.host, args.port, token=token, outputs=args.outputs, front=front
             )
         else:  # the driver turns on the HTTP server's loop: one thread, no hand-off
-            api = ApiServer(
-                service,
-                args.host,
-                args.port,
-                token=token,
-                outputs=args.outputs,
-                front=front,
-                drive=True,
-            )
+            api = api_of(service, drive=True)
     except BaseException:
         service.close()
         raise

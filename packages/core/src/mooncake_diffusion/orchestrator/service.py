@@ -438,7 +438,7 @@ class OrchestratorService:
             self._stopping = True
             self._mail.wake()
             self._thread.join(timeout=10)
-        elif self._aloop is not None and self._loop_thread == threading.get_ident():
+        elif self._on_loop():
             self.leave_loop()
         elif self._aloop is not None:
             with contextlib.suppress(RuntimeError):  # the loop has ended (it left first)
@@ -614,13 +614,17 @@ class OrchestratorService:
         self._mail.put((fn, fut))
         return fut
 
+    def _on_loop(self) -> bool:
+        """Whether this is the thread of the loop the driver turns on."""
+        return self._aloop is not None and self._loop_thread == threading.get_ident()
+
     def _late(self) -> ServiceUnavailable:
         return ServiceUnavailable(
             f"the orchestrator did not answer within {self.config.call_timeout_s} s"
         )
 
     def _call(self, fn: Callable[[], Any]) -> Any:
-        if self._aloop is not None and self._loop_thread == threading.get_ident():
+        if self._on_loop():
             raise OrchestratorError("a blocking service call on the driver's own loop")
         fut = self._post(fn)
         try:
@@ -634,7 +638,7 @@ class OrchestratorService:
         timeout the call is cancelled if the driver has not started it. On the loop
         the driver turns on (``run_on_loop``), the call goes to its next turn."""
         fut: asyncio.Future
-        if self._aloop is not None and self._loop_thread == threading.get_ident():
+        if self._on_loop():
             if self._closed or self.stopped.is_set():
                 raise self._stopped_error()
             fut = self._aloop.create_future()
@@ -761,8 +765,8 @@ class OrchestratorService:
 
     def _loop_turn(self) -> None:
         """One turn on the loop (``_loop``'s body, with ``_LOOP_TURN_FRAMES``), then
-        what brings the next: frames still queued or a call made meanwhile (at
-        once), the next heartbeat deadline or planner round (a timer)."""
+        what brings the next: frames still queued (at once), the next heartbeat
+        deadline or planner round (a timer); a call made on the loop kicks it itself."""
         self._kicked = False
         if self._stopping or self.stopped.is_set():
             return
@@ -780,7 +784,7 @@ class OrchestratorService:
         if self._stopping:  # the journal failed
             self.leave_loop()
             return
-        if self._local or router.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        if router.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # calls on the loop come after a turn
             self._kick()
         self._arm(core.next_deadline())
 
@@ -788,11 +792,8 @@ class OrchestratorService:
         """The timer for the next turn nothing else brings."""
         assert self._aloop is not None
         now = self._now()
-        wake = min(
-            (t for t in (deadline, self._elastic.next_at()) if t is not None),
-            default=now + _LOOP_IDLE_S,
-        )
-        wake = min(wake, now + _LOOP_IDLE_S)
+        due = [t for t in (deadline, self._elastic.next_at()) if t is not None]
+        wake = min([*due, now + _LOOP_IDLE_S])
         timer, at = self._timer, self._wake_at
         if timer is not None and not timer.cancelled() and at is not None and now < at <= wake:
             return  # the timer set already comes first
