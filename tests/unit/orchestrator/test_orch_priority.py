@@ -147,7 +147,7 @@ def test_class_queue_serves_overdue_first_then_priority_then_age(seed):
             pushes += 1
         elif r < 0.6 and live:
             victim = rng.choice(sorted(live))
-            q.discard(tokens[victim])
+            q.discard(tokens[victim], live[victim][0])
             del live[victim]
         else:
             got = q.pop(now)
@@ -167,6 +167,9 @@ def test_class_queue_serves_overdue_first_then_priority_then_age(seed):
             else:  # the bound: nothing waiting became overdue before it did
                 assert all((mine, order) < (t, o) for t, o in overdue)
         assert len(q) == len(live)
+        for c in QCLASSES:  # the per-class counts the preemption rule reads
+            below = sum(BY_NAME[k].priority < c.priority for k, _, _ in live.values())
+            assert q.waiting_better_than(c.priority) == below
     assert pops > 500
 
 

@@ -110,3 +110,29 @@ def test_a_rerun_needs_attempts_left_on_both_stages():
     assert one(acts, RequestFailed).reasons == (
         "denoise attempt 1 on den-0: PayloadGoneError: gone with the store host",
     )
+
+
+def test_a_retried_upstream_stage_counts_its_attempts_in_the_rerun():
+    # encode needed two attempts: the rerun's is the third, and with a budget of two
+    # there is no rerun at all (the core writes a stage's attempts when it leaves it
+    # only where they are not 1: this is the case it writes)
+    for budget, rerun in ((3, True), (2, False)):
+        h = Harness(max_attempts=budget)
+        pipeline(h)
+        enc = one(h.feed(Submit("r")), Dispatch)
+        it = enc.item
+        failed = ItemFailed(enc.worker_id, it.request_id, "encode", it.attempt, "oom")
+        enc2 = one(h.feed(failed), Dispatch)
+        assert enc2.item.attempt == 2
+        den = one(h.finish(enc2, b"emb"), Dispatch)
+        assert den.item.attempt == 1
+        acts = h.feed(lost(den))
+        again = one(acts, Dispatch)
+        if rerun:
+            assert one(acts, Rerun).stage == "encode"
+            assert (again.item.stage, again.item.attempt) == ("encode", 3)
+            den2 = one(h.finish(again, b"emb-2"), Dispatch)
+            assert (den2.item.stage, den2.item.attempt) == ("denoise", 2)
+        else:
+            assert not only(acts, Rerun) and one(acts, Requeued).stage == "denoise"
+            assert (again.item.stage, again.item.attempt) == ("denoise", 2)

@@ -142,6 +142,9 @@ _FULL: tuple[Stage, ...] = ("encode", "denoise", "decode")
 _CACHED: tuple[Stage, ...] = ("denoise", "decode")
 _PUMP_ORDER: tuple[Stage, ...] = ("decode", "denoise", "encode")  # downstream first
 MAX_REASON = 1024
+#: the hint of an item whose input no worker produced: one dict for every request (a
+#: hint is read, never changed, as the workers' label dicts it is otherwise one of)
+_NO_HINT: dict[str, str] = {}
 
 
 def _ok_id(x: object) -> bool:
@@ -158,37 +161,47 @@ class _Request(msgspec.Struct, gc=False):
     cycle runs through a record: nothing a record refers to may refer back to it
     (a worker's ``running`` holds request ids, not records; the indexes, queues and
     ``Victims`` refer to records, and no record refers to them).
+
+    Small: a fleet's thousands of live records are read a dispatch apart, each one
+    out of the CPU's cache, so a record makes no object it does not need. ``hint``
+    starts as the shared ``_NO_HINT``, and ``yielded`` and ``tried`` stay ``None``
+    until a yield, a retry or a rerun needs them.
     """
 
+    # the fields a dispatch and a completion read come first, the rest after them: a
+    # record's hot part spans fewer cache lines
     rid: str
     cls: SloClass
     params: bytes
     deadline: float
-    submitted_at: float
     stages: tuple[Stage, ...]
     input: bytes
-    first_input: bytes
+    hint: dict[str, str]  # the labels of the worker that made ``input`` (or _NO_HINT)
     since: float
     started: float  # when the running attempt was dispatched
     index: int = 0
     attempt: int = 0
     worker: Worker | None = None
-    hint: dict[str, str] = {}
     token: int = 0
     reserved: bool = False
+    preempting: bool = False  # a Preempt was sent for the running attempt
     # tuples, not lists: a tuple of str/bytes leaves the garbage collector's books at
     # its first pass
-    reasons: tuple[str, ...] = ()
     handles: tuple[bytes, ...] = ()
+    #: highest attempt dispatched per stage it has left (the current one's is
+    #: ``attempt``), written when it leaves a stage (not at every dispatch) where that
+    #: is not 1 (``left_attempts``), and always for the stage a rerun went back from
+    #: (None: nothing written yet)
+    tried: dict[str, int] | None = None
+    submitted_at: float = 0.0
+    first_input: bytes = b""
+    reasons: tuple[str, ...] = ()
     lost: tuple[bytes, ...] = ()  # handles of outputs lost (released at the end)
     yields: int = 0  # priority preemptions that ended in ItemYielded (max_preemptions)
     #: per stage, dispatches that ended in ItemYielded (any cause): not failed attempts
-    yielded: dict[str, int] = {}
-    preempting: bool = False  # a Preempt was sent for the running attempt
+    #: (None: none yet)
+    yielded: dict[str, int] | None = None
     reruns: int = 0  # Rerun actions taken for this request
-    #: highest attempt dispatched per stage it has left (the current one's is
-    #: ``attempt``): written when it leaves a stage, not at every dispatch
-    tried: dict[str, int] = {}
 
     @property
     def stage(self) -> Stage:
@@ -197,7 +210,22 @@ class _Request(msgspec.Struct, gc=False):
     @property
     def spent(self) -> int:
         """Dispatches of the current stage that count against ``max_attempts``."""
-        return self.attempt - self.yielded.get(self.stages[self.index], 0)
+        return self.attempt - self.yielded_at(self.stages[self.index])
+
+    def yielded_at(self, stage: str) -> int:
+        """Dispatches of ``stage`` that ended in ``ItemYielded``."""
+        return self.yielded.get(stage, 0) if self.yielded else 0
+
+    def left_attempts(self, stage: str) -> int:
+        """The highest attempt of ``stage``, a stage it has left (so dispatched at
+        least once): 1 unless ``tried`` says otherwise."""
+        return self.tried.get(stage, 1) if self.tried else 1
+
+    def remember(self, stage: str, attempt: int) -> None:
+        """Write ``stage``'s highest attempt in ``tried``."""
+        if self.tried is None:
+            self.tried = {}
+        self.tried[stage] = attempt
 
 
 class Orchestrator:
@@ -336,7 +364,7 @@ class Orchestrator:
                 r.worker.worker_id if r.worker is not None else None,
                 r.reserved,
                 r.since,
-                r.yielded.get(r.stage, 0),
+                r.yielded_at(r.stage),
             )
             for r in self._requests.values()
         )
@@ -372,7 +400,19 @@ class Orchestrator:
         deadline = ev.deadline if ev.deadline is not None else now + cls.deadline
         stages = _FULL if cached is None else _CACHED
         first = cached or b""
-        req = _Request(rid, cls, ev.params, deadline, now, stages, first, first, now, now)
+        req = _Request(
+            rid,
+            cls,
+            ev.params,
+            deadline,
+            stages,
+            first,
+            _NO_HINT,
+            now,
+            now,
+            submitted_at=now,
+            first_input=first,
+        )
         self._requests[rid] = req
         self._enqueue(req, now)
 
@@ -447,9 +487,11 @@ class Orchestrator:
             self._finish(req, "completed", done, out)
             return
         req.handles += (ev.output,)
-        req.tried[req.stage] = req.attempt
+        if req.attempt != 1:  # 1 is not written: see left_attempts
+            req.remember(req.stage, req.attempt)
         req.index += 1
-        req.attempt = req.tried.get(req.stage, 0)
+        tried = req.tried  # a stage ahead has an entry only if a rerun went back from it
+        req.attempt = tried.get(req.stage, 0) if tried else 0
         req.input = ev.output
         req.hint = w.labels
         self._enqueue(req, now)
@@ -471,7 +513,7 @@ class Orchestrator:
             return False
         upstream = req.stages[req.index - 1]
         budget = self.config.max_attempts
-        return req.spent < budget and req.tried.get(upstream, 0) < budget
+        return req.spent < budget and req.left_attempts(upstream) < budget
 
     def _rerun(self, req: _Request, reason: str, out: list[Action]) -> None:
         """The current stage's input is gone: go back to the stage that produced it."""
@@ -482,10 +524,10 @@ class Orchestrator:
             self._unreserve(req)  # admission reserves again
         req.lost += req.handles[-1:]
         req.handles = req.handles[:-1]
-        req.tried[lost_stage] = req.attempt
+        req.remember(lost_stage, req.attempt)
         req.index -= 1
         req.input = req.handles[req.index - 1] if req.index > 0 else req.first_input
-        req.attempt = req.tried.get(req.stage, 0)
+        req.attempt = req.left_attempts(req.stage)
         out.append(Rerun(req.rid, req.stage, lost_stage, reason))
         self._enqueue(req, req.since)
 
@@ -500,7 +542,9 @@ class Orchestrator:
             what = f"{ev.stage} attempt {ev.attempt} of {ev.request_id!r}"
             return _reject(out, "bad_value", f"{what} was not asked to yield", ev)
         self._release_worker(req, now)
-        req.yielded[req.stage] = req.yielded.get(req.stage, 0) + 1
+        if req.yielded is None:
+            req.yielded = {}
+        req.yielded[req.stage] = req.yielded_at(req.stage) + 1
         if not leaving:
             req.yields += 1  # a priority preemption: bounded by max_preemptions
         self._unreserve(req)  # admission reserves again
@@ -658,7 +702,7 @@ class Orchestrator:
     ) -> None:
         """End ``req``: free its queue slot, credit and reservation; remember the id."""
         if req.token:
-            self._queues[req.stage].discard(req.token)
+            self._queues[req.stage].discard(req.token, req.cls.name)
             req.token = 0
         w = req.worker
         if w is not None:  # cancelled while running

@@ -42,6 +42,7 @@ from mooncake_diffusion.orchestrator.model import SloClass
 __all__ = ["ClassQueue"]
 
 T = TypeVar("T")
+_Fifo = tuple[deque[float], deque[int]]  # a class's in-order pushes: since, token
 
 
 class ClassQueue(Generic[T]):
@@ -61,8 +62,8 @@ class ClassQueue(Generic[T]):
         #: is queued, read without a call: the core asks at every dispatch)
         self.live: dict[int, T] = {}
         self._seq = 0
+        self._spare: list[int] = []  # tokens made ahead (``_next_token``)
         self._priority = {c.name: c.priority for c in classes}
-        self._class_of: dict[int, str] = {}
         self._counts: dict[str, int] = {c.name: 0 for c in classes}
 
     def __len__(self) -> int:
@@ -74,22 +75,24 @@ class ClassQueue(Generic[T]):
 
     def push(self, item: T, slo_class: str, since: float) -> int:
         """Queue ``item``; returns the token that ``discard`` takes. ``slo_class`` must be known."""
-        self._seq += 1
+        if not self._spare:
+            self._spare = list(range(self._seq + 1024, self._seq, -1))
+        seq = self._seq = self._spare.pop()
         fsince, fseq = self._fifos[slo_class]
         if not fsince or fsince[-1] <= since:  # after every entry: (since, seq) grows
             fsince.append(since)
-            fseq.append(self._seq)
+            fseq.append(seq)
         else:
-            heapq.heappush(self._heaps[slo_class], (since, self._seq))
-        self.live[self._seq] = item
-        self._class_of[self._seq] = slo_class
+            heapq.heappush(self._heaps[slo_class], (since, seq))
+        self.live[seq] = item
         self._counts[slo_class] += 1
-        return self._seq
+        return seq
 
-    def discard(self, token: int) -> None:
-        """Forget a queued item; a token already popped or discarded is ignored."""
+    def discard(self, token: int, slo_class: str) -> None:
+        """Forget a queued item of ``slo_class`` (the class it was pushed with); a token
+        already popped or discarded is ignored."""
         if self.live.pop(token, None) is not None:
-            self._counts[self._class_of.pop(token)] -= 1
+            self._counts[slo_class] -= 1
 
     def waiting_better_than(self, priority: int) -> int:
         """How many queued items belong to classes served before ``priority``. O(classes)."""
@@ -100,7 +103,7 @@ class ClassQueue(Generic[T]):
         if not self.live:
             return None
         live = self.live
-        best: tuple[tuple[deque[float], deque[int]], list[tuple[float, int]], bool] | None = None
+        best: tuple[str, _Fifo, list[tuple[float, int]], bool] | None = None
         best_key: tuple[float, ...] | None = None
         for c in self._classes:
             h = self._heaps[c.name]
@@ -121,13 +124,13 @@ class ClassQueue(Generic[T]):
             else:
                 key = (1, c.priority, since, seq)
             if best_key is None or key < best_key:
-                best, best_key = (fifo, h, from_fifo), key
+                best, best_key = (c.name, fifo, h, from_fifo), key
         assert best is not None
-        (fsince, fseq), h, from_fifo = best
+        name, (fsince, fseq), h, from_fifo = best
         if from_fifo:
             fsince.popleft()
             seq = fseq.popleft()
         else:
             seq = heapq.heappop(h)[1]
-        self._counts[self._class_of.pop(seq)] -= 1
+        self._counts[name] -= 1
         return live.pop(seq)
