@@ -58,6 +58,11 @@ a virtual clock; the service part starts the orchestrator and a stand-in fleet. 
                (``time.monotonic``, one clock for both processes): HTTP in, journal
                commit, ZeroMQ out. ``achieved /s`` and ``send lag`` say whether the
                offered rate was kept (a lag of seconds: this machine could not).
+               ``wake late``: meanwhile a probe process sleeps 2 ms at a time and
+               notes how late each wake-up comes; a process that needs almost no CPU
+               is woken late only when the machine is not running it (other threads
+               hold both CPUs, or the hypervisor took the virtual CPU), and a round
+               trip through three processes is no steadier than that.
                A last row sends one submission at a time (journal on, raw client):
                the round trip without queueing. Every submission must be answered
                201, or the bench stops.
@@ -395,6 +400,38 @@ class ServiceRow:
     #: the service's process; ``thread`` in results before it) or ``process``
     #: (``--front-process``: a child process over the bridge)
     front: str = "loop"
+    #: the machine's own wake-up lateness while the row ran (``wake_probe``): p99 and
+    #: max ms, and how many wake-ups came more than 2 ms late (0: not measured)
+    wake_late_ms_p99: float = 0.0
+    wake_late_ms_max: float = 0.0
+    wake_late_over_2ms: int = 0
+
+
+WAKE_PERIOD_S = 0.002  # the wake probe's sleep: 500 wake-ups/s, about 1 % of a CPU here
+
+
+def wake_probe() -> int:
+    """A child process: prints ``ready``; once a line comes on stdin, sleeps
+    ``WAKE_PERIOD_S`` at a time (a ``select`` on stdin with that timeout) until the
+    next line, then prints, as JSON, how late each wake-up came (ms). A process that
+    needs almost no CPU is woken late only when the machine is not running it: other
+    threads hold both CPUs past their turn, or the hypervisor took the virtual CPU
+    away. A round trip through three processes cannot be steadier than that, so the
+    service rows report it beside their percentiles."""
+    import select
+
+    late: list[float] = []
+    perf = time.perf_counter
+    print("ready", flush=True)
+    sys.stdin.readline()
+    while True:
+        t0 = perf()
+        if select.select([sys.stdin], [], [], WAKE_PERIOD_S)[0]:
+            sys.stdin.readline()
+            break
+        late.append((perf() - t0 - WAKE_PERIOD_S) * 1e3)
+    print(json.dumps(late), flush=True)
+    return 0
 
 
 def fleet_agent(address: str, out_path: str, stages: str) -> int:
@@ -667,6 +704,12 @@ def service_rtt(
     if front_process:
         argv.append("--front-process")
     orch = Proc(argv)
+    probe = subprocess.Popen(
+        [sys.executable, __file__, "--wake-probe"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     out_path = os.path.join(tmp, f"arrived-{time.time_ns()}.json")
     agents = [
         subprocess.Popen(
@@ -681,10 +724,15 @@ def service_rtt(
         orch.wait_for("orchestrator ready")
         for ag in agents:
             assert ag.stdout is not None and ag.stdout.readline().strip() == "ready"
+        assert probe.stdin is not None and probe.stdout is not None
+        assert probe.stdout.readline().strip() == "ready"
+        probe.stdin.write("start\n")
+        probe.stdin.flush()
         if client == "raw":
             sent, failures = raw_open_loop(api, rate, total)
         else:
             sent, failures = library_open_loop(f"http://127.0.0.1:{api}", rate, total)
+        late = sorted(json.loads(probe.communicate("stop\n", timeout=60)[0]))
         time.sleep(1.0)  # the last submissions reach their workers
         for ag in agents:
             assert ag.stdin is not None
@@ -695,7 +743,7 @@ def service_rtt(
         with open(out_path) as f:
             arrived = json.load(f)
     finally:
-        for ag in agents:
+        for ag in (*agents, probe):
             if ag.poll() is None:
                 ag.kill()
                 ag.wait()
@@ -722,6 +770,10 @@ def service_rtt(
         send_lag_ms_p99=statistics.quantiles(lags, n=100)[98],
         dispatched=len(rtts),
         front="process" if front_process else "loop",
+        # from the first submission to the last (the warm-up tenth's included)
+        wake_late_ms_p99=statistics.quantiles(late, n=100)[98] if len(late) > 1 else 0.0,
+        wake_late_ms_max=late[-1] if late else 0.0,
+        wake_late_over_2ms=sum(x > 2.0 for x in late),
     )
 
 
@@ -781,8 +833,8 @@ def markdown(
         "",
         "| service (submit -> dispatch), open loop | client | workers | offered /s "
         "| achieved /s | requests | p50 ms | p90 ms | p99 ms | max ms | send lag p99 ms "
-        "| dispatched |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| dispatched | wake late p99 / max ms | wakes > 2 ms late |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in svc:
         offered = f"{r.offered_per_s:,.0f}" if r.offered_per_s else "one at a time"
@@ -792,7 +844,8 @@ def markdown(
             f"| {r.workers} "
             f"| {offered} | {r.achieved_per_s:,.0f} | {r.requests} "
             f"| {r.rtt_ms_p50:.2f} | {r.rtt_ms_p90:.2f} | {r.rtt_ms_p99:.2f} "
-            f"| {r.rtt_ms_max:.2f} | {r.send_lag_ms_p99:.2f} | {r.dispatched} |"
+            f"| {r.rtt_ms_max:.2f} | {r.send_lag_ms_p99:.2f} | {r.dispatched} "
+            f"| {r.wake_late_ms_p99:.2f} / {r.wake_late_ms_max:.2f} | {r.wake_late_over_2ms} |"
         )
     return "\n".join(lines)
 
@@ -808,6 +861,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--json", metavar="PATH", help="also write results as JSON here")
     p.add_argument("--seed", type=int, default=0, help="seed of the workloads")
     p.add_argument("--fleet-agent", nargs=3, help=argparse.SUPPRESS)
+    p.add_argument("--wake-probe", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -815,6 +869,8 @@ def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     if a.fleet_agent:
         return fleet_agent(*a.fleet_agent)
+    if a.wake_probe:
+        return wake_probe()
     t0 = time.perf_counter()
     load_start = os.getloadavg()
     decisions, repeats = (10_000, 3) if a.quick else (40_000, 5)
@@ -877,6 +933,10 @@ def main(argv: list[str] | None = None) -> int:
         "service_rtt_p50_ms_one_at_a_time": next(r.rtt_ms_p50 for r in svc if not r.offered_per_s),
         "service_rtt_p99_ms_one_at_a_time": next(r.rtt_ms_p99 for r in svc if not r.offered_per_s),
         "service_achieved_per_s": jsvc.achieved_per_s,
+        # the machine's own wake-up lateness during that row (wake_probe)
+        "service_wake_late_ms_p99": jsvc.wake_late_ms_p99,
+        "service_wake_late_ms_max": jsvc.wake_late_ms_max,
+        "service_wake_late_over_2ms": jsvc.wake_late_over_2ms,
         "service_workers": jsvc.workers,
     }
     if a.json:
