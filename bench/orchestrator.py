@@ -58,14 +58,17 @@ a virtual clock; the service part starts the orchestrator and a stand-in fleet. 
                (``time.monotonic``, one clock for both processes): HTTP in, journal
                commit, ZeroMQ out. ``achieved /s`` and ``send lag`` say whether the
                offered rate was kept (a lag of seconds: this machine could not).
-               ``wake late``: meanwhile a probe process sleeps 2 ms at a time and
-               notes how late each wake-up comes; a process that needs almost no CPU
-               is woken late only when the machine is not running it (other threads
-               hold both CPUs, or the hypervisor took the virtual CPU), and a round
-               trip through three processes is no steadier than that.
-               A last row sends one submission at a time (journal on, raw client):
-               the round trip without queueing. Every submission must be answered
-               201, or the bench stops.
+               A row sends one submission at a time (journal on, raw client): the
+               round trip without queueing. A last row, a diagnostic, repeats the
+               first (journal on, raw client, 1,000/s) with a probe process beside
+               it that sleeps 2 ms at a time and notes how late each wake-up comes
+               (``wake late``): a process that needs almost no CPU is woken late
+               only when the machine is not running it (other threads hold both
+               CPUs, or the hypervisor took the virtual CPU), and a round trip
+               through three processes is no steadier than that. The probe's
+               wake-ups cost the round trip itself (p99 about 0.5 ms higher in five
+               alternated pairs), so no other row has it. Every submission must be
+               answered 201, or the bench stops.
     chaos      ``Simulation`` (``simulate/faults.py``) of 10,000 requests with random
                worker deaths (half reported by a supervisor, half found by the
                heartbeat deadline; some dead workers' results arrive late), retryable
@@ -401,10 +404,12 @@ class ServiceRow:
     #: (``--front-process``: a child process over the bridge)
     front: str = "loop"
     #: the machine's own wake-up lateness while the row ran (``wake_probe``): p99 and
-    #: max ms, and how many wake-ups came more than 2 ms late (0: not measured)
+    #: max ms, and how many wake-ups came more than 2 ms late (``probe`` rows only)
     wake_late_ms_p99: float = 0.0
     wake_late_ms_max: float = 0.0
     wake_late_over_2ms: int = 0
+    #: the row ran beside the wake probe (a diagnostic: the probe's wake-ups cost it)
+    probe: bool = False
 
 
 WAKE_PERIOD_S = 0.002  # the wake probe's sleep: 500 wake-ups/s, about 1 % of a CPU here
@@ -683,6 +688,7 @@ def service_rtt(
     tmp: str,
     client: str = "raw",
     front_process: bool = False,
+    probe: bool = False,
 ) -> ServiceRow:
     """Open loop: ``total`` submissions at ``rate``/s over HTTP (``rate=None``: one at
     a time, each sent when the last was answered), from ``client``: ``raw``
@@ -691,7 +697,8 @@ def service_rtt(
     service has the 1,024 ``FLEET`` workers registered. RTT: from the moment a
     submission is sent to its encode item arriving at a worker (HTTP in, journal
     commit, ZeroMQ out); the first tenth warms connections and caches and is not
-    counted. Raises ``RuntimeError`` if any submission was not accepted."""
+    counted. ``probe``: ``wake_probe`` runs beside it, from the first submission to
+    the last. Raises ``RuntimeError`` if any submission was not accepted."""
     import subprocess
 
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
@@ -704,11 +711,15 @@ def service_rtt(
     if front_process:
         argv.append("--front-process")
     orch = Proc(argv)
-    probe = subprocess.Popen(
-        [sys.executable, __file__, "--wake-probe"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
+    prober = (
+        subprocess.Popen(
+            [sys.executable, __file__, "--wake-probe"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        if probe
+        else None
     )
     out_path = os.path.join(tmp, f"arrived-{time.time_ns()}.json")
     agents = [
@@ -720,19 +731,28 @@ def service_rtt(
         )
         for out, stages in ((out_path, "encode"), (os.devnull, "denoise,decode"))
     ]
+    # this process's heap collected and set aside for the row: what the saturated and
+    # chaos parts left (cycles included) took a collection of about 20 ms, which
+    # fell inside the first row and held the client (send lag p99 6-19 ms, and the
+    # burst it then sent queued at the service)
+    gc.collect()
+    gc.freeze()
     try:
         orch.wait_for("orchestrator ready")
         for ag in agents:
             assert ag.stdout is not None and ag.stdout.readline().strip() == "ready"
-        assert probe.stdin is not None and probe.stdout is not None
-        assert probe.stdout.readline().strip() == "ready"
-        probe.stdin.write("start\n")
-        probe.stdin.flush()
+        if prober is not None:
+            assert prober.stdin is not None and prober.stdout is not None
+            assert prober.stdout.readline().strip() == "ready"
+            prober.stdin.write("start\n")
+            prober.stdin.flush()
         if client == "raw":
             sent, failures = raw_open_loop(api, rate, total)
         else:
             sent, failures = library_open_loop(f"http://127.0.0.1:{api}", rate, total)
-        late = sorted(json.loads(probe.communicate("stop\n", timeout=60)[0]))
+        late: list[float] = []
+        if prober is not None:
+            late = sorted(json.loads(prober.communicate("stop\n", timeout=60)[0]))
         time.sleep(1.0)  # the last submissions reach their workers
         for ag in agents:
             assert ag.stdin is not None
@@ -743,11 +763,12 @@ def service_rtt(
         with open(out_path) as f:
             arrived = json.load(f)
     finally:
-        for ag in (*agents, probe):
+        for ag in (*agents, *([prober] if prober is not None else [])):
             if ag.poll() is None:
                 ag.kill()
                 ag.wait()
         orch.terminate()
+        gc.unfreeze()
     if failures:
         raise RuntimeError(f"{len(failures)} submissions not accepted, first: {failures[0]}")
     warm = total // 10
@@ -771,6 +792,7 @@ def service_rtt(
         dispatched=len(rtts),
         front="process" if front_process else "loop",
         # from the first submission to the last (the warm-up tenth's included)
+        probe=probe,
         wake_late_ms_p99=statistics.quantiles(late, n=100)[98] if len(late) > 1 else 0.0,
         wake_late_ms_max=late[-1] if late else 0.0,
         wake_late_over_2ms=sum(x > 2.0 for x in late),
@@ -840,12 +862,17 @@ def markdown(
         offered = f"{r.offered_per_s:,.0f}" if r.offered_per_s else "one at a time"
         lines.append(
             f"| {'journal (SQLite WAL)' if r.journal else 'no journal'} "
-            f"| {r.client}{', front process' if r.front == 'process' else ''} "
+            f"| {r.client}{', front process' if r.front == 'process' else ''}"
+            f"{', beside the wake probe' if r.probe else ''} "
             f"| {r.workers} "
             f"| {offered} | {r.achieved_per_s:,.0f} | {r.requests} "
             f"| {r.rtt_ms_p50:.2f} | {r.rtt_ms_p90:.2f} | {r.rtt_ms_p99:.2f} "
             f"| {r.rtt_ms_max:.2f} | {r.send_lag_ms_p99:.2f} | {r.dispatched} "
-            f"| {r.wake_late_ms_p99:.2f} / {r.wake_late_ms_max:.2f} | {r.wake_late_over_2ms} |"
+            + (
+                f"| {r.wake_late_ms_p99:.2f} / {r.wake_late_ms_max:.2f} | {r.wake_late_over_2ms} |"
+                if r.probe
+                else "| - | - |"
+            )
         )
     return "\n".join(lines)
 
@@ -898,14 +925,19 @@ def main(argv: list[str] | None = None) -> int:
             svc.append(service_rtt(SERVICE_RATE, n, journal, tmp, client, fp))
         log("service: one submission at a time, journal on, raw client")
         svc.append(service_rtt(None, 300 if a.quick else 2000, True, tmp))
+        log("service: the first row again, beside a probe of the machine's wake-ups")
+        svc.append(service_rtt(SERVICE_RATE, n, True, tmp, probe=True))
     total = time.perf_counter() - t0
     print(markdown(sat + newest, ch, svc, {"oldest": ratios, "newest": newest_ratios}))
     print(f"\ntotal {total:.1f} s; dec/s = Dispatch actions per second (see --help)")
     print(f"load average at start {load_start}, at end {os.getloadavg()}")
     largest = list(POOLS)[-1]
     jsvc = next(
-        r for r in svc if r.journal and r.offered_per_s and r.client == "raw" and r.front == "loop"
+        r
+        for r in svc
+        if r.journal and r.offered_per_s and r.client == "raw" and r.front == "loop" and not r.probe
     )
+    psvc = next(r for r in svc if r.probe)
     fsvc = next(r for r in svc if r.front == "process")
     lsvc = next(r for r in svc if r.client == "library")
     summary = {
@@ -933,10 +965,12 @@ def main(argv: list[str] | None = None) -> int:
         "service_rtt_p50_ms_one_at_a_time": next(r.rtt_ms_p50 for r in svc if not r.offered_per_s),
         "service_rtt_p99_ms_one_at_a_time": next(r.rtt_ms_p99 for r in svc if not r.offered_per_s),
         "service_achieved_per_s": jsvc.achieved_per_s,
-        # the machine's own wake-up lateness during that row (wake_probe)
-        "service_wake_late_ms_p99": jsvc.wake_late_ms_p99,
-        "service_wake_late_ms_max": jsvc.wake_late_ms_max,
-        "service_wake_late_over_2ms": jsvc.wake_late_over_2ms,
+        # the diagnostic row: that row again beside the wake probe, and the probe's
+        # figures (the machine's own wake-up lateness meanwhile)
+        "service_rtt_p99_ms_with_probe": psvc.rtt_ms_p99,
+        "service_wake_late_ms_p99": psvc.wake_late_ms_p99,
+        "service_wake_late_ms_max": psvc.wake_late_ms_max,
+        "service_wake_late_over_2ms": psvc.wake_late_over_2ms,
         "service_workers": jsvc.workers,
     }
     if a.json:
@@ -963,7 +997,11 @@ def main(argv: list[str] | None = None) -> int:
                 "a worker, open loop, journal on, the raw client (raw_open_loop); "
                 "_library_client: OrchestratorClient in 8 threads (library_open_loop); "
                 "_front_process: the same as service_rtt with --front-process (the HTTP "
-                "front in a child process)",
+                "front in a child process); _with_probe: the same as service_rtt beside "
+                "the wake probe (a diagnostic)",
+                "service_wake_late": "ms by which the wake probe's 2 ms sleeps overran "
+                "during the _with_probe row (p99, max) and how many overran by more "
+                "than 2 ms: the machine's own stalls",
             },
             "rows": [{"part": PARTS[r.order], **asdict(r)} for r in sat + newest]
             + [{"part": "chaos", **asdict(c)} for c in ch]
