@@ -3,7 +3,7 @@ and a bounded wait for every class that sets ``max_wait``.
 
     q = ClassQueue(config.classes)
     token = q.push(request, "batch", since=now)   # core: an item becomes ready
-    q.discard(token)                              # core: cancel of a queued item
+    q.discard(token, "batch")                     # core: cancel of a queued item
     request = q.pop(now)                          # core: one dispatch decision
 
 Order of ``pop`` at time ``now``: among the head (oldest item) of each class,
@@ -62,7 +62,9 @@ class ClassQueue(Generic[T]):
         #: is queued, read without a call: the core asks at every dispatch)
         self.live: dict[int, T] = {}
         self._seq = 0
-        self._spare: list[int] = []  # tokens made ahead (``_next_token``)
+        #: tokens made ahead, 1,024 at a time, so their int objects lie side by side (a
+        #: fleet's queue of thousands reads each head token's object at a pop)
+        self._spare: list[int] = []
         self._priority = {c.name: c.priority for c in classes}
         self._counts: dict[str, int] = {c.name: 0 for c in classes}
 
