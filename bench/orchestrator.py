@@ -404,10 +404,10 @@ class ServiceRow:
     #: (``--front-process``: a child process over the bridge)
     front: str = "loop"
     #: the machine's own wake-up lateness while the row ran (``wake_probe``): p99 and
-    #: max ms, and how many wake-ups came more than 2 ms late (``probe`` rows only)
-    wake_late_ms_p99: float = 0.0
-    wake_late_ms_max: float = 0.0
-    wake_late_over_2ms: int = 0
+    #: max ms, and how many wake-ups came more than 2 ms late (None: no probe beside it)
+    wake_late_ms_p99: float | None = None
+    wake_late_ms_max: float | None = None
+    wake_late_over_2ms: int | None = None
     #: the row ran beside the wake probe (a diagnostic: the probe's wake-ups cost it)
     probe: bool = False
 
@@ -422,7 +422,7 @@ def wake_probe() -> int:
     needs almost no CPU is woken late only when the machine is not running it: other
     threads hold both CPUs past their turn, or the hypervisor took the virtual CPU
     away. A round trip through three processes cannot be steadier than that, so the
-    service rows report it beside their percentiles."""
+    diagnostic service row reports it beside its percentiles."""
     import select
 
     late: list[float] = []
@@ -750,7 +750,7 @@ def service_rtt(
             sent, failures = raw_open_loop(api, rate, total)
         else:
             sent, failures = library_open_loop(f"http://127.0.0.1:{api}", rate, total)
-        late: list[float] = []
+        late: list[float] | None = None
         if prober is not None:
             late = sorted(json.loads(prober.communicate("stop\n", timeout=60)[0]))
         time.sleep(1.0)  # the last submissions reach their workers
@@ -763,7 +763,7 @@ def service_rtt(
         with open(out_path) as f:
             arrived = json.load(f)
     finally:
-        for ag in (*agents, *([prober] if prober is not None else [])):
+        for ag in agents if prober is None else [*agents, prober]:
             if ag.poll() is None:
                 ag.kill()
                 ag.wait()
@@ -793,9 +793,9 @@ def service_rtt(
         front="process" if front_process else "loop",
         # from the first submission to the last (the warm-up tenth's included)
         probe=probe,
-        wake_late_ms_p99=statistics.quantiles(late, n=100)[98] if len(late) > 1 else 0.0,
-        wake_late_ms_max=late[-1] if late else 0.0,
-        wake_late_over_2ms=sum(x > 2.0 for x in late),
+        wake_late_ms_p99=statistics.quantiles(late, n=100)[98] if late and len(late) > 1 else None,
+        wake_late_ms_max=late[-1] if late else None,
+        wake_late_over_2ms=None if late is None else sum(x > 2.0 for x in late),
     )
 
 
@@ -870,7 +870,7 @@ def markdown(
             f"| {r.rtt_ms_max:.2f} | {r.send_lag_ms_p99:.2f} | {r.dispatched} "
             + (
                 f"| {r.wake_late_ms_p99:.2f} / {r.wake_late_ms_max:.2f} | {r.wake_late_over_2ms} |"
-                if r.probe
+                if r.wake_late_ms_p99 is not None and r.wake_late_ms_max is not None
                 else "| - | - |"
             )
         )
