@@ -178,7 +178,7 @@ class _Request(msgspec.Struct, gc=False):
     input: bytes
     hint: dict[str, str]  # the labels of the worker that made ``input`` (or _NO_HINT)
     since: float
-    started: float  # when the running attempt was dispatched
+    started: float  # when the running denoise attempt was dispatched (preemption on only)
     index: int = 0
     attempt: int = 0
     worker: Worker | None = None
@@ -793,7 +793,6 @@ class Orchestrator:
                 f"routing policy chose {w!r}, not a serving {stage} worker with a free credit"
             )
         req.attempt = attempt
-        req.started = now
         req.worker = w
         w.running.append(req.rid)
         pools.hold(w)
@@ -801,6 +800,7 @@ class Orchestrator:
             if "decode" not in w.stages:  # else its own credit is its latent's (docstring)
                 self._reserve(req)
             if self._victims is not None:
+                req.started = now
                 self._victims.started(req)
         elif stage == "decode":
             self._unreserve(req)

@@ -101,38 +101,58 @@ class ClassQueue(Generic[T]):
         return sum(n for name, n in self._counts.items() if self._priority[name] < priority)
 
     def pop(self, now: float) -> T | None:
-        """Remove and return the next item to serve at ``now``, or ``None`` if empty."""
-        if not self.live:
-            return None
+        """Remove and return the next item to serve at ``now``, or ``None`` if empty.
+
+        A head's ``since`` is read only where it decides: for a class with a
+        ``max_wait`` (is it overdue?) and between classes of equal priority. (On a
+        fleet, a head was pushed thousands of events ago: each float read, even to
+        put it in a tuple, is a cache miss.)"""
         live = self.live
-        best: tuple[str, _Fifo, list[tuple[float, int]], bool] | None = None
-        best_key: tuple[float, ...] | None = None
+        if not live:
+            return None
+        first: SloClass | None = None  # the class of the best head by priority
+        first_at = (0, False)  # that head: (token, from the FIFO)
+        late: tuple[float, int, SloClass, bool] | None = None  # the overdue head due first
         for c in self._classes:
-            h = self._heaps[c.name]
+            name = c.name
+            h = self._heaps[name]
             while h and h[0][1] not in live:
                 heapq.heappop(h)
-            fifo = fsince, fseq = self._fifos[c.name]
+            fsince, fseq = self._fifos[name]
             while fseq and fseq[0] not in live:
                 fsince.popleft()
                 fseq.popleft()
             if fseq and (not h or (fsince[0], fseq[0]) < h[0]):
-                since, seq, from_fifo = fsince[0], fseq[0], True
+                seq, from_fifo = fseq[0], True
             elif h:
-                (since, seq), from_fifo = h[0], False
+                seq, from_fifo = h[0][1], False
             else:
                 continue
-            if c.max_wait is not None and now - since >= c.max_wait:
-                key: tuple[float, ...] = (0, since + c.max_wait, seq)
-            else:
-                key = (1, c.priority, since, seq)
-            if best_key is None or key < best_key:
-                best, best_key = (c.name, fifo, h, from_fifo), key
-        assert best is not None
-        name, (fsince, fseq), h, from_fifo = best
+            wait = c.max_wait
+            if wait is not None:
+                since = fsince[0] if from_fifo else h[0][0]
+                if now - since >= wait and (late is None or (since + wait, seq) < late[:2]):
+                    late = (since + wait, seq, c, from_fifo)
+            if first is None or (
+                c.priority == first.priority
+                and self._head_key(c, seq, from_fifo) < self._head_key(first, *first_at)
+            ):
+                first, first_at = c, (seq, from_fifo)
+        if late is not None:
+            _, seq, cls, from_fifo = late
+        else:
+            assert first is not None
+            cls, (seq, from_fifo) = first, first_at
+        fsince, fseq = self._fifos[cls.name]
         if from_fifo:
             fsince.popleft()
-            seq = fseq.popleft()
+            fseq.popleft()
         else:
-            seq = heapq.heappop(h)[1]
-        self._counts[name] -= 1
+            heapq.heappop(self._heaps[cls.name])
+        self._counts[cls.name] -= 1
         return live.pop(seq)
+
+    def _head_key(self, c: SloClass, seq: int, from_fifo: bool) -> tuple[float, int]:
+        """``(since, token)`` of class ``c``'s head ``seq`` (ties between equal priorities)."""
+        since = self._fifos[c.name][0][0] if from_fifo else self._heaps[c.name][0][0]
+        return since, seq
