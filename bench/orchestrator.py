@@ -5,15 +5,17 @@ saturated, newest-first and chaos parts need no cluster and no other process: th
 deterministic core (``mooncake_diffusion.orchestrator``) is driven in this process under
 a virtual clock; the service part starts the orchestrator and a stand-in fleet. Parts:
 
-    saturated  A steady workload that keeps every worker busy: a backlog of requests
+    saturated  A steady workload that never runs out of work: a backlog of requests
                (70 % interactive, 30 % batch; half with cached embeddings, so they skip
                Encode) is topped up after every event, and the oldest dispatched item
                finishes next (``ItemDone``), the virtual clock advancing so that an
                item holds its credit about 2 s whatever the pool's size (a larger
                pool completes more items per second); every worker heartbeats every
                10 virtual seconds, the fleet's beats spread evenly over the period,
-               so heartbeats per decision do not depend on the size. A *decision* is
-               one ``Dispatch`` action. Timed with ``time.perf_counter`` after a
+               so heartbeats per decision do not depend on the size. (Denoise runs
+               about half its workers at any size: a denoise dispatch reserves a
+               decode credit, and the decode pool has as many credits as denoise.)
+               A *decision* is one ``Dispatch`` action. Timed with ``time.perf_counter`` after a
                warm-up (registration, and the first backlog until as many requests
                have completed, are not timed; each run starts from a collected
                heap): ``core`` is the time spent inside
