@@ -54,9 +54,7 @@ class ClassQueue(Generic[T]):
         #: per class: pushes in (since, seq) order, and the out-of-order rest (a heap)
         #: (a FIFO is two deques, ``since`` and ``seq``: numbers, no tuple per entry for
         #: the garbage collector to visit)
-        self._fifos: dict[str, tuple[deque[float], deque[int]]] = {
-            c.name: (deque(), deque()) for c in classes
-        }
+        self._fifos: dict[str, _Fifo] = {c.name: (deque(), deque()) for c in classes}
         self._heaps: dict[str, list[tuple[float, int]]] = {c.name: [] for c in classes}
         #: the queued items by token; read-only outside (its truth is whether anything
         #: is queued, read without a call: the core asks at every dispatch)
