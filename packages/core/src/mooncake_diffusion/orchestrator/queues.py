@@ -129,8 +129,10 @@ class ClassQueue(Generic[T]):
             wait = c.max_wait
             if wait is not None:
                 since = fsince[0] if from_fifo else h[0][0]
-                if now - since >= wait and (late is None or (since + wait, seq) < late[:2]):
-                    late = (since + wait, seq, c, from_fifo)
+                if now - since >= wait:  # overdue: served by when it became so
+                    due = since + wait
+                    if late is None or (due, seq) < late[:2]:
+                        late = (due, seq, c, from_fifo)
             if first is None or (
                 c.priority == first.priority
                 and self._head_key(c, seq, from_fifo) < self._head_key(first, *first_at)
