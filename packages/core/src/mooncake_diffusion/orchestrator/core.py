@@ -185,9 +185,12 @@ class _Request(msgspec.Struct, gc=False):
     token: int = 0
     reserved: bool = False
     preempting: bool = False  # a Preempt was sent for the running attempt
-    # tuples, not lists: a tuple of str/bytes leaves the garbage collector's books at
-    # its first pass
-    handles: tuple[bytes, ...] = ()
+    #: the outputs of the stages done before the one that made ``input``: its outputs so
+    #: far are these and ``input`` (none while ``index`` is 0). A stage done writes a
+    #: tuple only from the second on, so a record makes fewer objects, each of them
+    #: read again a stage later out of the CPU's cache (a tuple, not a list: it leaves
+    #: the garbage collector's books at its first pass)
+    prior: tuple[bytes, ...] = ()
     #: highest attempt dispatched per stage it has left (the current one's is
     #: ``attempt``), written when it leaves a stage (not at every dispatch) where that
     #: is not 1 (``left_attempts``), and always for the stage a rerun went back from
@@ -486,7 +489,8 @@ class Orchestrator:
             done = RequestCompleted(req.rid, ev.output, req.submitted_at, now, req.deadline)
             self._finish(req, "completed", done, out)
             return
-        req.handles += (ev.output,)
+        if req.index:
+            req.prior += (req.input,)
         if req.attempt != 1:  # 1 is not written: see left_attempts
             req.remember(req.stage, req.attempt)
         req.index += 1
@@ -522,11 +526,14 @@ class Orchestrator:
         req.reruns += 1
         if lost_stage == "denoise":
             self._unreserve(req)  # admission reserves again
-        req.lost += req.handles[-1:]
-        req.handles = req.handles[:-1]
+        req.lost += (req.input,)  # index > 0 (``_may_rerun``): an output, not first_input
         req.remember(lost_stage, req.attempt)
         req.index -= 1
-        req.input = req.handles[req.index - 1] if req.index > 0 else req.first_input
+        if req.index:
+            req.input = req.prior[-1]
+            req.prior = req.prior[:-1]
+        else:
+            req.input = req.first_input
         req.attempt = req.left_attempts(req.stage)
         out.append(Rerun(req.rid, req.stage, lost_stage, reason))
         self._enqueue(req, req.since)
@@ -723,7 +730,8 @@ class Orchestrator:
             oldest = self._finished_n - len(self._finished)
             del self._finished[self._finished_ids.pop(oldest)]
         out.append(action)
-        out.append(ReleasePayloads(req.rid, (*req.lost, *req.handles)))
+        kept = (*req.lost, *req.prior, req.input) if req.index else req.lost  # its outputs
+        out.append(ReleasePayloads(req.rid, kept))
 
     def _reserve(self, req: _Request) -> None:
         if not req.reserved:
