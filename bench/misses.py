@@ -3,13 +3,17 @@ under Valgrind's cache simulator, so that what a larger pool costs in memory is 
 that does not move with the machine's other jobs.
 
 Run ``uv run python bench/misses.py [--json PATH]`` (needs ``valgrind``: ``apt-get
-install valgrind``). For each routing policy and for the smallest and largest pools
-(``small``, 24 workers; ``xl``, 4,096), the saturated part's run (``saturated`` in
-``bench/orchestrator.py``: the same workload, seed and warm-up) is made twice in a child
-process under ``valgrind --tool=cachegrind``, once to 2,000 decisions and once to 12,000;
-the difference between the two runs' counts is the cost of the 10,000 decisions
-between, without the start-up, the registration, the warm-up and the exit that both
-runs share. Per decision: instructions (``I refs``), data reads and writes (``D refs``)
+install valgrind``). For each routing policy, on the smallest and largest pools
+(``small``, 24 workers; ``xl``, 4,096) and on the largest again as the newest-first
+diagnostic runs it (the item dispatched last finishes first, so the state a decision
+touches was touched a few events before: what it leaves is the work, not the memory),
+the saturated part's run (``saturated`` in ``bench/orchestrator.py``: the same
+workload, default seed and warm-up) is made twice in a child process under ``valgrind
+--tool=cachegrind``, once to 2,000 decisions and once to 12,000; the difference between
+the two runs' counts is the cost of the 10,000 decisions between, without the
+start-up, the registration, the warm-up and the exit that both runs share (the child
+skips the percentiles ``saturated`` takes after its loop: sorting every sample grows
+with the run). Per decision: instructions (``I refs``), data reads and writes (``D refs``)
 and misses in a simulated 1 MiB, 16-way data cache with 64-byte lines (``--D1``: the
 size of this machine's second-level cache per core, what a decision's state must fit
 in to be read without going to the shared L3 or to memory). The simulation is LRU with
@@ -19,7 +23,7 @@ same on both pools); read the misses as a count of cold reads, not as a time. Wi
 instructions within about 2 % (objects hashed by address still move), so two cores
 compare without the noise that timing them on a shared machine has: a 4,096-worker
 timing moves 15-20 % with the host's other jobs. ``--quick`` runs the same (there are
-no repeats to drop). About four minutes, two children at a time.
+no repeats to drop). About six minutes, two children at a time.
 """
 
 from __future__ import annotations
@@ -34,13 +38,18 @@ import shutil
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
 POLICIES = ("round_robin", "least_loaded", "affinity")
-POOLS = ("small", "xl")
+#: (pool, which dispatched item finishes next): the smallest and largest pools as the
+#: saturated part runs them, and the largest as its newest-first diagnostic does (the
+#: state a decision touches was touched a few events before: what is left is work)
+CASES = (("small", "oldest"), ("xl", "oldest"), ("xl", "newest"))
 DECISIONS = (2_000, 12_000)  # the two runs; the counts of the decisions between are kept
+SEED = 0  # bench/orchestrator.py's default --seed
 CACHE = "1048576,16,64"  # the simulated data cache: 1 MiB, 16-way, 64-byte lines
 COUNTS = {"I": "instructions", "D": "data_refs", "D1": "misses"}
 _LINE = re.compile(r"^==\d+== (I|D|D1) +(?:refs|misses): +([\d,]+)", re.M)
@@ -61,18 +70,38 @@ def parse_counts(stderr: str) -> dict[str, int]:
     return found
 
 
-def child(policy: str, pool: str, decisions: int) -> int:
-    """The run valgrind watches: one saturated run; prints its decisions."""
+def child(policy: str, pool: str, order: str, decisions: int) -> int:
+    """The run valgrind watches: one saturated run (the orchestrator bench's default
+    seed); prints its decisions and events."""
     sys.path.insert(0, str(HERE))
     import orchestrator as bench  # this folder: the child only
 
+    if order not in bench.PARTS or pool not in bench.POOLS:
+        print(
+            f"order must be one of {', '.join(bench.PARTS)}; pool one of {', '.join(bench.POOLS)}",
+            file=sys.stderr,
+        )
+        return 2
     bench.log = lambda msg: None
-    row, _ = bench.saturated(policy, pool, decisions, 1)
+    # the percentiles saturated() takes after its loop sort every sample: work that
+    # grows with the run, which the subtraction would count per decision
+    bench.statistics = types.SimpleNamespace(quantiles=lambda data, n: [0.0] * (n - 1))
+    row, _ = bench.saturated(policy, pool, decisions, SEED, order)
     print(json.dumps({"decisions": row.decisions, "events": row.events}))
     return 0
 
 
-def counted(policy: str, pool: str, decisions: int) -> dict[str, Any]:
+def valgrind_version() -> str:
+    """``valgrind --version``'s answer, or why there is none."""
+    try:
+        return subprocess.run(
+            ["valgrind", "--version"], capture_output=True, text=True, timeout=60
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"unknown ({e})"
+
+
+def counted(policy: str, pool: str, order: str, decisions: int) -> dict[str, Any]:
     """One child under cachegrind; its counts and its own report of the run."""
     cmd = [
         "valgrind",
@@ -85,13 +114,16 @@ def counted(policy: str, pool: str, decisions: int) -> dict[str, Any]:
         "--child",
         policy,
         pool,
+        order,
         str(decisions),
     ]
     env = {**os.environ, "PYTHONHASHSEED": "0"}
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
     if p.returncode != 0:
         tail = "\n".join(p.stderr.splitlines()[-15:])
-        raise RuntimeError(f"{policy}/{pool}/{decisions}: child exited {p.returncode}:\n{tail}")
+        raise RuntimeError(
+            f"{policy}/{pool}/{order}/{decisions}: child exited {p.returncode}:\n{tail}"
+        )
     return {**parse_counts(p.stderr), **json.loads(p.stdout.strip().splitlines()[-1])}
 
 
@@ -107,13 +139,13 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     lines = [
         "### Misses per decision (a simulated 1 MiB cache)",
         "",
-        "| policy | pool (workers) | decisions counted | instructions / decision "
+        "| policy | pool (workers) | finishes next | decisions counted | instructions / decision "
         "| data refs / decision | misses / decision (1 MiB cache) | events / decision |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        "|---|---|---|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['policy']} | {r['pool']} ({r['workers']}) | {r['decisions']} "
+            f"| {r['policy']} | {r['pool']} ({r['workers']}) | {r['order']} | {r['decisions']} "
             f"| {r['instructions']:,.0f} | {r['data_refs']:,.0f} | {r['misses']:.2f} "
             f"| {r['events']:.3f} |"
         )
@@ -126,10 +158,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--json", metavar="PATH", help="write the results here")
     ap.add_argument("--quick", action="store_true", help="the same runs (counts do not vary)")
-    ap.add_argument("--child", nargs=3, metavar=("POLICY", "POOL", "N"), help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--child", nargs=4, metavar=("POLICY", "POOL", "ORDER", "N"), help=argparse.SUPPRESS
+    )
     a = ap.parse_args(argv)
     if a.child:
-        return child(a.child[0], a.child[1], int(a.child[2]))
+        return child(a.child[0], a.child[1], a.child[2], int(a.child[3]))
     if shutil.which("valgrind") is None:
         print("bench/misses.py needs valgrind: apt-get install valgrind", file=sys.stderr)
         return 2
@@ -137,39 +171,49 @@ def main(argv: list[str] | None = None) -> int:
     import orchestrator as bench  # the pools' sizes
 
     started = time.monotonic()
-    jobs = [(p, pool, n) for p in POLICIES for pool in POOLS for n in DECISIONS]
-    results: dict[tuple[str, str, int], dict[str, Any]] = {}
+    jobs = [(p, pool, order, n) for p in POLICIES for pool, order in CASES for n in DECISIONS]
+    results: dict[tuple[str, str, str, int], dict[str, Any]] = {}
     with concurrent.futures.ThreadPoolExecutor(max(1, min(2, os.cpu_count() or 1))) as ex:
         futures = {ex.submit(counted, *job): job for job in jobs}
-        for i, f in enumerate(concurrent.futures.as_completed(futures), 1):
-            job = futures[f]
-            results[job] = f.result()
-            log(f"{i}/{len(jobs)}: {job[0]}, {job[1]} pool, {job[2]} decisions counted")
+        try:
+            for i, f in enumerate(concurrent.futures.as_completed(futures), 1):
+                job = futures[f]
+                results[job] = f.result()
+                log(f"{i}/{len(jobs)}: {job[0]}, {job[1]} pool, {job[2]} first, {job[3]} decisions")
+        except BaseException:
+            ex.shutdown(wait=False, cancel_futures=True)  # the children not started yet
+            raise
     rows = []
     for policy in POLICIES:
-        for pool in POOLS:
-            short, long = (results[(policy, pool, n)] for n in DECISIONS)
+        for pool, order in CASES:
+            short, long = (results[(policy, pool, order, n)] for n in DECISIONS)
             rows.append(
                 {
                     "policy": policy,
                     "pool": pool,
                     "workers": "/".join(str(n) for n in bench.POOLS[pool]),
+                    "order": order,
                     "decisions": long["decisions"] - short["decisions"],
                     **per_decision(short, long),
                 }
             )
-    by = {(r["policy"], r["pool"]): r for r in rows}
-    small, large = POOLS[0], POOLS[-1]
-    summary = {
-        f"misses_per_decision_{pool}_{policy}": round(by[(policy, pool)]["misses"], 2)
-        for policy in POLICIES
-        for pool in POOLS
-    }
+    by = {(r["policy"], r["pool"], r["order"]): r for r in rows}
+    small, large, hot = CASES
+    summary: dict[str, float] = {}
+    for policy in POLICIES:
+        for pool, order in CASES:
+            name = pool if order == "oldest" else f"{pool}_newest_first"
+            summary[f"misses_per_decision_{name}_{policy}"] = round(
+                by[(policy, pool, order)]["misses"], 2
+            )
     summary["misses_per_decision_largest_minus_smallest_max"] = round(
-        max(by[(p, large)]["misses"] - by[(p, small)]["misses"] for p in POLICIES), 2
+        max(by[(p, *large)]["misses"] - by[(p, *small)]["misses"] for p in POLICIES), 2
     )
     summary["instructions_ratio_largest_to_smallest_max"] = round(
-        max(by[(p, large)]["instructions"] / by[(p, small)]["instructions"] for p in POLICIES), 3
+        max(by[(p, *large)]["instructions"] / by[(p, *small)]["instructions"] for p in POLICIES), 3
+    )
+    summary["instructions_ratio_newest_to_oldest_first_largest_max"] = round(
+        max(by[(p, *hot)]["instructions"] / by[(p, *large)]["instructions"] for p in POLICIES), 3
     )
     print(markdown(rows))
     for k, v in summary.items():
@@ -181,9 +225,7 @@ def main(argv: list[str] | None = None) -> int:
                 "cpu_count": os.cpu_count(),
                 "platform": platform.platform(),
                 "python": platform.python_version(),
-                "valgrind": subprocess.run(
-                    ["valgrind", "--version"], capture_output=True, text=True
-                ).stdout.strip(),
+                "valgrind": valgrind_version(),
             },
             "config": {"quick": a.quick, "decisions": list(DECISIONS), "cache": CACHE},
             "units": {

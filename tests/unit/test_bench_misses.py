@@ -73,7 +73,7 @@ def test_per_decision_is_the_difference_over_the_decisions_between():
 
 def test_the_child_runs_the_saturated_workload_and_reports_its_decisions():
     p = subprocess.run(
-        [sys.executable, str(BENCH), "--child", "round_robin", "small", "300"],
+        [sys.executable, str(BENCH), "--child", "round_robin", "small", "oldest", "300"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -95,3 +95,50 @@ def test_without_valgrind_it_says_what_to_install_and_runs_nothing(tmp_path):
     assert p.returncode == 2
     assert "apt-get install valgrind" in p.stderr
     assert not (tmp_path / "out.json").exists()
+
+
+def test_the_child_refuses_an_order_or_pool_it_does_not_know():
+    for args in (
+        ["round_robin", "small", "newst", "300"],
+        ["round_robin", "tiny", "oldest", "300"],
+    ):
+        p = subprocess.run(
+            [sys.executable, str(BENCH), "--child", *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert p.returncode == 2 and "order must be one of oldest, newest" in p.stderr, p
+        assert p.stdout == ""
+
+
+def test_the_rows_and_summary_come_from_each_case_s_two_runs(tmp_path, monkeypatch):
+    """main() over scripted counts (valgrind's part replaced: a run's counts are its
+    decisions times a figure per case, plus a start-up cost both runs share)."""
+    per = {("small", "oldest"): 6, ("xl", "oldest"): 50, ("xl", "newest"): 20}
+
+    def counts(policy: str, pool: str, order: str, decisions: int) -> dict[str, int]:
+        k = per[(pool, order)] + (2 if policy == "affinity" else 0)
+        return {
+            "instructions": 1_000_000 + decisions * 1_000 * k,
+            "data_refs": 500_000 + decisions * 400,
+            "misses": 7_000 + decisions * k,
+            "decisions": decisions + 3,
+            "events": 3 * decisions // 2,
+        }
+
+    monkeypatch.setattr(misses, "counted", counts)
+    monkeypatch.setattr(misses.shutil, "which", lambda name: "/usr/bin/" + name)
+    out = tmp_path / "misses.json"
+    assert misses.main(["--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    rows = {(r["policy"], r["pool"], r["order"]): r for r in doc["rows"]}
+    assert len(rows) == 9 and all(r["decisions"] == 10_000 for r in rows.values())
+    assert rows[("affinity", "xl", "oldest")]["misses"] == 52.0
+    assert rows[("round_robin", "xl", "newest")]["instructions"] == 20_000.0
+    assert rows[("least_loaded", "small", "oldest")]["events"] == 1.5
+    s = doc["summary"]
+    assert s["misses_per_decision_xl_newest_first_round_robin"] == 20.0
+    assert s["misses_per_decision_largest_minus_smallest_max"] == 44.0
+    assert s["instructions_ratio_largest_to_smallest_max"] == round(50 / 6, 3)
+    assert "| affinity | xl (256/3072/768) | newest |" in doc["markdown"]
