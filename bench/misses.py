@@ -32,7 +32,6 @@ import argparse
 import concurrent.futures
 import json
 import os
-import platform
 import re
 import shutil
 import subprocess
@@ -53,10 +52,6 @@ SEED = 0  # bench/orchestrator.py's default --seed
 CACHE = "1048576,16,64"  # the simulated data cache: 1 MiB, 16-way, 64-byte lines
 COUNTS = {"I": "instructions", "D": "data_refs", "D1": "misses"}
 _LINE = re.compile(r"^==\d+== (I|D|D1) +(?:refs|misses): +([\d,]+)", re.M)
-
-
-def log(msg: str) -> None:
-    print(f"[bench] {msg}", file=sys.stderr, flush=True)
 
 
 def parse_counts(stderr: str) -> dict[str, int]:
@@ -168,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         print("bench/misses.py needs valgrind: apt-get install valgrind", file=sys.stderr)
         return 2
     sys.path.insert(0, str(HERE))
-    import orchestrator as bench  # the pools' sizes
+    import orchestrator as bench  # its pools, log and machine_info
 
     started = time.monotonic()
     jobs = [(p, pool, order, n) for p in POLICIES for pool, order in CASES for n in DECISIONS]
@@ -179,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
             for i, f in enumerate(concurrent.futures.as_completed(futures), 1):
                 job = futures[f]
                 results[job] = f.result()
-                log(f"{i}/{len(jobs)}: {job[0]}, {job[1]} pool, {job[2]} first, {job[3]} decisions")
+                policy, pool, order, n = job
+                bench.log(f"{i}/{len(jobs)}: {policy}, {pool} pool, {order} first, {n} decisions")
         except BaseException:
             ex.shutdown(wait=False, cancel_futures=True)  # the children not started yet
             raise
@@ -221,12 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.json:
         doc = {
             "bench": "misses",
-            "machine": {
-                "cpu_count": os.cpu_count(),
-                "platform": platform.platform(),
-                "python": platform.python_version(),
-                "valgrind": valgrind_version(),
-            },
+            "machine": {**bench.machine_info(), "valgrind": valgrind_version()},
             "config": {"quick": a.quick, "decisions": list(DECISIONS), "cache": CACHE},
             "units": {
                 "misses": "misses per decision in the simulated data cache (1 MiB, 16-way, "
