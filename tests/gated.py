@@ -9,7 +9,8 @@ request's stage holds where the test asked:
 
 - per request: ``Gate.hold(rid, stage, k)`` before submitting. Denoise holds right
   after it reports progress step ``k`` (``k == 0``: before it consumed its input);
-  decode after ``k`` latent chunks; encode before it runs;
+  decode after ``k`` latent chunks; encode before it runs; ``serve`` (not a stage:
+  a p2p producer serving one of the request's payloads) before it writes chunk ``k``;
 - for every request's denoise: ``Gate.env(step)``, the step to hold at.
 
 Every start of a gated stage is noted (``Gate.ran()``: request, stage, attempt,
@@ -109,26 +110,58 @@ def _ran(item: Any) -> None:
 
 def _hold(ctx: Any, step: int, until: str = "release") -> None:
     """Hold ``ctx``'s item here if this is the first arrival (see the module doc)."""
-    root, item = _root(), ctx.item
+    item = ctx.item
+    _hold_at(
+        item.request_id,
+        item.stage,
+        {"worker_id": ctx.worker_id, "step": step},
+        lambda: bool(ctx.cancelled or (until == "yield" and ctx.should_yield)),
+    )
+
+
+def _hold_at(rid: str, point: str, info: dict[str, Any], stop: Any) -> None:
+    """The first arrival at ``rid``'s ``point`` writes its reached file (``info`` plus
+    pid and time) and waits for the go file, ``stop()`` or ``HOLD_MAX_S``; later
+    arrivals pass."""
+    root = _root()
     assert root is not None
     try:
-        fd = os.open(
-            _file(root, item.request_id, item.stage, "reached"),
-            os.O_CREAT | os.O_EXCL | os.O_WRONLY,
-        )
+        fd = os.open(_file(root, rid, point, "reached"), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
     except FileExistsError:
         return  # held once already (this is the job resumed or re-run)
-    info = {"worker_id": ctx.worker_id, "step": step, "pid": os.getpid(), "t": time.time()}
     with os.fdopen(fd, "w") as f:
-        json.dump(info, f)
-    go = _file(root, item.request_id, item.stage, "go")
+        json.dump({**info, "pid": os.getpid(), "t": time.time()}, f)
+    go = _file(root, rid, point, "go")
     deadline = time.monotonic() + HOLD_MAX_S
     while time.monotonic() < deadline:
-        if go.exists() or ctx.cancelled:
-            return
-        if until == "yield" and ctx.should_yield:
+        if go.exists() or stop():
             return
         time.sleep(_POLL_S)
+
+
+def _gate_serving() -> None:
+    """Producer side (``Gate.hold(rid, "serve", k)``): a p2p producer serving one of
+    ``rid``'s payloads holds before it writes chunk ``k``; the chunks before it have
+    landed and the consumer was told. The transport has no public hook inside a
+    transfer, and the fault must land there, so this wraps its per-chunk wait
+    (``P2PTransport._await_ready``) in this process; nothing else of it changes."""
+    from mooncake_diffusion.transports.p2p import P2PTransport
+
+    ready = P2PTransport._await_ready
+
+    def await_ready(self: Any, payload_id: str, held: Any, chunk: int) -> bool:
+        ok = ready(self, payload_id, held, chunk)
+        rid = payload_id.split("/", 1)[0]  # a payload id starts with its request's
+        asked = _asked(rid, "serve") if ok else None
+        if asked is not None and asked[0] == chunk:
+            _hold_at(rid, "serve", {"step": chunk}, lambda: False)
+        return ok
+
+    P2PTransport._await_ready = await_ready  # type: ignore[method-assign]
+
+
+if _root() is not None:
+    _gate_serving()
 
 
 def held(fn: Any, step: int, hold: Any) -> Any:

@@ -91,6 +91,8 @@ class Deployment:
             "MOONCAKE_DIFFUSION_SAME_HOST": "0",
             "MCD_ORCHESTRATOR_TOKEN": TOKEN,
             "MCD_CHECKPOINT_EVERY": "1",
+            # a p2p producer silent this long is given up, as the orchestrator does
+            "MOONCAKE_DIFFUSION_PEER_TIMEOUT_S": str(self.heartbeat_timeout),
             **self.gate.env(),
             "PYTHONPATH": os.pathsep.join(
                 [str(HERE.parent), str(HERE), os.environ.get("PYTHONPATH", "")]
@@ -240,7 +242,7 @@ class Deployment:
     def submit(self, rid: str, hold: dict[str, int] | None = None, **params: Any) -> str:
         """Submit request ``rid``; ``hold`` maps a stage to where its first arrival
         holds (``Gate.hold``: a denoise step, 0 before its input is consumed; decode:
-        latent chunks consumed)."""
+        latent chunks consumed; serve: chunks a p2p producer wrote)."""
         for stage, step in (hold or {}).items():
             self.gate.hold(rid, stage, step)
         p = {"prompt": f"chaos {rid}", "seed": len(self.requests), "steps": 4, **params}
@@ -260,7 +262,7 @@ class Deployment:
         """Release every gate of every request submitted so far (a failed scenario must
         leave no work held for the scenarios after it)."""
         for rid in self.requests:
-            for stage in ("encode", "denoise", "decode"):
+            for stage in ("encode", "denoise", "decode", "serve"):
                 self.gate.release(rid, stage)
 
     def segments(self) -> list[str]:

@@ -701,8 +701,10 @@ def scenario_link_flap(d: Deployment) -> Outcome:
 
 def scenario_p2p_partition(d: Deployment) -> Outcome:
     """Denoise workers publish peer to peer; the producer host of a latent is cut off
-    after the decode worker received its first chunk, and healed once the orchestrator
-    acted: the request completes or fails with a reason, never vanishes."""
+    after the decode worker received its first chunk (the producer holds before the
+    second), and healed once the orchestrator acted: the decode worker gives the
+    silent producer up (``peer_timeout_s`` = the heartbeat timeout), the latent is
+    made again, and the request completes or fails with a reason, never vanishes."""
     for h in ("den0", "den1"):
         d.procs[h].stop()
     d.transfer_mode = "p2p"
@@ -715,16 +717,16 @@ def scenario_p2p_partition(d: Deployment) -> Outcome:
         # others' (now peer to peer: the p2p transport is made on first use)
         _warm(d)
         r = Run(d, "p2p-partition")
-        a = r.submit("a", {"decode": 1}, frames=9, chunks=3)
-        d.reached(a, "decode")
+        a = r.submit("a", {"serve": 1}, frames=9, chunks=3)
+        d.reached(a, "serve")
         st = d.client.status(a)  # type: ignore[union-attr]
         producer = next(
             e["worker_id"] for e in st["events"] if e["kind"] == "done" and e["stage"] == "denoise"
         )
         fault_t = time.time()
         d.net.partition(producer)
-        d.release(a, "decode")
-        _wait_event(d, a, ("requeued", "failed", "completed"))
+        d.release(a, "serve")
+        _wait_event(d, a, ("requeued", "rerun", "failed", "completed"))
         d.net.heal(producer)
         return r.finish(fault_t, notes=f"partitioned producer {producer}")
     finally:

@@ -28,6 +28,18 @@ def test_settings_from_env_with_overrides(monkeypatch):
     assert s.as_env()["MOONCAKE_MASTER"] == "10.0.0.1:50051"
 
 
+def test_peer_timeout_from_env_and_back(monkeypatch):
+    assert MooncakeSettings().peer_timeout_s == 10.0  # the orchestrator's heartbeat default
+    monkeypatch.setenv("MOONCAKE_DIFFUSION_PEER_TIMEOUT_S", "3")
+    s = MooncakeSettings.from_env()
+    assert s.peer_timeout_s == 3.0
+    assert s.as_env()["MOONCAKE_DIFFUSION_PEER_TIMEOUT_S"] == "3.0"
+    for bad in ("0", "-1", "soon"):
+        monkeypatch.setenv("MOONCAKE_DIFFUSION_PEER_TIMEOUT_S", bad)
+        with pytest.raises(ConfigError, match=r"PEER_TIMEOUT_S|peer_timeout_s"):
+            MooncakeSettings.from_env()
+
+
 @pytest.mark.parametrize("bad", ["nohost", "host:", ":80", "h:99999", "h:x"])
 def test_bad_master_address_is_a_config_error(bad):
     with pytest.raises(ConfigError, match="master"):

@@ -76,6 +76,12 @@ class MooncakeSettings:
     after its lookup is redone, as Mooncake's get redoes one that outlived its
     lease (the master does not tell clients its lease). The default, 1 s, is the
     embedded cluster's; a master started by this package sets it in its settings.
+    ``peer_timeout_s``: a p2p producer that acknowledges nothing, not even TCP
+    keepalive probes, for this long is gone (``PeerGoneError``: the consuming stage
+    reports its input lost and the orchestrator re-runs the stage that made it)
+    instead of being waited for until the fetch's deadline. Set it to the
+    orchestrator's heartbeat timeout (10 s by default), so a producer the
+    orchestrator declares lost is also given up by the consumers it was serving.
     """
 
     master: str = "127.0.0.1:50051"
@@ -92,6 +98,7 @@ class MooncakeSettings:
     store_watch_s: float = 0.0
     store_direct_reads: bool = True
     store_lease_s: float = 1.0
+    peer_timeout_s: float = 10.0
     #: how device tensors travel: ``auto`` (GPU-direct where Mooncake is a CUDA
     #: build and the NIC reaches GPU memory, else pinned host staging),
     #: ``staged`` or ``gpu-direct``; ``MOONCAKE_DIFFUSION_GPU_PATH``.
@@ -115,6 +122,8 @@ class MooncakeSettings:
             raise ConfigError("store_watch_s must be 0 (off) or positive")
         if self.store_lease_s <= 0:
             raise ConfigError("store_lease_s must be positive (the master's read lease)")
+        if not self.peer_timeout_s > 0:
+            raise ConfigError("peer_timeout_s must be positive")
         if self.gpu_path not in ("auto", "staged", "gpu-direct"):
             raise ConfigError(
                 f"gpu_path must be 'auto', 'staged' or 'gpu-direct', got {self.gpu_path!r}"
@@ -133,7 +142,8 @@ class MooncakeSettings:
         """Settings from ``MOONCAKE_MASTER``, ``MOONCAKE_ADMIN``, ``MOONCAKE_LOCAL_HOSTNAME``,
         ``MOONCAKE_PROTOCOL``, ``MOONCAKE_DEVICE``, ``MOONCAKE_DIFFUSION_STORE_PART_BYTES``,
         ``MOONCAKE_DIFFUSION_STORE_RETRY_S``, ``MOONCAKE_DIFFUSION_STORE_WATCH_S``,
-        ``MOONCAKE_DIFFUSION_STORE_LEASE_S``, ``MOONCAKE_DIFFUSION_SAME_HOST`` and
+        ``MOONCAKE_DIFFUSION_STORE_LEASE_S``, ``MOONCAKE_DIFFUSION_PEER_TIMEOUT_S``,
+        ``MOONCAKE_DIFFUSION_SAME_HOST`` and
         ``MOONCAKE_DIFFUSION_STORE_DIRECT_READS``;
         explicit ``overrides`` win. A malformed number raises ``ConfigError``."""
         env = {
@@ -149,6 +159,7 @@ class MooncakeSettings:
             ("store_retry_s", "MOONCAKE_DIFFUSION_STORE_RETRY_S", float),
             ("store_watch_s", "MOONCAKE_DIFFUSION_STORE_WATCH_S", float),
             ("store_lease_s", "MOONCAKE_DIFFUSION_STORE_LEASE_S", float),
+            ("peer_timeout_s", "MOONCAKE_DIFFUSION_PEER_TIMEOUT_S", float),
         ):
             raw = os.environ.get(var)
             if raw is not None:
@@ -184,6 +195,7 @@ class MooncakeSettings:
             "MOONCAKE_DIFFUSION_STORE_PART_BYTES": str(self.store_part_bytes),
             "MOONCAKE_DIFFUSION_STORE_RETRY_S": str(self.store_retry_s),
             "MOONCAKE_DIFFUSION_STORE_LEASE_S": str(self.store_lease_s),
+            "MOONCAKE_DIFFUSION_PEER_TIMEOUT_S": str(self.peer_timeout_s),
         }
         if self.store_watch_s:
             env["MOONCAKE_DIFFUSION_STORE_WATCH_S"] = str(self.store_watch_s)

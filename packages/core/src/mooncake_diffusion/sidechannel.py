@@ -4,11 +4,20 @@ Each request and reply is framed as a 4-byte big-endian length plus a
 ``schema`` message (msgpack, versioned; never pickle). Connections persist:
 the client keeps idle ones per producer, the server runs one thread per
 connection; ``close()`` on either side ends them and joins every thread.
+
+A consumer's connection is watched by the kernel (``_watch_peer``): a producer
+that acknowledges nothing, not even a keepalive probe, for ``peer_timeout`` seconds
+(its host crashed, or the network cut it off) is given up with ``PeerGoneError``,
+whatever the fetch's own deadline, so the consumer's stage reports its input lost
+instead of waiting the deadline out. A producer that is slow but alive answers
+the probes from its kernel and is waited for until the deadline.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import math
 import socket
 import struct
 import threading
@@ -29,6 +38,8 @@ __all__ = ["SideChannelClient", "SideChannelServer", "connect", "recv_frame", "s
 
 _MAX_FRAME = 1 << 20
 _HEADER = struct.Struct(">I")
+#: a producer silent this long is gone (``MooncakeSettings.peer_timeout_s``' default)
+PEER_TIMEOUT_S = 10.0
 
 
 def _send(sock: socket.socket, data: bytes) -> None:
@@ -64,10 +75,28 @@ def recv_frame(sock: socket.socket, limit: int = _MAX_FRAME) -> bytes:
     return _recv(sock, limit)
 
 
-def connect(endpoint: str, deadline: float) -> socket.socket:
-    """A fresh TCP_NODELAY connection to ``endpoint``; raises ``PeerGoneError`` or
-    ``DeadlineExceededError``."""
-    return _connect(endpoint, deadline)
+def connect(endpoint: str, deadline: float, peer_timeout: float = PEER_TIMEOUT_S) -> socket.socket:
+    """A fresh TCP_NODELAY connection to ``endpoint``, watched (``_watch_peer``); raises
+    ``PeerGoneError`` (refused, or no answer within ``peer_timeout``) or
+    ``DeadlineExceededError`` (``deadline``, ``time.monotonic()``, came first)."""
+    return _connect(endpoint, deadline, peer_timeout)
+
+
+def _watch_peer(sock: socket.socket, peer_timeout: float) -> None:
+    """Have the kernel give ``sock`` up (``ETIMEDOUT`` on the next call) once its peer
+    acknowledged nothing for ``peer_timeout`` seconds: keepalive probes every second
+    while the connection is idle, and ``TCP_USER_TIMEOUT`` for data sent and never
+    acknowledged. Options this platform lacks are left unset (Linux has them all)."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (
+        ("TCP_KEEPIDLE", 1),
+        ("TCP_KEEPINTVL", 1),
+        ("TCP_KEEPCNT", max(1, math.ceil(peer_timeout))),
+        ("TCP_USER_TIMEOUT", max(1, round(peer_timeout * 1000))),
+    ):
+        opt = getattr(socket, name, None)
+        if opt is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, opt, value)
 
 
 class SideChannelServer:
@@ -166,7 +195,10 @@ class SideChannelClient:
 
     _IDLE_MAX = 4  # idle connections kept per producer
 
-    def __init__(self) -> None:
+    def __init__(self, peer_timeout: float = PEER_TIMEOUT_S) -> None:
+        if not peer_timeout > 0:
+            raise ValueError(f"peer_timeout must be > 0, got {peer_timeout!r}")
+        self.peer_timeout = peer_timeout
         self._idle: dict[str, list[socket.socket]] = {}
         self._lock = threading.Lock()
 
@@ -179,7 +211,8 @@ class SideChannelClient:
     ) -> FetchReply:
         """Send ``request``, pass each ``ChunkDone`` to ``on_progress`` and return the
         final reply, all before ``deadline`` (``time.monotonic()``); raises
-        ``PeerGoneError`` or ``DeadlineExceededError``.
+        ``PeerGoneError`` (unreachable, closed, or silent for ``peer_timeout``) or
+        ``DeadlineExceededError``.
 
         A reused connection that turns out closed before any answer (the
         producer restarted or dropped it) is replaced once by a fresh one.
@@ -200,7 +233,7 @@ class SideChannelClient:
             except PeerGoneError:
                 if progressed:  # the producer was serving this request: do not repeat it
                     raise
-        sock = _connect(endpoint, deadline)
+        sock = _connect(endpoint, deadline, self.peer_timeout)
         return self._exchange(endpoint, sock, request, deadline, on_progress)
 
     def _exchange(
@@ -220,8 +253,12 @@ class SideChannelClient:
                     break
                 on_progress(reply)
                 sock.settimeout(max(deadline - time.monotonic(), 0.001))
-        except TimeoutError:
+        except TimeoutError as e:
             sock.close()
+            if e.errno == errno.ETIMEDOUT:  # the kernel gave the producer up (_watch_peer)
+                raise PeerGoneError(
+                    f"producer {endpoint} acknowledged nothing for {self.peer_timeout} s"
+                ) from None
             raise DeadlineExceededError(f"producer {endpoint} did not answer in time") from None
         except (OSError, ConnectionError) as e:
             sock.close()
@@ -250,16 +287,19 @@ class SideChannelClient:
                 sock.close()
 
 
-def _connect(endpoint: str, deadline: float) -> socket.socket:
+def _connect(endpoint: str, deadline: float, peer_timeout: float) -> socket.socket:
     host, port = split_address(endpoint, "producer endpoint")
     left = deadline - time.monotonic()
     if left <= 0:
         raise DeadlineExceededError(f"deadline passed before contacting producer {endpoint}")
     try:
-        sock = socket.create_connection((host, port), timeout=min(left, 5.0))
-    except TimeoutError:
-        raise DeadlineExceededError(f"producer {endpoint} did not accept in time") from None
+        sock = socket.create_connection((host, port), timeout=min(left, peer_timeout))
+    except TimeoutError as e:
+        if e.errno is None and left <= peer_timeout:  # our deadline came first
+            raise DeadlineExceededError(f"producer {endpoint} did not accept in time") from None
+        raise PeerGoneError(f"producer {endpoint} did not answer for {peer_timeout} s") from None
     except OSError as e:
         raise PeerGoneError(f"producer {endpoint} is unreachable: {e}") from None
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    _watch_peer(sock, peer_timeout)
     return sock

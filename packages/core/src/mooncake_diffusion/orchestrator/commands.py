@@ -216,6 +216,8 @@ def _run_worker(args: argparse.Namespace) -> int:
     # (settings.store_watch_s), unless the environment says otherwise; set in the
     # environment so that every client of the process (connectors made from_env) does
     os.environ.setdefault("MOONCAKE_DIFFUSION_STORE_WATCH_S", str(WORKER_STORE_WATCH_S))
+    if args.heartbeat_timeout is not None:  # a silent p2p producer is given up as soon
+        os.environ.setdefault("MOONCAKE_DIFFUSION_PEER_TIMEOUT_S", str(args.heartbeat_timeout))
     settings = MooncakeSettings.from_env(master=args.master)
     first, *rest = args.stage
 
@@ -405,7 +407,12 @@ def add_commands(sub: Any) -> None:
     )
     w.add_argument("--master", help="Mooncake master host:port (default $MOONCAKE_MASTER)")
     w.add_argument("--token", help=f"the orchestrator's token (or ${TOKEN_ENV})")
-    w.add_argument("--heartbeat-timeout", type=float, help="ask for this heartbeat timeout (s)")
+    w.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        help="ask for this heartbeat timeout (s); also how long a silent p2p producer is "
+        "waited for, unless $MOONCAKE_DIFFUSION_PEER_TIMEOUT_S says",
+    )
     w.add_argument(
         "--connect-timeout", type=float, default=30.0, help="wait for the orchestrator (s)"
     )

@@ -79,7 +79,7 @@ class P2PTransport(Transport):
         super().__init__(settings)
         self._engine = Engine(settings)
         self._server: SideChannelServer | None = None
-        self._client = SideChannelClient()
+        self._client = SideChannelClient(settings.peer_timeout_s)
         self._held: dict[str, _Held] = {}
         self._consumed: OrderedDict[str, None] = OrderedDict()
         self._lock = threading.Lock()
