@@ -415,20 +415,23 @@ class StoreTransport(Transport):
             delay = min(delay * 2, _POLL_MAX_S)
         return True
 
-    @staticmethod
     def _follow(
-        handle: PayloadHandle, deadline: float, on_done: Callable[[list[ChunkDone]], None]
+        self,
+        handle: PayloadHandle,
+        deadline: float,
+        on_done: Callable[[list[ChunkDone]], None],
     ) -> str:
         """Ask the producer's side channel for ``handle``'s commits and run ``on_done``
         with the ``ChunkDone``s that came (all that are queued when it is free: it reads
         those chunks meanwhile the producer puts the next). Returns the producer's final
         status: ``ok`` (all told), ``gone`` (it withdrew the payload) or, when it
         cannot help (gone process, payload not followed there, broken connection,
-        deadline), ``failed``: the caller polls for what is left. Errors raised by
-        ``on_done`` propagate; the connection is closed either way."""
+        deadline, silent for ``peer_timeout_s``), ``failed``: the caller polls for what
+        is left. Errors raised by ``on_done`` propagate; the connection is closed
+        either way."""
         assert isinstance(handle.source, StoreSource)
         try:
-            sock = connect(handle.source.notify, deadline)
+            sock = connect(handle.source.notify, deadline, self.settings.peer_timeout_s)
         except (OSError, MooncakeDiffusionError):  # unreachable, or the deadline passed
             return "failed"
         with contextlib.closing(sock):
