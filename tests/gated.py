@@ -144,7 +144,8 @@ def _gate_serving() -> None:
     ``rid``'s payloads holds before it writes chunk ``k``; the chunks before it have
     landed and the consumer was told. The transport has no public hook inside a
     transfer, and the fault must land there, so this wraps its per-chunk wait
-    (``P2PTransport._await_ready``) in this process; nothing else of it changes."""
+    (``P2PTransport._await_ready``) in this process; nothing else of it changes (a
+    transport closing lets the hold go)."""
     from mooncake_diffusion.transports.p2p import P2PTransport
 
     ready = P2PTransport._await_ready
@@ -154,7 +155,7 @@ def _gate_serving() -> None:
         rid = payload_id.split("/", 1)[0]  # a payload id starts with its request's
         asked = _asked(rid, "serve") if ok else None
         if asked is not None and asked[0] == chunk:
-            _hold_at(rid, "serve", {"step": chunk}, lambda: False)
+            _hold_at(rid, "serve", {"step": chunk}, self._closing.is_set)
         return ok
 
     P2PTransport._await_ready = await_ready  # type: ignore[method-assign]

@@ -25,8 +25,9 @@ MUST_COMPLETE = {
     "master_kill",
 }
 
-#: scenarios where a request's embeddings are lost with the store: its encode re-runs
-MUST_RERUN = {"store_kill", "master_kill"}
+#: scenarios where a request's input is lost: with the store (its encode re-runs) or
+#: with its p2p producer (its denoise re-runs)
+MUST_RERUN = {"store_kill", "master_kill", "p2p_partition"}
 
 #: Not yet at baseline, measured and reported instead (docs/chaos.md, "What is left
 #: over"): after a p2p producer is cut off mid-transfer and healed, the producer and the

@@ -84,7 +84,6 @@ def test_cut_off_producer_is_given_up(producer):
     t.join(DEADLINE_S)
     assert not t.is_alive()
     assert len(raised) == 1 and isinstance(raised[0], PeerGoneError), raised
-    assert "acknowledged nothing" in str(raised[0])
 
     # a fresh connection to the cut-off host: no answer to the handshake either
     # (or, once the neighbour entry failed, "no route to host" at once)

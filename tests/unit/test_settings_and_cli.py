@@ -34,7 +34,7 @@ def test_peer_timeout_from_env_and_back(monkeypatch):
     s = MooncakeSettings.from_env()
     assert s.peer_timeout_s == 3.0
     assert s.as_env()["MOONCAKE_DIFFUSION_PEER_TIMEOUT_S"] == "3.0"
-    for bad in ("0", "-1", "soon"):
+    for bad in ("0", "-1", "inf", "nan", "soon"):
         monkeypatch.setenv("MOONCAKE_DIFFUSION_PEER_TIMEOUT_S", bad)
         with pytest.raises(ConfigError, match=r"PEER_TIMEOUT_S|peer_timeout_s"):
             MooncakeSettings.from_env()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -122,8 +123,8 @@ class MooncakeSettings:
             raise ConfigError("store_watch_s must be 0 (off) or positive")
         if self.store_lease_s <= 0:
             raise ConfigError("store_lease_s must be positive (the master's read lease)")
-        if not self.peer_timeout_s > 0:
-            raise ConfigError("peer_timeout_s must be positive")
+        if not (self.peer_timeout_s > 0 and math.isfinite(self.peer_timeout_s)):
+            raise ConfigError(f"peer_timeout_s must be positive and finite: {self.peer_timeout_s}")
         if self.gpu_path not in ("auto", "staged", "gpu-direct"):
             raise ConfigError(
                 f"gpu_path must be 'auto', 'staged' or 'gpu-direct', got {self.gpu_path!r}"

@@ -86,17 +86,22 @@ def _watch_peer(sock: socket.socket, peer_timeout: float) -> None:
     """Have the kernel give ``sock`` up (``ETIMEDOUT`` on the next call) once its peer
     acknowledged nothing for ``peer_timeout`` seconds: keepalive probes every second
     while the connection is idle, and ``TCP_USER_TIMEOUT`` for data sent and never
-    acknowledged. Options this platform lacks are left unset (Linux has them all)."""
+    acknowledged (on Linux it decides alone once set; the probe count is for platforms
+    without it). Options this platform lacks are left unset (Linux has them all)."""
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     for name, value in (
         ("TCP_KEEPIDLE", 1),
         ("TCP_KEEPINTVL", 1),
-        ("TCP_KEEPCNT", max(1, math.ceil(peer_timeout))),
+        ("TCP_KEEPCNT", min(127, max(1, math.ceil(peer_timeout)))),  # Linux caps it
         ("TCP_USER_TIMEOUT", max(1, round(peer_timeout * 1000))),
     ):
         opt = getattr(socket, name, None)
         if opt is not None:
             sock.setsockopt(socket.IPPROTO_TCP, opt, value)
+
+
+class _Closed(PeerGoneError):
+    """The producer closed or reset the connection (``PeerGoneError`` to callers)."""
 
 
 class SideChannelServer:
@@ -196,8 +201,8 @@ class SideChannelClient:
     _IDLE_MAX = 4  # idle connections kept per producer
 
     def __init__(self, peer_timeout: float = PEER_TIMEOUT_S) -> None:
-        if not peer_timeout > 0:
-            raise ValueError(f"peer_timeout must be > 0, got {peer_timeout!r}")
+        if not (peer_timeout > 0 and math.isfinite(peer_timeout)):
+            raise ValueError(f"peer_timeout must be > 0 and finite, got {peer_timeout!r}")
         self.peer_timeout = peer_timeout
         self._idle: dict[str, list[socket.socket]] = {}
         self._lock = threading.Lock()
@@ -215,7 +220,8 @@ class SideChannelClient:
         ``DeadlineExceededError``.
 
         A reused connection that turns out closed before any answer (the
-        producer restarted or dropped it) is replaced once by a fresh one.
+        producer restarted or dropped it) is replaced once by a fresh one; one the
+        kernel gave up (a silent producer) is not: that producer is gone.
         """
         with self._lock:
             idle = self._idle.get(endpoint)
@@ -230,7 +236,7 @@ class SideChannelClient:
 
             try:
                 return self._exchange(endpoint, sock, request, deadline, seen)
-            except PeerGoneError:
+            except _Closed:
                 if progressed:  # the producer was serving this request: do not repeat it
                     raise
         sock = _connect(endpoint, deadline, self.peer_timeout)
@@ -260,7 +266,10 @@ class SideChannelClient:
                     f"producer {endpoint} acknowledged nothing for {self.peer_timeout} s"
                 ) from None
             raise DeadlineExceededError(f"producer {endpoint} did not answer in time") from None
-        except (OSError, ConnectionError) as e:
+        except ConnectionError as e:  # closed or reset: a reused one may just be stale
+            sock.close()
+            raise _Closed(f"producer {endpoint} closed the connection: {e}") from None
+        except OSError as e:
             sock.close()
             raise PeerGoneError(f"producer {endpoint} is unreachable: {e}") from None
         except HandleError:
@@ -300,6 +309,10 @@ def _connect(endpoint: str, deadline: float, peer_timeout: float) -> socket.sock
         raise PeerGoneError(f"producer {endpoint} did not answer for {peer_timeout} s") from None
     except OSError as e:
         raise PeerGoneError(f"producer {endpoint} is unreachable: {e}") from None
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    _watch_peer(sock, peer_timeout)
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        _watch_peer(sock, peer_timeout)
+    except BaseException:
+        sock.close()
+        raise
     return sock

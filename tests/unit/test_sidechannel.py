@@ -1,0 +1,94 @@
+"""The side channel's client: which error a failed exchange becomes, when a reused
+connection is replaced, and the kernel's watch on a connection.
+
+The error mapping runs over a scripted socket (pure logic: what ``recv`` raised, what
+the client makes of it); the watch over a real loopback connection. A producer really
+cut off is ``tests/chaos/test_peer_gone.py``'s (network namespaces)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+
+import pytest
+
+from mooncake_diffusion.errors import DeadlineExceededError, PeerGoneError
+from mooncake_diffusion.schema import FetchRequest
+from mooncake_diffusion.sidechannel import SideChannelClient, connect
+
+pytestmark = pytest.mark.unit
+
+#: nothing listens here: a fresh connection is refused at once
+REFUSED = "127.0.0.1:1"
+
+
+class _Scripted:
+    """A pooled connection whose answer is ``error``."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+        self.closed = False
+
+    def settimeout(self, _: float) -> None:
+        pass
+
+    def sendall(self, _: bytes) -> None:
+        pass
+
+    def recv(self, _: int) -> bytes:
+        raise self.error
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def _call_on(error: BaseException) -> tuple[BaseException, _Scripted]:
+    client = SideChannelClient(peer_timeout=1.0)
+    sock = _Scripted(error)
+    client._idle[REFUSED] = [sock]  # type: ignore[list-item]
+    with pytest.raises((PeerGoneError, DeadlineExceededError)) as got:
+        client.call(REFUSED, FetchRequest("p", "s", (), ()), float("inf"), lambda _: None)
+    client.close()
+    return got.value, sock
+
+
+def test_a_producer_the_kernel_gave_up_is_gone_and_not_dialled_again():
+    err, sock = _call_on(TimeoutError(errno.ETIMEDOUT, "Connection timed out"))
+    assert isinstance(err, PeerGoneError) and "acknowledged nothing" in str(err)
+    assert sock.closed
+
+
+def test_a_stale_pooled_connection_is_replaced_once():
+    for error in (ConnectionResetError(errno.ECONNRESET, "reset"), BrokenPipeError()):
+        err, sock = _call_on(error)
+        # the fresh connection was tried: refused, which is what it reports
+        assert isinstance(err, PeerGoneError) and "unreachable" in str(err), err
+        assert sock.closed
+
+
+def test_the_callers_deadline_is_a_deadline():
+    err, sock = _call_on(TimeoutError("timed out"))  # a socket timeout: errno None
+    assert isinstance(err, DeadlineExceededError)
+    assert sock.closed
+
+
+@pytest.mark.parametrize("peer_timeout", [0.5, 3.0, 300.0, 86400.0])
+def test_a_connection_is_watched_for_any_peer_timeout(peer_timeout):
+    before = len(os.listdir("/proc/self/fd"))
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        host, port = server.getsockname()
+        sock = connect(f"{host}:{port}", float("inf"), peer_timeout)
+        with sock:
+            assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+            user = getattr(socket, "TCP_USER_TIMEOUT", None)
+            if user is not None:
+                got = sock.getsockopt(socket.IPPROTO_TCP, user)
+                assert got == round(peer_timeout * 1000)
+    assert len(os.listdir("/proc/self/fd")) == before
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("inf"), float("nan")])
+def test_a_peer_timeout_must_be_positive_and_finite(bad):
+    with pytest.raises(ValueError, match="peer_timeout"):
+        SideChannelClient(peer_timeout=bad)
