@@ -7,10 +7,12 @@ connection; ``close()`` on either side ends them and joins every thread.
 
 A consumer's connection is watched by the kernel (``_watch_peer``): a producer
 that acknowledges nothing, not even a keepalive probe, for ``peer_timeout`` seconds
+(callers pass ``MooncakeSettings.peer_timeout_s``)
 (its host crashed, or the network cut it off) is given up with ``PeerGoneError``,
-whatever the fetch's own deadline, so the consumer's stage reports its input lost
-instead of waiting the deadline out. A producer that is slow but alive answers
-the probes from its kernel and is waited for until the deadline.
+(``DeadlineExceededError`` if the fetch's own deadline comes first), so the consumer's
+stage reports its input lost instead of waiting the deadline out. A producer that
+is slow but alive answers the probes from its kernel and is waited for until the
+deadline.
 """
 
 from __future__ import annotations
@@ -38,8 +40,6 @@ __all__ = ["SideChannelClient", "SideChannelServer", "connect", "recv_frame", "s
 
 _MAX_FRAME = 1 << 20
 _HEADER = struct.Struct(">I")
-#: a producer silent this long is gone (``MooncakeSettings.peer_timeout_s``' default)
-PEER_TIMEOUT_S = 10.0
 
 
 def _send(sock: socket.socket, data: bytes) -> None:
@@ -75,7 +75,7 @@ def recv_frame(sock: socket.socket, limit: int = _MAX_FRAME) -> bytes:
     return _recv(sock, limit)
 
 
-def connect(endpoint: str, deadline: float, peer_timeout: float = PEER_TIMEOUT_S) -> socket.socket:
+def connect(endpoint: str, deadline: float, peer_timeout: float) -> socket.socket:
     """A fresh TCP_NODELAY connection to ``endpoint``, watched (``_watch_peer``); raises
     ``PeerGoneError`` (refused, or no answer within ``peer_timeout``) or
     ``DeadlineExceededError`` (``deadline``, ``time.monotonic()``, came first)."""
@@ -200,7 +200,7 @@ class SideChannelClient:
 
     _IDLE_MAX = 4  # idle connections kept per producer
 
-    def __init__(self, peer_timeout: float = PEER_TIMEOUT_S) -> None:
+    def __init__(self, peer_timeout: float) -> None:
         if not (peer_timeout > 0 and math.isfinite(peer_timeout)):
             raise ValueError(f"peer_timeout must be > 0 and finite, got {peer_timeout!r}")
         self.peer_timeout = peer_timeout
