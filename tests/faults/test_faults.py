@@ -164,6 +164,31 @@ def test_abandoned_p2p_fetch_quarantines_receive_memory(mooncake_cluster, connec
     stats = cons.stats()
     # the producer could still write into that memory: it is not handed out again yet
     assert stats.pool_bytes_quarantined >= buf.nbytes and stats.pool_bytes_in_use == 0
+    assert stats.late_write_kept_bytes == 0  # it was all pool memory
+    pub.release()
+
+
+@pytest.mark.parametrize("into", ["dst", "outside the pool"])
+def test_abandoned_p2p_fetch_keeps_other_memory_alive(mooncake_cluster, connector_factory, into):
+    """Memory outside the receive pool that an abandoned fetch wrote into (the
+    caller's ``dst``, or a buffer made for a payload larger than the pool) is kept
+    alive for the transport's ``late_write_s``: never freed under a late write."""
+    prod = connector_factory("p2p", "denoise")
+    cons = connector_factory("p2p", "decode", receive_pool_bytes=4096)
+    buf = make_tensor("float32", (4, 1024), 32)
+    pub = prod.publish(
+        StagePayload("r1", "latent", tensor=buf, chunk_dim=0, num_chunks=4), stream=True
+    )
+    dst = torch.empty_like(buf) if into == "dst" else None
+    got = cons.consume(pub.handle, dst, timeout=10)  # see the test above for the 10 s
+    pub.chunk_ready(0)
+    assert same_bytes(got.chunk(0).tensor, buf[0:1])
+    with pytest.raises(DeadlineExceededError):
+        got.wait()
+    got.release()
+    stats = cons.stats()
+    assert stats.late_write_kept_bytes == buf.nbytes
+    assert stats.pool_bytes_quarantined == 0 and stats.pool_bytes_in_use == 0
     pub.release()
 
 

@@ -84,13 +84,17 @@ class ConnectorStats:
     #: registered for a transfer that has not released them; 0 when idle
     temporary_registrations: int
     pool_bytes_in_use: int
-    #: receive memory held back after a p2p fetch was abandoned mid-transfer
+    #: receive-pool memory held back after a p2p fetch was abandoned mid-transfer (its
+    #: producer may still write into it: ``late_write_s`` of the transport)
     pool_bytes_quarantined: int
     transports: tuple[str, ...]
     #: of ``registered_regions`` / ``registered_bytes``: idle buffers a transport keeps
     #: registered for reuse (the store transport's gather scratch, bounded by its pool)
     cached_regions: int = 0
     cached_bytes: int = 0
+    #: memory outside the pool written by such a fetch (made for it, or the caller's
+    #: ``dst``), kept alive as long: not freed, not to be reused
+    late_write_kept_bytes: int = 0
 
 
 class _Transports:
@@ -343,13 +347,18 @@ def _holds(live: _Live) -> bool:
 class _Receiver:
     """The consumer side: destinations, the receive pool and the consumed ledger.
 
-    When a p2p fetch is abandoned (deadline, lost connection) the producer may
-    still be writing into the destination, so its pool memory is quarantined
-    for ``QUARANTINE_S`` instead of being reused at once.
+    When a fetch fails with one of its transport's ``late_write_errors`` (a p2p
+    consumer gave up mid-transfer: deadline, producer cut off), the producer's
+    bytes may still land for the transport's ``late_write_s`` (p2p over TCP:
+    until the producer's kernel gives its connection up, about 18 minutes by
+    Linux's defaults). Until then the fetch's receive-pool memory is not handed
+    out again (``quarantined``), and the buffers it wrote into outside the pool
+    (made for it, or the caller's ``dst``) are kept alive, so that memory is
+    neither reused nor freed (``kept``). Receive memory the pool cannot give
+    meanwhile is allocated per fetch, as for a payload larger than the pool.
     """
 
     _LEDGER_MAX = 65536
-    QUARANTINE_S = 10.0
 
     def __init__(
         self, transports: _Transports, pool_bytes: int, device: str, same_host: bool
@@ -365,7 +374,8 @@ class _Receiver:
         self._freelist = FreeList(pool_bytes)
         self._pinned_in: set[str] = set()
         self._consumed: OrderedDict[str, None] = OrderedDict()
-        self._quarantine: list[tuple[float, list[int]]] = []
+        #: (until, pool offsets, buffers outside the pool and their bytes)
+        self._quarantine: list[tuple[float, list[int], list[tuple[Any, int]]]] = []
         self._lock = threading.Lock()
 
     def consume(
@@ -378,14 +388,14 @@ class _Receiver:
         if h.expired():
             raise PayloadGoneError(f"payload {h.payload_id} expired (ttl {h.ttl_s}s)")
         transport = self._transports.get(h.transport)
-        tensors, regions, offsets = self._destinations(h, dst)
+        tensors, regions, offsets, outside = self._destinations(h, dst)
         if offsets:
             self._pin_pool(transport)
         deadline = time.monotonic() + timeout
         got = ReceivedPayload(
             h,
             tensors,
-            lambda: self._settle(transport, got._error, offsets),
+            lambda: self._settle(transport, got._error, offsets, outside),
             lambda i: _chunk_views(h, tensors, i),
             deadline,
         )
@@ -393,7 +403,7 @@ class _Receiver:
             try:
                 self._fetch(transport, h, regions, deadline, got, committed)
             except BaseException as e:
-                self._settle(transport, e, offsets)
+                self._settle(transport, e, offsets, outside)
                 raise
             return got
         with self._lock:
@@ -432,7 +442,10 @@ class _Receiver:
 
     def _destinations(
         self, h: PayloadHandle, dst: Any
-    ) -> tuple[dict[str, Any], list[Region], list[int]]:
+    ) -> tuple[dict[str, Any], list[Region], list[int], list[tuple[Any, int]]]:
+        """The fetch's tensors by name, their regions, the pool offsets it took, and
+        the buffers outside the pool it writes into (the caller's or made here) with
+        their bytes."""
         names = [t.name for t in h.tensors]
         if dst is not None and not isinstance(dst, Mapping):
             if len(names) != 1:
@@ -447,17 +460,20 @@ class _Receiver:
         tensors: dict[str, Any] = {}
         regions: list[Region] = []
         offsets: list[int] = []
+        outside: list[tuple[Any, int]] = []
         self._reclaim()
         try:
             for spec in h.tensors:
                 if dst is not None:
                     regions.append(check_destination(spec, dst[spec.name]))
                     tensors[spec.name] = dst[spec.name]
+                    outside.append((dst[spec.name], spec.nbytes))
                     continue
                 off = self._freelist.allocate(spec.nbytes) if spec.nbytes else None
                 if off is None:  # empty tensor, or larger than the pool's free space
                     buf = empty_buffer(spec.nbytes, self._device)
                     view = view_of(buf, 0, spec)
+                    outside.append((buf, spec.nbytes))
                 else:
                     offsets.append(off)
                     view = view_of(self._pool(), off, spec)
@@ -466,7 +482,7 @@ class _Receiver:
         except BaseException:
             self._free(offsets)
             raise
-        return tensors, regions, offsets
+        return tensors, regions, offsets, outside
 
     def _pool(self) -> Any:
         with self._lock:
@@ -498,21 +514,29 @@ class _Receiver:
         offsets.clear()
 
     def _settle(
-        self, transport: Transport, error: BaseException | None, offsets: list[int]
+        self,
+        transport: Transport,
+        error: BaseException | None,
+        offsets: list[int],
+        outside: list[tuple[Any, int]],
     ) -> None:
-        """Return receive memory, or quarantine it if a producer may still write to it."""
-        if offsets and error is not None and isinstance(error, transport.late_write_errors):
+        """Return receive memory; or, if the producer may still write into the fetch's
+        memory, hold it for the transport's ``late_write_s`` (class docstring)."""
+        late = error is not None and isinstance(error, transport.late_write_errors)
+        if late and (offsets or outside):
+            until = time.monotonic() + transport.late_write_s
             with self._lock:
-                self._quarantine.append((time.monotonic() + self.QUARANTINE_S, list(offsets)))
+                self._quarantine.append((until, list(offsets), list(outside)))
             offsets.clear()
         else:
             self._free(offsets)
+        outside.clear()
 
     def _reclaim(self) -> None:
         now = time.monotonic()
         with self._lock:
-            due = [offs for t, offs in self._quarantine if t <= now]
-            self._quarantine = [(t, offs) for t, offs in self._quarantine if t > now]
+            due = [offs for t, offs, _ in self._quarantine if t <= now]
+            self._quarantine = [q for q in self._quarantine if q[0] > now]
         for offs in due:
             self._free(offs)
 
@@ -523,9 +547,17 @@ class _Receiver:
 
     @property
     def quarantined(self) -> int:
+        """Receive-pool bytes held back from late writes."""
         with self._lock:
-            offsets = [off for _, offs in self._quarantine for off in offs]
+            offsets = [off for _, offs, _ in self._quarantine for off in offs]
         return sum(self._freelist.size_of(off) for off in offsets)
+
+    @property
+    def kept(self) -> int:
+        """Bytes outside the pool kept alive for late writes."""
+        self._reclaim()
+        with self._lock:
+            return sum(n for _, _, bufs in self._quarantine for _, n in bufs)
 
     def stop(self) -> None:
         """Wait for streamed fetches still running, then stop their threads."""
@@ -634,6 +666,11 @@ class DiffusionConnector:
         caller knows the whole payload was committed (e.g. a stage output the
         orchestrator acknowledged): one not found is gone at once
         (``PayloadGoneError``), not waited for until ``timeout``.
+
+        After a p2p fetch failed with ``DeadlineExceededError`` or ``PeerGoneError``
+        the producer may still write into its destination for about 18 minutes
+        (``late_write_s``): a ``dst`` of yours is kept alive that long
+        (``stats().late_write_kept_bytes``); do not reuse it, give a fresh one.
         """
         self._check_open()
         return self._receiver.consume(handle, dst, timeout or self.timeout_s, committed)
@@ -693,6 +730,7 @@ class DiffusionConnector:
             transports=tuple(t.name for t in self._transports.existing()),
             cached_regions=sum(c[0] for c in cached),
             cached_bytes=sum(c[1] for c in cached),
+            late_write_kept_bytes=self._receiver.kept,
         )
 
     @property

@@ -28,7 +28,9 @@ calls, in this order:
 
 A transport whose producer writes into the consumer lists, in
 ``late_write_errors``, the fetch errors after which such a write may still be
-under way (p2p: the consumer gave up or lost the connection mid-transfer).
+under way (p2p: the consumer gave up or lost the connection mid-transfer), and in
+``late_write_s`` how long after such an error bytes may still land: the consumer
+keeps that memory out of use, and alive, at least that long.
 
 Regions passed to ``prepare``/``commit`` must stay alive, and a chunk's bytes
 unchanged, until ``commit`` of that chunk returns (store) or the payload is
@@ -65,6 +67,9 @@ class Transport(ABC):
     #: errors from ``fetch`` after which the peer may still be writing into the
     #: fetch's regions (the consumer must not reuse that memory at once)
     late_write_errors: ClassVar[tuple[type[BaseException], ...]] = ()
+    #: seconds after one of ``late_write_errors`` during which the peer's bytes may
+    #: still land in the fetch's regions
+    late_write_s: float = 0.0
 
     def __init__(self, settings: MooncakeSettings) -> None:
         self.settings = settings

@@ -54,10 +54,40 @@ from mooncake_diffusion.staging import Staged, Stager
 from mooncake_diffusion.tensors import Region
 from mooncake_diffusion.transports.base import Plan, Transport
 
-__all__ = ["P2PTransport"]
+__all__ = ["P2PTransport", "late_write_bound"]
 
 _TOMBSTONES = 65536  # consumed payload ids remembered, to tell "consumed" from "gone"
 _READY_POLL_S = 0.25  # how often a server thread waiting on a chunk checks for shutdown
+#: Linux's TCP retransmission timeout: 200 ms at first, doubling up to 120 s
+_RTO_MIN_S, _RTO_MAX_S = 0.2, 120.0
+_TCP_RETRIES2 = "/proc/sys/net/ipv4/tcp_retries2"
+#: what a write still has to move once its connection works again
+_LANDING_S = 60.0
+
+
+def late_write_bound(retries2: int | None = None) -> float:
+    """Seconds after a consumer gave up a p2p producer during which the producer's
+    Transfer Engine write may still land in the consumer's memory.
+
+    Measured across network namespaces (``tests/chaos/test_late_write.py``):
+    Mooncake's TCP transport neither cancels nor times out a write cut off by a
+    partition; when the link comes back it sends the rest, into memory the
+    consumer gave up and even unregistered. It stops only when the producer's
+    kernel gives the connection up: after ``tcp_retries2`` retransmissions,
+    timed as if the timeout started at 200 ms and doubled up to 120 s (924.6 s
+    for Linux's default of 15), checked when a retransmission timer fires (up to
+    120 s later). The bound is that, one more timer, and ``_LANDING_S`` for the
+    rest of the write. The producer's setting is not visible from here: this
+    host's is read (``retries2`` None), on the assumption that a fleet shares
+    it, and 15 where it cannot be read."""
+    if retries2 is None:
+        try:
+            with open(_TCP_RETRIES2) as f:
+                retries2 = int(f.read())
+        except (OSError, ValueError):
+            retries2 = 15
+    model = sum(min(_RTO_MIN_S * 2**i, _RTO_MAX_S) for i in range(max(retries2, 0) + 1))
+    return model + _RTO_MAX_S + _LANDING_S
 
 
 @dataclass
@@ -88,6 +118,7 @@ class P2PTransport(Transport):
         self._peer_pools = PeerPools()  # consumers' shared receive pools, mapped here
         self._own_pool: SharedPool | None = None  # this consumer's, announced in fetches
         self._late_staging: list[Staged] = []  # freed at close(): a write may still land
+        self.late_write_s = late_write_bound()
         self._stager = Stager(
             cuda_build, lambda: nic_reaches_gpu(settings.protocol), settings.gpu_path
         )
