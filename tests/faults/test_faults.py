@@ -2,6 +2,7 @@
 and the connector keeps working afterwards."""
 
 import socket
+import threading
 import time
 
 import pytest
@@ -17,6 +18,8 @@ from mooncake_diffusion.errors import (
     TransferError,
 )
 from mooncake_diffusion.handoff import ProducerProcess
+from mooncake_diffusion.schema import FetchReply, FetchRequest
+from mooncake_diffusion.sidechannel import SideChannelClient
 from mooncake_diffusion.testing import assert_no_leaks
 
 pytestmark = pytest.mark.faults
@@ -165,6 +168,53 @@ def test_abandoned_p2p_fetch_quarantines_receive_memory(mooncake_cluster, connec
     # the producer could still write into that memory: it is not handed out again yet
     assert stats.pool_bytes_quarantined >= buf.nbytes and stats.pool_bytes_in_use == 0
     assert stats.late_write_kept_bytes == 0  # it was all pool memory
+    pub.release()
+
+
+def _none(_: object) -> None:
+    pass
+
+
+def test_p2p_producer_starts_no_chunk_after_the_consumers_deadline(connector_factory):
+    """A consumer holds its memory back from its deadline on, so the producer must not
+    start a write after it: a chunk readied later is refused and the payload stays
+    for another fetch. The consumer here is a bare side-channel client whose budget
+    (``FetchRequest.budget_s``) ended a microsecond after the producer received it;
+    the chunk is readied only once the producer holds the fetch (its claim seen)."""
+    prod = connector_factory("p2p", "denoise")
+    buf = make_tensor("float32", (2, 1024), 33)
+    pub = prod.publish(
+        StagePayload("r1", "latent", tensor=buf, chunk_dim=0, num_chunks=2), stream=True
+    )
+    h = pub.handle
+    endpoint = h.source.endpoint
+    lengths = tuple(t.nbytes for t in h.tensors)
+    # never written: a refused chunk goes nowhere (a write would fail on this segment)
+    late = FetchRequest(h.payload_id, "127.0.0.1:1", (1,), lengths, budget_s=1e-6)
+    client = SideChannelClient(peer_timeout=5.0)
+    replies: list[FetchReply] = []
+    t = threading.Thread(
+        target=lambda: replies.append(client.call(endpoint, late, time.monotonic() + 60, _none))
+    )
+    t.start()
+    probe = SideChannelClient(peer_timeout=5.0)
+    deadline = time.monotonic() + 60
+    # wrong lengths: answered "mismatch" while nobody holds the payload, never claimed
+    seen = FetchRequest(h.payload_id, "", (1,), (1,))
+    while probe.call(endpoint, seen, deadline, _none).status != "consumed":  # now held
+        assert time.monotonic() < deadline, "the producer never took the fetch"
+        time.sleep(0.01)
+    pub.chunk_ready(0)
+    t.join(60)
+    assert [r.status for r in replies] == ["failed"]
+    assert "after the consumer's deadline" in replies[0].detail, replies[0].detail
+    probe.close()
+    client.close()
+    pub.chunk_ready(1)
+    cons = connector_factory("p2p", "decode")  # the payload is still there, whole
+    with cons.consume(h, timeout=30) as got:
+        assert same_bytes(got.tensor, buf)
+    pub.wait(30)
     pub.release()
 
 

@@ -37,7 +37,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -347,14 +347,17 @@ def _holds(live: _Live) -> bool:
 class _Receiver:
     """The consumer side: destinations, the receive pool and the consumed ledger.
 
-    When a fetch fails with one of its transport's ``late_write_errors`` (a p2p
-    consumer gave up mid-transfer: deadline, producer cut off), the producer's
-    bytes may still land for the transport's ``late_write_s`` (p2p over TCP:
-    until the producer's kernel gives its connection up, about 18 minutes by
-    Linux's defaults). Until then the fetch's receive-pool memory is not handed
-    out again (``quarantined``), and the buffers it wrote into outside the pool
-    (made for it, or the caller's ``dst``) are kept alive, so that memory is
-    neither reused nor freed (``kept``). Receive memory the pool cannot give
+    When a fetch fails and its transport says the peer may still write into it
+    (``may_write_late``: a p2p fetch broken off before the producer's final
+    reply, e.g. its deadline passed or the producer was cut off), the producer's
+    bytes may still land until the transport's ``late_write_s`` after the fetch's
+    deadline (p2p over TCP: until the producer's kernel gives its connection up,
+    about 18 minutes by Linux's defaults; the producer starts no write after the
+    deadline). Until then the fetch's receive-pool memory is not handed out
+    again (``quarantined``), and the buffers it wrote into outside the pool (made
+    for it, or the caller's ``dst``) are kept alive, so that memory is neither
+    reused nor freed (``kept``). This starts when the fetch fails, whether or
+    not the caller releases the payload. Receive memory the pool cannot give
     meanwhile is allocated per fetch, as for a payload larger than the pool.
     """
 
@@ -392,25 +395,31 @@ class _Receiver:
         if offsets:
             self._pin_pool(transport)
         deadline = time.monotonic() + timeout
+
+        def settle(error: BaseException | None) -> None:
+            self._settle(transport, error, offsets, outside, deadline)
+
         got = ReceivedPayload(
             h,
             tensors,
-            lambda: self._settle(transport, got._error, offsets, outside),
+            lambda: settle(got._error),
             lambda i: _chunk_views(h, tensors, i),
             deadline,
         )
         if h.num_chunks == 1:  # nothing to overlap: fetch here and raise here
             try:
-                self._fetch(transport, h, regions, deadline, got, committed)
+                self._fetch(transport, h, regions, deadline, got, committed, settle)
             except BaseException as e:
-                self._settle(transport, e, offsets, outside)
+                settle(e)
                 raise
             return got
         with self._lock:
             if self._fetchers is None:
                 self._fetchers = ThreadPoolExecutor(4, thread_name_prefix="mcd-consume")
             fetchers = self._fetchers
-        fetchers.submit(self._fetch_quietly, transport, h, regions, deadline, got, committed)
+        fetchers.submit(
+            self._fetch_quietly, transport, h, regions, deadline, got, committed, settle
+        )
         return got
 
     def _fetch(
@@ -420,13 +429,16 @@ class _Receiver:
         regions: list[Region],
         deadline: float,
         got: ReceivedPayload,
-        committed: bool = False,
+        committed: bool,
+        settle: Callable[[BaseException | None], None],
     ) -> None:
         try:
             got.path = transport.fetch(
                 h, regions, plan_for(h), deadline, got._chunk_landed, committed=committed
             )
         except BaseException as e:
+            if transport.may_write_late(e):
+                settle(e)  # held back now, not only once (or if) the caller releases
             got._finish(e)
             raise
         if h.lease == "delete_on_consume":
@@ -519,12 +531,14 @@ class _Receiver:
         error: BaseException | None,
         offsets: list[int],
         outside: list[tuple[Any, int]],
+        deadline: float,
     ) -> None:
-        """Return receive memory; or, if the producer may still write into the fetch's
-        memory, hold it for the transport's ``late_write_s`` (class docstring)."""
-        late = error is not None and isinstance(error, transport.late_write_errors)
+        """Return a fetch's receive memory; or, if the producer may still write into
+        it, hold it until ``late_write_s`` after the fetch's deadline (class
+        docstring). Once per fetch: a second call finds nothing left to settle."""
+        late = error is not None and transport.may_write_late(error)
         if late and (offsets or outside):
-            until = time.monotonic() + transport.late_write_s
+            until = max(time.monotonic(), deadline) + transport.late_write_s
             with self._lock:
                 self._quarantine.append((until, list(offsets), list(outside)))
             offsets.clear()
@@ -667,10 +681,11 @@ class DiffusionConnector:
         orchestrator acknowledged): one not found is gone at once
         (``PayloadGoneError``), not waited for until ``timeout``.
 
-        After a p2p fetch failed with ``DeadlineExceededError`` or ``PeerGoneError``
-        the producer may still write into its destination for about 18 minutes
-        (``late_write_s``): a ``dst`` of yours is kept alive that long
-        (``stats().late_write_kept_bytes``); do not reuse it, give a fresh one.
+        After a p2p fetch broke off before the producer's final reply (e.g.
+        ``DeadlineExceededError``, ``PeerGoneError``) the producer may still write
+        into its destination until about 18 minutes after the fetch's deadline
+        (the transport's ``late_write_s``): a ``dst`` of yours is kept alive that
+        long (``stats().late_write_kept_bytes``); do not reuse it, give a fresh one.
         """
         self._check_open()
         return self._receiver.consume(handle, dst, timeout or self.timeout_s, committed)

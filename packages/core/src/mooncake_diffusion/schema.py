@@ -22,6 +22,9 @@ Version history:
        ``ChunkDone`` per committed chunk to a consumer that asks (a ``FetchRequest``
        naming only the payload), so a chunked store relay wakes on commits instead
        of polling.
+    5  ``FetchRequest.budget_s``: the seconds the consumer will wait, from when the
+       producer receives the request; the producer starts no chunk's write after
+       them (a consumer that gave up holds its memory back from its deadline on).
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ __all__ = [
 ]
 
 MAGIC = "mcd"
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 #: Element size in bytes of every dtype a handle may carry.
 DTYPE_SIZES: dict[str, int] = {
@@ -253,7 +256,9 @@ class FetchRequest(msgspec.Struct, frozen=True, array_like=True, tag=10):
     ``addrs``/``lengths`` are the consumer's registered destinations, one per
     tensor in handle order (0/0 for an empty tensor). ``host``/``pid`` identify
     the consumer process for the same-host path ("" / 0: use the network);
-    ``pool_*`` describe its shared receive pool (fd -1: none).
+    ``pool_*`` describe its shared receive pool (fd -1: none). ``budget_s``: how
+    long the consumer waits, counted from when the producer receives this; the
+    producer starts no chunk after that (0: no limit).
     """
 
     payload_id: str
@@ -266,6 +271,7 @@ class FetchRequest(msgspec.Struct, frozen=True, array_like=True, tag=10):
     pool_token: str = ""
     pool_base: int = 0
     pool_size: int = 0
+    budget_s: float = 0.0
 
 
 class ChunkDone(msgspec.Struct, frozen=True, array_like=True, tag=12):

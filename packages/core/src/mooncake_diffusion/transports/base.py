@@ -26,11 +26,12 @@ calls, in this order:
       registered() -> (count, bytes, temporary)   for leak checks
       close()                       idempotent; nothing stays registered
 
-A transport whose producer writes into the consumer lists, in
-``late_write_errors``, the fetch errors after which such a write may still be
-under way (p2p: the consumer gave up or lost the connection mid-transfer), and in
-``late_write_s`` how long after such an error bytes may still land: the consumer
-keeps that memory out of use, and alive, at least that long.
+A transport whose producer writes into the consumer says, with
+``may_write_late(error)``, whether a fetch that raised ``error`` may still be
+written into (p2p: the fetch broke off before the producer's final reply), and in
+``late_write_s`` how long after the fetch's deadline (or the error, if later) its
+bytes may still land: the consumer keeps that memory out of use, and alive, that
+long.
 
 Regions passed to ``prepare``/``commit`` must stay alive, and a chunk's bytes
 unchanged, until ``commit`` of that chunk returns (store) or the payload is
@@ -45,6 +46,7 @@ find as gone at once instead of at the deadline.
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import ClassVar
@@ -64,12 +66,10 @@ class Transport(ABC):
     """Base class of p2p, store and memory transports (see the module docstring)."""
 
     name: ClassVar[str]
-    #: errors from ``fetch`` after which the peer may still be writing into the
-    #: fetch's regions (the consumer must not reuse that memory at once)
-    late_write_errors: ClassVar[tuple[type[BaseException], ...]] = ()
-    #: seconds after one of ``late_write_errors`` during which the peer's bytes may
-    #: still land in the fetch's regions
-    late_write_s: float = 0.0
+    #: seconds after a fetch's deadline (or its error, if later) during which the
+    #: peer's bytes may still land after ``may_write_late``: forever unless a
+    #: transport that writes late says otherwise
+    late_write_s: float = math.inf
 
     def __init__(self, settings: MooncakeSettings) -> None:
         self.settings = settings
@@ -104,6 +104,12 @@ class Transport(ABC):
         *,
         committed: bool = False,
     ) -> str: ...
+
+    def may_write_late(self, error: BaseException) -> bool:
+        """Whether the peer may still write into the regions of a fetch that raised
+        ``error`` (then the consumer holds them back for ``late_write_s``). None
+        may by default: the transport's reads had all ended when ``fetch`` raised."""
+        return False
 
     @abstractmethod
     def pin(self, region: Region) -> None: ...

@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import math
 import os
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -36,7 +38,6 @@ from mooncake_diffusion.errors import (
     DestinationMismatchError,
     MooncakeDiffusionError,
     PayloadGoneError,
-    PeerGoneError,
     TransferError,
 )
 from mooncake_diffusion.samehost import PeerPools, SharedPool, host_identity, vm_write
@@ -61,6 +62,9 @@ _READY_POLL_S = 0.25  # how often a server thread waiting on a chunk checks for 
 #: Linux's TCP retransmission timeout: 200 ms at first, doubling up to 120 s
 _RTO_MIN_S, _RTO_MAX_S = 0.2, 120.0
 _TCP_RETRIES2 = "/proc/sys/net/ipv4/tcp_retries2"
+_DEFAULT_RETRIES2 = 15  # Linux's
+#: set on an error that broke a fetch off before the producer's final reply
+_LATE = "mcd_may_write_late"
 #: what a write still has to move once its connection works again
 _LANDING_S = 60.0
 
@@ -77,15 +81,18 @@ def late_write_bound(retries2: int | None = None) -> float:
     timed as if the timeout started at 200 ms and doubled up to 120 s (924.6 s
     for Linux's default of 15), checked when a retransmission timer fires (up to
     120 s later). The bound is that, one more timer, and ``_LANDING_S`` for the
-    rest of the write. The producer's setting is not visible from here: this
-    host's is read (``retries2`` None), on the assumption that a fleet shares
-    it, and 15 where it cannot be read."""
+    rest of the write, counted from the last moment the producer may start a
+    write (the fetch's deadline: ``FetchRequest.budget_s``). The producer's
+    setting is not visible from here (it is per network namespace): with
+    ``retries2`` None this host's is read, and Linux's default 15 is used where
+    that is lower or unreadable, so a consumer that lowered its own does not
+    shorten the hold for producers that kept the default."""
     if retries2 is None:
         try:
             with open(_TCP_RETRIES2) as f:
-                retries2 = int(f.read())
+                retries2 = max(int(f.read()), _DEFAULT_RETRIES2)
         except (OSError, ValueError):
-            retries2 = 15
+            retries2 = _DEFAULT_RETRIES2
     model = sum(min(_RTO_MIN_S * 2**i, _RTO_MAX_S) for i in range(max(retries2, 0) + 1))
     return model + _RTO_MAX_S + _LANDING_S
 
@@ -103,7 +110,6 @@ class _Held:
 
 class P2PTransport(Transport):
     name = "p2p"
-    late_write_errors = (DeadlineExceededError, PeerGoneError)
 
     def __init__(self, settings: MooncakeSettings) -> None:
         super().__init__(settings)
@@ -198,6 +204,9 @@ class P2PTransport(Transport):
             return held
 
     def _serve(self, req: FetchRequest, progress: Callable[[ChunkDone], None]) -> FetchReply:
+        # the consumer's deadline on this host's clock: no write starts after it (the
+        # consumer holds its memory back from then on, not for ever)
+        ends = time.monotonic() + req.budget_s if req.budget_s > 0 else math.inf
         held = self._claim(req)
         if isinstance(held, FetchReply):
             return held
@@ -205,6 +214,10 @@ class P2PTransport(Transport):
             for i, segments in enumerate(held.plan):
                 if not self._await_ready(req.payload_id, held, i):
                     return FetchReply("gone", f"payload {req.payload_id} was withdrawn")
+                if time.monotonic() >= ends:
+                    raise DeadlineExceededError(
+                        f"chunk {i} of {req.payload_id} was ready after the consumer's deadline"
+                    )
                 path = self._move(req, held, segments)
                 if held.staged is not None and held.staged.path:
                     path = f"{path}|src={held.staged.path}"
@@ -293,6 +306,7 @@ class P2PTransport(Transport):
                 pool.token if pool else "",
                 pool.base if pool else 0,
                 pool.nbytes if pool else 0,
+                max(deadline - time.monotonic(), 0.001),
             )
             paths: set[str] = set()
 
@@ -302,9 +316,13 @@ class P2PTransport(Transport):
                     staged.receive(plan[done.index])
                 on_chunk(done.index)
 
-            reply = self._client.call(source.endpoint, req, deadline, landed)
-        except self.late_write_errors:
-            if staged is not None:  # the producer may still be writing into it
+            try:
+                reply = self._client.call(source.endpoint, req, deadline, landed)
+            except BaseException as e:  # broken off before the producer's final reply
+                setattr(e, _LATE, True)
+                raise
+        except BaseException as e:
+            if staged is not None and self.may_write_late(e):  # it may still be written
                 self._late_staging.append(staged)
                 staged = None
             raise
@@ -323,6 +341,12 @@ class P2PTransport(Transport):
         if reply.status == "mismatch":
             raise DestinationMismatchError(reply.detail)
         raise TransferError(f"producer {source.endpoint}: {reply.detail}")
+
+    def may_write_late(self, error: BaseException) -> bool:
+        """A fetch broken off before the producer's final reply (its deadline, the
+        producer cut off, a broken frame, an interrupt): the producer may still be
+        writing, and may start chunks until the fetch's deadline."""
+        return getattr(error, _LATE, False) is True
 
     # both --------------------------------------------------------------------
     def pin(self, region: Region) -> None:
