@@ -24,6 +24,7 @@ import torch
 from hosts import Hosts, available
 from late_producer import SEED, SHAPE
 
+from helpers import same_bytes
 from mooncake_diffusion.connector import DiffusionConnector
 from mooncake_diffusion.errors import PeerGoneError
 from mooncake_diffusion.handoff import make_tensor
@@ -51,10 +52,6 @@ def _fds() -> dict[str, str]:
     return out
 
 
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8))
-
-
 def test_late_write_never_lands_in_reused_memory(tmp_path):
     why = available()
     if why is not None:
@@ -79,7 +76,7 @@ def test_late_write_never_lands_in_reused_memory(tmp_path):
             want_a = make_tensor("float32", SHAPE, SEED)
             got_a = cons.consume(handle, timeout=300)  # far beyond the peer timeout
             first = got_a.chunk(0).tensor
-            assert _same(first, want_a[0:1])
+            assert same_bytes(first, want_a[0:1])
             # A's whole destination, chunk 0 on: what the late write will reach
             dest_a = torch.empty(0, dtype=torch.float32).set_(
                 first.untyped_storage(), first.storage_offset(), SHAPE
@@ -99,16 +96,16 @@ def test_late_write_never_lands_in_reused_memory(tmp_path):
             pub_b = near.publish(StagePayload("b", "latent", tensor=want_b))
             got_b = cons.consume(pub_b.handle, timeout=60)
             b = got_b.tensor
-            assert _same(b, want_b)
+            assert same_bytes(b, want_b)
 
             net.heal("prod")
             deadline = time.monotonic() + LAND_S
             rest = want_a[1:2]  # chunk 1: the write cut off
-            while not _same(dest_a[1:2], rest):
+            while not same_bytes(dest_a[1:2], rest):
                 assert time.monotonic() < deadline, "the cut-off write never landed"
                 time.sleep(0.1)
             # it landed where A was; B is untouched (it is elsewhere)
-            intact = _same(b, want_b)
+            intact = same_bytes(b, want_b)
             assert intact, "a late write of A's landed in B"
             got_b.release()
             pub_b.release()

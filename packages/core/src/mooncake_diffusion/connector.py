@@ -569,7 +569,6 @@ class _Receiver:
     @property
     def kept(self) -> int:
         """Bytes outside the pool kept alive for late writes."""
-        self._reclaim()
         with self._lock:
             return sum(n for _, _, bufs in self._quarantine for _, n in bufs)
 

@@ -7,12 +7,11 @@ connection; ``close()`` on either side ends them and joins every thread.
 
 A consumer's connection is watched by the kernel (``_watch_peer``): a producer
 that acknowledges nothing, not even a keepalive probe, for ``peer_timeout`` seconds
-(callers pass ``MooncakeSettings.peer_timeout_s``)
-(its host crashed, or the network cut it off) is given up with ``PeerGoneError``,
-(``DeadlineExceededError`` if the fetch's own deadline comes first), so the consumer's
-stage reports its input lost instead of waiting the deadline out. A producer that
-is slow but alive answers the probes from its kernel and is waited for until the
-deadline.
+(callers pass ``MooncakeSettings.peer_timeout_s``; its host crashed, or the network
+cut it off) is given up with ``PeerGoneError`` (``DeadlineExceededError`` if the
+fetch's own deadline comes first), so the consumer's stage reports its input lost
+instead of waiting the deadline out. A producer that is slow but alive answers the
+probes from its kernel and is waited for until the deadline.
 """
 
 from __future__ import annotations

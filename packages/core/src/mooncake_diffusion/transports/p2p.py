@@ -320,12 +320,10 @@ class P2PTransport(Transport):
                 reply = self._client.call(source.endpoint, req, deadline, landed)
             except BaseException as e:  # broken off before the producer's final reply
                 setattr(e, _LATE, True)
+                if staged is not None:  # the producer may still write into it
+                    self._late_staging.append(staged)
+                    staged = None
                 raise
-        except BaseException as e:
-            if staged is not None and self.may_write_late(e):  # it may still be written
-                self._late_staging.append(staged)
-                staged = None
-            raise
         finally:
             for lease_id in leases:
                 self._engine.regs.release(lease_id)
