@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from mooncake_diffusion.chunks import plan
+from mooncake_diffusion.errors import DeadlineExceededError
 from mooncake_diffusion.schema import PayloadHandle
 from mooncake_diffusion.staging import HostOps, Stager
 from mooncake_diffusion.tensors import describe
@@ -80,4 +81,49 @@ def test_device_payload_is_staged_both_ways_chunk_by_chunk(mooncake_cluster, mod
         prod.close()
         cons.close()
     assert prod.registered() == (0, 0, 0)
+    assert_no_leaks(mooncake_cluster, baseline)
+
+
+def test_staging_buffer_of_a_broken_off_fetch_is_freed_when_its_hold_ends(mooncake_cluster):
+    """A p2p fetch broken off keeps its inbound staging buffer for the transport's
+    ``late_write_s`` (the producer may still write into it), then frees it at the next
+    fetch, not only at ``close()``. ``late_write_s`` is shortened to 0.2 s here."""
+    baseline = {f"{t.name}#{t.ident}" for t in threading.enumerate()}
+    prod, cons = P2PTransport(mooncake_cluster.settings), P2PTransport(mooncake_cluster.settings)
+    ops = HostOps()
+    for t in (prod, cons):
+        t._stager = Stager(lambda: False, lambda: False, "auto", lambda: ops)
+    cons.late_write_s = 0.2
+    try:
+        src = np.arange(2 * 4096, dtype=np.uint8).reshape(2, 4096)
+        spec, region = _on_device(src)
+        chunks = plan([spec], 0, 2)
+
+        def published(payload_id: str, ready: int) -> PayloadHandle:
+            source = prod.prepare(payload_id, [region], "delete_on_consume", chunks)
+            for c in range(ready):
+                prod.commit(payload_id, source, [region], "delete_on_consume", chunks, c)
+            return PayloadHandle(
+                payload_id, "r1", "latent", "p2p", "delete_on_consume", (spec,), source,
+                chunk_dim=0, num_chunks=2,
+            )  # fmt: skip
+
+        stalled = published("r1/latent/stalled", 1)  # chunk 1 never ready
+        dst = np.zeros_like(src)
+        _, dst_region = _on_device(dst)
+        with pytest.raises(DeadlineExceededError) as broke:
+            cons.fetch(stalled, [dst_region], chunks, time.monotonic() + 0.5, lambda i: None)
+        assert cons.may_write_late(broke.value)
+        [(until, kept)] = cons._late_staging
+        assert kept._buffer is not None  # held: a late write may still land in it
+        time.sleep(max(until - time.monotonic(), 0) + 0.05)
+        whole = published("r1/latent/whole", 2)
+        cons.fetch(whole, [dst_region], chunks, time.monotonic() + 30, lambda i: None)
+        assert np.array_equal(dst, src)
+        assert cons._late_staging == [] and kept._buffer is None  # its hold ended: freed
+        prod.discard(stalled)
+    finally:
+        prod.close()
+        cons.close()
+    assert prod.registered() == (0, 0, 0) and cons.registered() == (0, 0, 0)
     assert_no_leaks(mooncake_cluster, baseline)

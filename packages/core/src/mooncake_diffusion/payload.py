@@ -217,6 +217,7 @@ class ReceivedPayload:
         self.handle = handle
         self._tensors = tensors
         self._release: Callable[[], None] | None = release
+        self._release_lock = threading.Lock()
         self._chunk_view = chunk_view
         self._deadline = deadline
         #: how the bytes came: "p2p/net", "p2p/shm", "store" or "memory" (once done)
@@ -291,7 +292,9 @@ class ReceivedPayload:
         return self.tensors[name]
 
     def release(self) -> None:
-        release, self._release = self._release, None
+        """Idempotent and thread-safe: the memory is handed back once, whoever calls."""
+        with self._release_lock:
+            release, self._release = self._release, None
         if release is not None:
             self._done.wait()  # never hand memory back while bytes may still land in it
             release()

@@ -106,6 +106,11 @@ class _Held:
     ready: list[threading.Event] = field(default_factory=list)
     claimed: bool = False
     staged: Staged | None = None  # device tensors: what regions stand for
+    #: serves whose engine reads ``regions`` now (``_move``); a payload withdrawn
+    #: meanwhile (``dropped``) keeps its registrations and staging buffer until the
+    #: last of them ends, and no chunk moved across the withdrawal is reported landed
+    moving: int = 0
+    dropped: bool = False
 
 
 class P2PTransport(Transport):
@@ -123,7 +128,10 @@ class P2PTransport(Transport):
         self._shm_ok = settings.same_host  # turned off for good once the kernel refuses
         self._peer_pools = PeerPools()  # consumers' shared receive pools, mapped here
         self._own_pool: SharedPool | None = None  # this consumer's, announced in fetches
-        self._late_staging: list[Staged] = []  # freed at close(): a write may still land
+        #: inbound staging buffers of fetches broken off, and when no late write of
+        #: theirs can land any more (``late_write_s`` after the failure or deadline):
+        #: freed then (at the next fetch) or at ``close()``
+        self._late_staging: list[tuple[float, Staged]] = []
         self.late_write_s = late_write_bound()
         self._stager = Stager(
             cuda_build, lambda: nic_reaches_gpu(settings.protocol), settings.gpu_path
@@ -179,13 +187,22 @@ class P2PTransport(Transport):
             return payload_id in self._held
 
     def _drop(self, payload_id: str) -> None:
+        """Withdraw ``payload_id``; its memory is let go now, or by the move still
+        reading it when that ends (``_moving``). Never waits."""
         with self._lock:
             held = self._held.pop(payload_id, None)
-        if held is not None:
-            for lease_id in held.leases:
-                self._engine.regs.release(lease_id)
-            if held.staged is not None:
-                held.staged.release()
+            if held is None:
+                return
+            held.dropped = True
+            if held.moving:
+                return
+        self._let_go(held)
+
+    def _let_go(self, held: _Held) -> None:
+        for lease_id in held.leases:
+            self._engine.regs.release(lease_id)
+        if held.staged is not None:
+            held.staged.release()
 
     def _claim(self, req: FetchRequest) -> _Held | FetchReply:
         with self._lock:
@@ -218,7 +235,9 @@ class P2PTransport(Transport):
                     raise DeadlineExceededError(
                         f"chunk {i} of {req.payload_id} was ready after the consumer's deadline"
                     )
-                path = self._move(req, held, segments)
+                path = self._moving(req, held, segments)
+                if path is None:
+                    return FetchReply("gone", f"payload {req.payload_id} was withdrawn")
                 if held.staged is not None and held.staged.path:
                     path = f"{path}|src={held.staged.path}"
                 progress(ChunkDone(i, path))
@@ -233,6 +252,25 @@ class P2PTransport(Transport):
                     self._consumed.popitem(last=False)
             self._drop(req.payload_id)
         return FetchReply("ok")
+
+    def _moving(self, req: FetchRequest, held: _Held, segments: Sequence) -> str | None:
+        """``_move`` while the payload stays held; None if it was withdrawn before or
+        during the move (the owner may reuse the bytes once its release returned, so
+        a chunk read across it is not reported landed). The last move of a withdrawn
+        payload lets its memory go."""
+        with self._lock:
+            if held.dropped:
+                return None
+            held.moving += 1
+        try:
+            path = self._move(req, held, segments)
+        finally:
+            with self._lock:
+                held.moving -= 1
+                last = held.dropped and not held.moving
+            if last:
+                self._let_go(held)
+        return None if held.dropped else path
 
     def _await_ready(self, payload_id: str, held: _Held, chunk: int) -> bool:
         while not held.ready[chunk].wait(_READY_POLL_S):
@@ -288,6 +326,8 @@ class P2PTransport(Transport):
     ) -> str:
         source = handle.source
         assert isinstance(source, P2PSource)
+        if self._late_staging:
+            self._free_late_staging(time.monotonic())
         staged = self._stager.inbound(regions)
         if staged is not None:
             regions = staged.regions
@@ -321,7 +361,9 @@ class P2PTransport(Transport):
             except BaseException as e:  # broken off before the producer's final reply
                 setattr(e, _LATE, True)
                 if staged is not None:  # the producer may still write into it
-                    self._late_staging.append(staged)
+                    until = max(time.monotonic(), deadline) + self.late_write_s
+                    with self._lock:
+                        self._late_staging.append((until, staged))
                     staged = None
                 raise
         finally:
@@ -368,6 +410,12 @@ class P2PTransport(Transport):
             self._drop(payload_id)
         self._peer_pools.close()  # after the server: no copy into them is running
         self._engine.close()
-        for staged in self._late_staging:  # the engine is gone: nothing writes any more
+        self._free_late_staging(math.inf)  # the engine is gone: nothing writes any more
+
+    def _free_late_staging(self, now: float) -> None:
+        """Release the late-write staging buffers whose hold ended by ``now``."""
+        with self._lock:
+            ended = [staged for until, staged in self._late_staging if until <= now]
+            self._late_staging = [(u, s) for u, s in self._late_staging if u > now]
+        for staged in ended:
             staged.release()
-        self._late_staging.clear()
