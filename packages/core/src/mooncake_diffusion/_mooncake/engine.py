@@ -171,6 +171,9 @@ class Engine:
         for s, d, n in zip(src, dst, lengths, strict=True):
             batch = self._te.transfer_submit_write(peer, s, d, n)
             if not 0 < batch < _BAD_BATCH:  # never poll these: Mooncake crashes on them
+                # the ranges submitted before still read ``src`` and write ``dst``: let
+                # them end first (up to ``deadline``: past it, the contract above)
+                self._settle(batches, sum(lengths[: len(batches)]), start, deadline)
                 raise self._failed(peer, lengths, -1)
             batches.append(batch)
         total = sum(lengths)

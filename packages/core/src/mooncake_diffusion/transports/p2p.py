@@ -199,10 +199,18 @@ class P2PTransport(Transport):
         self._let_go(held)
 
     def _let_go(self, held: _Held) -> None:
+        """Release ``held``'s leases, then its staging buffer: every one even if a
+        release raises (the first error is raised after)."""
+        first: BaseException | None = None
         for lease_id in held.leases:
-            self._engine.regs.release(lease_id)
+            try:
+                self._engine.regs.release(lease_id)
+            except BaseException as e:
+                first = first or e
         if held.staged is not None:
             held.staged.release()
+        if first is not None:
+            raise first
 
     def _claim(self, req: FetchRequest) -> _Held | FetchReply:
         with self._lock:
