@@ -84,10 +84,15 @@ def test_device_payload_is_staged_both_ways_chunk_by_chunk(mooncake_cluster, mod
     assert_no_leaks(mooncake_cluster, baseline)
 
 
-def test_staging_buffer_of_a_broken_off_fetch_is_freed_when_its_hold_ends(mooncake_cluster):
+@pytest.mark.parametrize("host_too", [False, True], ids=["all staged", "one host region"])
+def test_staging_buffer_of_a_broken_off_fetch_is_freed_when_its_hold_ends(
+    mooncake_cluster, host_too
+):
     """A p2p fetch broken off keeps its inbound staging buffer for the transport's
     ``late_write_s`` (the producer may still write into it), then frees it at the next
-    fetch, not only at ``close()``. ``late_write_s`` is shortened to 0.2 s here."""
+    fetch, not only at ``close()``. With every region staged, the late bytes can land
+    only there: the fetch's own regions are not held (``may_write_late`` is False);
+    with a host region written in place too, they are. ``late_write_s`` is 0.2 s here."""
     baseline = {f"{t.name}#{t.ident}" for t in threading.enumerate()}
     prod, cons = P2PTransport(mooncake_cluster.settings), P2PTransport(mooncake_cluster.settings)
     ops = HostOps()
@@ -95,34 +100,40 @@ def test_staging_buffer_of_a_broken_off_fetch_is_freed_when_its_hold_ends(moonca
         t._stager = Stager(lambda: False, lambda: False, "auto", lambda: ops)
     cons.late_write_s = 0.2
     try:
-        src = np.arange(2 * 4096, dtype=np.uint8).reshape(2, 4096)
-        spec, region = _on_device(src)
-        chunks = plan([spec], 0, 2)
+        srcs = [np.arange(2 * 4096, dtype=np.uint8).reshape(2, 4096)]
+        if host_too:
+            srcs.append(np.arange(2 * 512, dtype=np.int32).reshape(2, 512))
+        described = [describe(f"t{i}", a) for i, a in enumerate(srcs)]
+        specs = [spec for spec, _ in described]
+        regions = [dataclasses.replace(described[0][1], device="cuda:0")]
+        regions += [region for _, region in described[1:]]  # host memory, written in place
+        chunks = plan(specs, 0, 2)
 
         def published(payload_id: str, ready: int) -> PayloadHandle:
-            source = prod.prepare(payload_id, [region], "delete_on_consume", chunks)
+            source = prod.prepare(payload_id, regions, "delete_on_consume", chunks)
             for c in range(ready):
-                prod.commit(payload_id, source, [region], "delete_on_consume", chunks, c)
+                prod.commit(payload_id, source, regions, "delete_on_consume", chunks, c)
             return PayloadHandle(
-                payload_id, "r1", "latent", "p2p", "delete_on_consume", (spec,), source,
+                payload_id, "r1", "latent", "p2p", "delete_on_consume", tuple(specs), source,
                 chunk_dim=0, num_chunks=2,
             )  # fmt: skip
 
         stalled = published("r1/latent/stalled", 1)  # chunk 1 never ready
-        dst = np.zeros_like(src)
-        _, dst_region = _on_device(dst)
+        dsts = [np.zeros_like(a) for a in srcs]
+        dst_regions = [describe(f"t{i}", a)[1] for i, a in enumerate(dsts)]
+        dst_regions[0] = dataclasses.replace(dst_regions[0], device="cuda:0")
         deadline = time.monotonic() + 0.5
         with pytest.raises(DeadlineExceededError) as broke:
-            cons.fetch(stalled, [dst_region], chunks, deadline, lambda i: None)
-        assert cons.may_write_late(broke.value)
+            cons.fetch(stalled, dst_regions, chunks, deadline, lambda i: None)
+        assert cons.may_write_late(broke.value) is host_too
         [(until, kept)] = cons._late_staging
         assert until >= deadline + 0.2
         cons._free_late_staging(until - 0.001)  # what a fetch does first, just before
         assert cons._late_staging == [(until, kept)] and kept._buffer is not None
         time.sleep(max(until - time.monotonic(), 0) + 0.05)
         whole = published("r1/latent/whole", 2)
-        cons.fetch(whole, [dst_region], chunks, time.monotonic() + 30, lambda i: None)
-        assert np.array_equal(dst, src)
+        cons.fetch(whole, dst_regions, chunks, time.monotonic() + 30, lambda i: None)
+        assert all(np.array_equal(d, a) for d, a in zip(dsts, srcs, strict=True))
         assert cons._late_staging == [] and kept._buffer is None  # its hold ended: freed
         prod.discard(stalled)
     finally:

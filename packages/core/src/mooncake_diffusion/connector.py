@@ -685,6 +685,9 @@ class DiffusionConnector:
         into its destination until about 18 minutes after the fetch's deadline
         (the transport's ``late_write_s``): a ``dst`` of yours is kept alive that
         long (``stats().late_write_kept_bytes``); do not reuse it, give a fresh one.
+        Device tensors received through a pinned host buffer (the ``staged`` path,
+        every tensor of the payload) are the exception: the late bytes can land only
+        in that buffer, which the transport holds instead, so ``dst`` is yours again.
         """
         self._check_open()
         return self._receiver.consume(handle, dst, timeout or self.timeout_s, committed)

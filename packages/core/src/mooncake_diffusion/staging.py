@@ -167,6 +167,11 @@ class Staged:
         #: some region is device memory the engine touches directly: no
         #: same-host memcpy or process_vm_writev may be used on it
         self.device_direct = "gpu-direct" in self.paths
+        #: every byte goes through the pinned buffer: the engine writes no region
+        #: of the caller's (on a consumer, a late write can land only in the buffer)
+        self.covers_all = all(
+            p == "staged" or not r.nbytes for r, p in zip(originals, paths, strict=True)
+        )
 
     def send(self, segments: Sequence[Segment]) -> None:
         """Make ``segments`` readable by the engine: block until done."""

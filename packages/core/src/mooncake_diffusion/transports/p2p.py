@@ -367,8 +367,9 @@ class P2PTransport(Transport):
             try:
                 reply = self._client.call(source.endpoint, req, deadline, landed)
             except BaseException as e:  # broken off before the producer's final reply
-                setattr(e, _LATE, True)
-                if staged is not None:  # the producer may still write into it
+                if staged is None or not staged.covers_all:  # it writes into regions
+                    setattr(e, _LATE, True)
+                if staged is not None:  # the producer may still write into its buffer
                     until = max(time.monotonic(), deadline) + self.late_write_s
                     with self._lock:
                         self._late_staging.append((until, staged))
@@ -393,7 +394,9 @@ class P2PTransport(Transport):
     def may_write_late(self, error: BaseException) -> bool:
         """A fetch broken off before the producer's final reply (its deadline, the
         producer cut off, a broken frame, an interrupt): the producer may still be
-        writing, and may start chunks until the fetch's deadline."""
+        writing, and may start chunks until the fetch's deadline. Not when every
+        region was staged: then the late bytes can land only in the staging buffer,
+        which this transport keeps for ``late_write_s`` itself."""
         return getattr(error, _LATE, False) is True
 
     # both --------------------------------------------------------------------
