@@ -141,3 +141,41 @@ def test_staging_buffer_of_a_broken_off_fetch_is_freed_when_its_hold_ends(
         cons.close()
     assert prod.registered() == (0, 0, 0) and cons.registered() == (0, 0, 0)
     assert_no_leaks(mooncake_cluster, baseline)
+
+
+def test_a_fetch_broken_off_inside_a_copy_out_of_staging_holds_its_regions(mooncake_cluster):
+    """With every region staged a broken-off fetch holds only the staging buffer,
+    unless it broke off inside a copy from that buffer into a region (a CUDA copy is
+    queued, and ends only when ``receive`` returns): then the region may still be
+    written, so ``may_write_late`` is True. The copy fails here (an interrupt or a
+    CUDA error in its place)."""
+    baseline = {f"{t.name}#{t.ident}" for t in threading.enumerate()}
+    prod, cons = P2PTransport(mooncake_cluster.settings), P2PTransport(mooncake_cluster.settings)
+
+    class FailingCopyIn(HostOps):
+        def copy_in(self, dst, offset, host, at, n):
+            raise RuntimeError("copy into the device failed")
+
+    prod._stager = Stager(lambda: False, lambda: False, "auto", HostOps)
+    cons._stager = Stager(lambda: False, lambda: False, "auto", FailingCopyIn)
+    try:
+        src = np.arange(2 * 4096, dtype=np.uint8).reshape(2, 4096)
+        spec, region = _on_device(src)
+        chunks = plan([spec], 0, 2)
+        source = prod.prepare("r1/latent/x", [region], "delete_on_consume", chunks)
+        for c in range(2):
+            prod.commit("r1/latent/x", source, [region], "delete_on_consume", chunks, c)
+        handle = PayloadHandle(
+            "r1/latent/x", "r1", "latent", "p2p", "delete_on_consume", (spec,), source,
+            chunk_dim=0, num_chunks=2,
+        )  # fmt: skip
+        _, dst_region = _on_device(np.zeros_like(src))
+        with pytest.raises(RuntimeError, match="copy into the device failed") as broke:
+            cons.fetch(handle, [dst_region], chunks, time.monotonic() + 30, lambda i: None)
+        assert cons.may_write_late(broke.value)
+        assert len(cons._late_staging) == 1
+    finally:
+        prod.close()
+        cons.close()
+    assert prod.registered() == (0, 0, 0) and cons.registered() == (0, 0, 0)
+    assert_no_leaks(mooncake_cluster, baseline)

@@ -131,10 +131,11 @@ class Engine:
         """Write local registered ``src[i]`` into ``peer``'s registered ``dst[i]``.
 
         Every range is submitted with ``transfer_submit_write`` and polled (paced
-        by ``pacer``) until all landed or one failed (``TransferError``; Mooncake's
-        own transfer timeout is a failure too). With ``deadline`` (a
-        ``time.monotonic()`` instant) the polling also stops there
-        (``DeadlineExceededError``). Mooncake cannot cancel a submitted transfer:
+        by ``pacer``) until each one ended; if one failed, ``TransferError``
+        (Mooncake's own transfer timeout is a failure too), raised only once no
+        range is in flight. With ``deadline`` (a ``time.monotonic()`` instant) the
+        polling also stops there (``DeadlineExceededError`` while a range is still
+        in flight, whatever else failed). Mooncake cannot cancel a submitted transfer:
         after a deadline error it may still read ``src`` and write ``dst`` later,
         so the caller keeps ``src`` registered and unchanged and treats ``dst``
         as lost until the engine is closed.
@@ -173,16 +174,23 @@ class Engine:
             if not 0 < batch < _BAD_BATCH:  # never poll these: Mooncake crashes on them
                 # the ranges submitted before still read ``src`` and write ``dst``: let
                 # them end first (up to ``deadline``: past it, the contract above)
-                self._settle(batches, sum(lengths[: len(batches)]), start, deadline)
+                ends = self._settle(batches, sum(lengths[: len(batches)]), start, deadline)
+                self._in_flight(peer, lengths, ends)
                 raise self._failed(peer, lengths, -1)
             batches.append(batch)
-        total = sum(lengths)
-        ends = self._settle(batches, total, start, deadline)
+        ends = self._settle(batches, sum(lengths), start, deadline)
+        self._in_flight(peer, lengths, ends)
         if min(ends) < 0:
             raise self._failed(peer, lengths, min(ends))
-        if 0 in ends:  # only with a deadline
+
+    @staticmethod
+    def _in_flight(peer: str, lengths: Sequence[int], ends: list[int]) -> None:
+        """``DeadlineExceededError`` if a range is still in flight (only with a
+        deadline): a failure beside it is not the caller's to act on, since the
+        range may still read ``src`` and write ``dst`` (the contract of ``write``)."""
+        if 0 in ends:
             raise DeadlineExceededError(
-                f"write of {total} bytes to {peer}: {ends.count(0)} of "
+                f"write of {sum(lengths)} bytes to {peer}: {ends.count(0)} of "
                 f"{len(lengths)} range(s) still in flight at the deadline "
                 "(the peer stopped reading, or the link is too slow)"
             )
@@ -221,8 +229,9 @@ class Engine:
     ) -> list[int]:
         """Poll ``batches`` (submitted at ``start``, ``total`` bytes) until each ended,
         pausing as ``pacer`` says, and return each one's status: 1 done, negative
-        failed. With ``deadline`` it returns at the first failure or at the deadline,
-        with 0 for those still in flight. ``pacer`` learns from a clean finish."""
+        failed. With ``deadline`` it returns there, with 0 for those still in flight
+        (a failure does not end the wait: the others may still read and write).
+        ``pacer`` learns from a clean finish."""
         ends = [0] * len(batches)
         pending = list(range(len(batches)))
         pauses = self.pacer.pauses(total)
@@ -234,8 +243,6 @@ class Engine:
                     still.append(i)
                 else:  # 1 done; -1 failed, -2 Mooncake's own transfer timeout
                     ends[i] = rc
-                    if rc < 0 and deadline is not None:
-                        return ends
             pending = still
             now = time.monotonic()
             if not pending:

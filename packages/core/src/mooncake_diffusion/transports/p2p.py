@@ -357,17 +357,20 @@ class P2PTransport(Transport):
                 max(deadline - time.monotonic(), 0.001),
             )
             paths: set[str] = set()
+            copying = [False]  # a copy from the staging buffer into a region was begun
 
             def landed(done: ChunkDone) -> None:
                 paths.add(done.path)
                 if staged is not None:
+                    copying[0] = True  # queued device copies end only in receive()
                     staged.receive(plan[done.index])
+                    copying[0] = False
                 on_chunk(done.index)
 
             try:
                 reply = self._client.call(source.endpoint, req, deadline, landed)
             except BaseException as e:  # broken off before the producer's final reply
-                if staged is None or not staged.covers_all:  # it writes into regions
+                if staged is None or not staged.covers_all or copying[0]:  # regions written
                     setattr(e, _LATE, True)
                 if staged is not None:  # the producer may still write into its buffer
                     until = max(time.monotonic(), deadline) + self.late_write_s
@@ -395,8 +398,9 @@ class P2PTransport(Transport):
         """A fetch broken off before the producer's final reply (its deadline, the
         producer cut off, a broken frame, an interrupt): the producer may still be
         writing, and may start chunks until the fetch's deadline. Not when every
-        region was staged: then the late bytes can land only in the staging buffer,
-        which this transport keeps for ``late_write_s`` itself."""
+        region was staged and no copy out of the staging buffer was under way: then
+        the late bytes can land only in that buffer, which this transport keeps for
+        ``late_write_s`` itself."""
         return getattr(error, _LATE, False) is True
 
     # both --------------------------------------------------------------------
