@@ -20,6 +20,7 @@ from mooncake_diffusion.direct import (
     RetryPolicy,
     UnregisteredDestinationError,
     allocate_pool,
+    may_write_late,
     release_pool,
 )
 from mooncake_diffusion.errors import (
@@ -100,14 +101,17 @@ def test_errors_name_the_cause(engines) -> None:
     dst = torch.zeros(N, dtype=torch.uint8)
     sender.register(src.data_ptr(), N)
     receiver.register(dst.data_ptr(), N)
-    with pytest.raises(UnregisteredDestinationError, match="outside the memory peer"):
+    with pytest.raises(UnregisteredDestinationError, match="outside the memory peer") as e1:
         sender.write(receiver.session, [src.data_ptr()], [dst.data_ptr() + N - 10], [100])
-    with pytest.raises(TransferError, match=r"refused .* is the destination registered"):
+    with pytest.raises(TransferError, match=r"refused .* is the destination registered") as e2:
         sender.write(receiver.segment, [src.data_ptr()], [dst.data_ptr() + N - 10], [100])
-    with pytest.raises(PeerGoneError, match=r"127\.0\.0\.1:1 is unreachable"):
+    with pytest.raises(PeerGoneError, match=r"127\.0\.0\.1:1 is unreachable") as e3:
         sender.write("127.0.0.1:1", [src.data_ptr()], [dst.data_ptr()], [100])
-    with pytest.raises(ConfigError, match="malformed peer session"):
+    with pytest.raises(ConfigError, match="malformed peer session") as e4:
         sender.write("127.0.0.1:5|mcd9|x", [src.data_ptr()], [dst.data_ptr()], [100])
+    # refused before any byte moved, nobody there, malformed: the receiver may reuse
+    # the destination; a network write that failed is no fence (see may_write_late)
+    assert [may_write_late(e.value) for e in (e1, e2, e3, e4)] == [False, True, False, False]
     stats = sender.stats()
     assert stats.failures == 4 and stats.retries == 2 and stats.writes == 0
     sender.unregister(src.data_ptr())
@@ -140,8 +144,9 @@ def test_one_blocking_write_is_bounded_by_the_timeout() -> None:
         assert peer.request(op="byte", at=nbytes)["byte"] == 7
         os.kill(peer.proc.pid, signal.SIGSTOP)
         try:
-            with pytest.raises(DeadlineExceededError, match="still in flight at the deadline"):
+            with pytest.raises(DeadlineExceededError, match="still in flight at the deadline") as e:
                 sender.write(segment, [src.data_ptr()], [addr], [nbytes])
+            assert may_write_late(e.value)  # the receiver must not reuse [addr, +nbytes)
         finally:
             os.kill(peer.proc.pid, signal.SIGCONT)
         stats = sender.stats()
@@ -202,8 +207,9 @@ def test_a_stopped_same_host_receiver_is_bounded_by_the_timeout(pool: bool) -> N
             while not process_stopped(peer.proc.pid):  # the stop is delivered asynchronously
                 assert time.monotonic() < hang_guard, "the receiver never stopped"
                 time.sleep(0.005)
-            with pytest.raises(DeadlineExceededError, match="is stopped"):
+            with pytest.raises(DeadlineExceededError, match="is stopped") as e:
                 sender.write(session, [src.data_ptr()], [addr], [N])
+            assert not may_write_late(e.value)  # the copy was made in this thread
         finally:
             os.kill(peer.proc.pid, signal.SIGCONT)
         assert sender.write(session, [src.data_ptr()], [addr], [N]) == path

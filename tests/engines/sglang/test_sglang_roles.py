@@ -167,6 +167,54 @@ def test_a_stopped_same_host_receiver_fails_the_request_within_timeout_s(
     assert "is stopped" in error, error
 
 
+def test_a_network_push_cut_off_by_a_stopped_receiver_keeps_its_slot_out_of_use(
+    stack: ServeStack,
+) -> None:
+    """The decoder's scheduler SIGSTOPped while the denoiser holds a request (gate
+    file) with 44 MB latents (with the text, a pre-allocated receive slot's worth);
+    released, the denoiser's network push cannot complete (more than loopback's
+    socket buffers hold) and ends by the adapter's ``timeout_s``, in flight or
+    reported failed by Mooncake, which cannot cancel it (and whose failure is no
+    proof that the rest will not land once the decoder reads again). So the head
+    must not hand that slot to another request (sglang would; the adapter's hook
+    keeps it out of use and says so). The request fails with the reason; the decoder
+    serves the next request byte for byte."""
+    rid = "cutoff-1"
+    answer: dict = {}
+    client = threading.Thread(
+        target=lambda: answer.update(out=stack.generate("medium hold cutoff", rid)), name="client"
+    )
+    client.start()
+    reached = stack.fake_dir / f"{rid}.reached"
+    deadline = time.monotonic() + WAIT_MAX_S
+    while not reached.exists():
+        assert time.monotonic() < deadline, "the denoiser never reached the gate"
+        time.sleep(0.05)
+    victim = stack.scheduler_pid("decoder")
+    os.kill(victim, signal.SIGSTOP)
+    try:
+        while not process_stopped(victim):  # a stop is delivered asynchronously
+            assert time.monotonic() < deadline, "the decoder did not stop"
+            time.sleep(0.01)
+        (stack.fake_dir / f"{rid}.released").write_text("")
+        client.join(WAIT_MAX_S)
+        assert not client.is_alive(), "the client is still waiting"
+    finally:
+        os.kill(victim, signal.SIGCONT)
+    error = answer["out"].error
+    assert error, "the request did not fail"
+    assert "DiffusionServer timeout" not in error
+    assert error.startswith(f"denoiser error: mooncake-diffusion push of {rid} "), error
+    assert "deadline" in error, error  # still in flight there, or failed and then past it
+    kept = [line for line in stack.log("head").splitlines() if "stays out of use" in line]
+    assert len(kept) == 1 and rid in kept[0], kept
+    after = "after-cutoff-1"
+    out = stack.generate("small after cutoff", after)
+    assert not out.error, out.error
+    got = _records(stack, after)
+    assert got["decoder"]["received"]["latents"] == got["denoiser"]["sent"]["latents"]
+
+
 def test_a_killed_decoder_fails_the_request_with_its_reason(stack: ServeStack) -> None:
     """The denoiser holds the request (gate file) while the decoder's scheduler is
     SIGKILLed; then the push to the dead decoder fails. The client must get that

@@ -44,7 +44,9 @@ Errors: ``UnregisteredDestinationError`` (not retryable), ``PeerGoneError``
 (a malformed session string), ``DeadlineExceededError`` (the write, or its
 retries, ran past the deadline; Mooncake cannot cancel a transfer in flight,
 so the source range must stay registered and unchanged, and the destination
-is lost).
+is lost). ``may_write_late(error)`` says whether bytes of the failed write may
+still land in the destination (a network write that failed or ran past its
+deadline): the receiver must then not hand that memory to another write.
 """
 
 from __future__ import annotations
@@ -84,10 +86,26 @@ __all__ = [
     "RetryPolicy",
     "UnregisteredDestinationError",
     "allocate_pool",
+    "may_write_late",
     "release_pool",
 ]
 
 _TAG = "mcd1"
+_LATE = "mcd_may_write_late"  # set on an error whose write may still land
+
+
+def may_write_late(error: BaseException) -> bool:
+    """Whether bytes of the ``DirectEngine.write`` that raised ``error`` may still
+    land in its destination, so that the receiver must not hand that memory to
+    another write: a network write that was submitted and then failed or ran past
+    its deadline. Mooncake cannot cancel a submitted transfer, and a failure it
+    reports does not prove that nothing lands later (a 64 MiB TCP write to a
+    SIGSTOPped receiver was seen to end in -1 within the deadline). False for the
+    same-host paths (they copy in the calling thread), for a destination refused
+    before any byte moved, a malformed session, and a peer that is gone."""
+    return getattr(error, _LATE, False) is True
+
+
 _PATHS = ("shm", "vm", "net")
 
 
@@ -418,7 +436,8 @@ class DirectEngine:
             try:
                 self._engine.write(peer.segment, src, dst, lengths, deadline=deadline)
                 return
-            except DeadlineExceededError:
+            except DeadlineExceededError as e:  # a range was still in flight
+                setattr(e, _LATE, True)
                 self._count_failure()
                 raise
             except TransferError as e:
@@ -427,10 +446,12 @@ class DirectEngine:
                 break
             if time.monotonic() + backoff > deadline:
                 self._count_failure()
-                raise DeadlineExceededError(
+                late = DeadlineExceededError(
                     f"write of {sum(lengths)} bytes to {peer.segment} failed {attempt} "
                     f"time(s) and the deadline passed: {last}"
                 )
+                setattr(late, _LATE, True)  # a reported failure is no fence
+                raise late
             with self._lock:
                 self._stats.retries += 1
             time.sleep(backoff)
@@ -441,10 +462,12 @@ class DirectEngine:
                 f"peer {peer.segment} is unreachable: nothing accepts connections there "
                 f"({policy.attempts} attempt(s))"
             )
-        raise TransferError(
+        refused = TransferError(
             f"peer {peer.segment} is reachable but refused a write of {sum(lengths)} bytes "
             f"({policy.attempts} attempt(s)); is the destination registered there? ({last})"
         )
+        setattr(refused, _LATE, True)  # a reported failure is no fence
+        raise refused
 
     def _count_failure(self) -> None:
         with self._lock:

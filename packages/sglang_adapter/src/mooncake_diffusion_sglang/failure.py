@@ -11,12 +11,14 @@ with ``_complete_with_error``, which fails the request at once with the reason.
 
 ``report_failed_push`` sends exactly that, from the thread that pushed, on a
 socket of its own connected to the role's result endpoint, marked
-``_mcd_failed_push`` (and ``_mcd_peer_gone`` when the receiver is gone) for the
-server-side hooks (``server.py``: the receive slot comes back, a dead receiver
-leaves rotation). The push hook frees the staging slot (sglang frees it only
-on success) when no byte can still be read out of it: the receiver was gone or
-refused the range, or the push was never attempted. After a deadline the
-Transfer Engine may still be reading it, so then it stays with sglang.
+``_mcd_failed_push`` (and ``_mcd_peer_gone`` when the receiver is gone,
+``_mcd_dst_lost`` when the push may still write into the receive slot) for the
+server-side hooks (``server.py``: the receive slot comes back unless it may still
+be written, a dead receiver leaves rotation). The push hook frees the staging
+slot (sglang frees it only on success) when no byte can still be read out of it:
+the receiver was gone or refused the range, or the push was never attempted.
+After a deadline the Transfer Engine may still be reading it, so then it stays
+with sglang.
 """
 
 from __future__ import annotations
@@ -46,8 +48,12 @@ def _socket(endpoint: str) -> Any:
     return sock
 
 
-def report_failed_push(request_id: str, reason: str, *, peer_gone: bool = False) -> bool:
-    """Fail ``request_id`` at the DiffusionServer with ``reason``.
+def report_failed_push(
+    request_id: str, reason: str, *, peer_gone: bool = False, dst_lost: bool = False
+) -> bool:
+    """Fail ``request_id`` at the DiffusionServer with ``reason``. ``dst_lost``: the
+    push may still write into the receiver's slot (``direct.may_write_late``), so
+    the server must not hand that slot out again.
 
     Called in a role's scheduler process after a push failed. Returns False
     (and logs) when the process has no result endpoint to tell (not a role
@@ -63,6 +69,8 @@ def report_failed_push(request_id: str, reason: str, *, peer_gone: bool = False)
     fields = {"request_id": request_id, "_disagg_error": reason, "_mcd_failed_push": True}
     if peer_gone:
         fields["_mcd_peer_gone"] = True
+    if dst_lost:
+        fields["_mcd_dst_lost"] = True
     send_tensors(_socket(endpoint), {}, fields)
     logger.error("push of %s failed, request failed at the server: %s", request_id, reason)
     return True

@@ -174,7 +174,7 @@ def around_push_to_peer(original: Callable[..., Any], self: Any, *args: Any, **k
     attempted: it fails at once with the reason the server recorded."""
     if not selected():
         return original(self, *args, **kwargs)
-    from mooncake_diffusion.direct import UnregisteredDestinationError
+    from mooncake_diffusion.direct import UnregisteredDestinationError, may_write_late
     from mooncake_diffusion.errors import PeerGoneError
     from mooncake_diffusion_sglang.failure import report_failed_push
     from mooncake_diffusion_sglang.server import dead_reason
@@ -201,6 +201,7 @@ def around_push_to_peer(original: Callable[..., Any], self: Any, *args: Any, **k
         f"{BACKEND} push of {request_id} to {dest.split('|', 1)[0]} failed: "
         f"{error or 'see the sender log'}",
         peer_gone=peer_gone,
+        dst_lost=error is not None and may_write_late(error),
     )
     if peer_gone or isinstance(error, UnregisteredDestinationError):
         self.free_staged(request_id)

@@ -12,7 +12,9 @@ Two hooks, acting only on errors this adapter reported (``failure.py`` marks the
 with ``_mcd_failed_push``; sglang's own backend is left alone):
 
     AROUND DiffusionServer._handle_role_error
-           returns the pre-allocated slot to the receiver's pool; with
+           returns the pre-allocated slot to the receiver's pool, unless the
+           push may still write into it (``_mcd_dst_lost``: a network write cut
+           off at its deadline; the slot then stays out of use, logged); with
            ``_mcd_peer_gone``, marks the receiver's session dead (with the reason)
     AROUND DiffusionServer._transfer_dispatch_to_receiver
            a request routed to a dead session goes to another receiver of the
@@ -61,7 +63,19 @@ def around_role_error(
     if scalar_fields.get("_mcd_failed_push"):
         p2p = self._transfer_state.get(scalar_fields.get("request_id"))
         if p2p is not None and p2p.receiver_role in self._pools:
-            if p2p.prealloc_slot_id is not None:
+            if p2p.prealloc_slot_id is None:
+                pass
+            elif scalar_fields.get("_mcd_dst_lost"):
+                logger.warning(
+                    "%s[%s] slot %s of %s stays out of use: the failed push may still "
+                    "write into it",
+                    p2p.receiver_role.value,
+                    p2p.receiver_instance,
+                    p2p.prealloc_slot_id,
+                    scalar_fields.get("request_id"),
+                )
+                p2p.prealloc_slot_id = None  # sglang would hand it to the sender's pool
+            else:
                 self._recycle_prealloc_slot(p2p, p2p.receiver_role)
             if scalar_fields.get("_mcd_peer_gone"):
                 peer = self._pools[p2p.receiver_role].peers.get(p2p.receiver_instance, {})

@@ -33,7 +33,10 @@ per request ``<request id>.<role>.json`` with the SHA-256 of every tensor it
 received and sent. A request whose prompt contains ``hold`` makes the denoiser
 write ``<request id>.reached`` and wait for ``<request id>.released`` before it
 returns (fault tests put their fault there). The prompt's first word sizes the
-latents: ``large`` is 68 MB of float32 (``LATENTS``: Wan 2.1's 16 latent
+latents: ``medium`` is 44 MB of float32 (with the text embeddings the decoder
+gets too, it still fits one of sglang's 64 MiB pre-allocated receive slots, and
+it is more than loopback's socket buffers hold),
+``large`` is 68 MB (``LATENTS``: Wan 2.1's 16 latent
 channels and 21 latent frames of an 81-frame video, 160x316 latent pixels).
 """
 
@@ -52,7 +55,11 @@ DIR_ENV = "MCD_FAKE_DIR"
 HOLD_MAX_S = 600.0
 
 #: latents [batch, channels, latent frames, height/8, width/8] per size tag
-LATENTS = {"small": [1, 16, 2, 8, 8], "large": [1, 16, 21, 160, 316]}
+LATENTS = {
+    "small": [1, 16, 2, 8, 8],
+    "medium": [1, 16, 21, 160, 204],  # 44 MB: with the text, one 64 MiB pre-allocated slot
+    "large": [1, 16, 21, 160, 316],
+}
 #: what a Wan text encoder hands the denoiser: name -> (dtype, shape)
 TEXT = {
     "prompt_embeds": ("bfloat16", [1, 512, 4096]),
