@@ -95,6 +95,25 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _held_at_the_denoiser(
+    stack: ServeStack, prompt: str, rid: str
+) -> tuple[threading.Thread, dict, float]:
+    """Send ``prompt`` (it must say ``hold``) from a client thread and wait until the
+    denoiser holds it at its gate. Returns the thread, the dict its answer lands in
+    (``out``) and the hang guard's deadline."""
+    answer: dict = {}
+    client = threading.Thread(
+        target=lambda: answer.update(out=stack.generate(prompt, rid)), name="client"
+    )
+    client.start()
+    reached = stack.fake_dir / f"{rid}.reached"
+    deadline = time.monotonic() + WAIT_MAX_S
+    while not reached.exists():
+        assert time.monotonic() < deadline, "the denoiser never reached the gate"
+        time.sleep(0.05)
+    return client, answer, deadline
+
+
 def _records(stack: ServeStack, rid: str, kind: str = "") -> dict[str, dict]:
     out = {}
     for role in ROLES:
@@ -180,16 +199,7 @@ def test_a_network_push_cut_off_by_a_stopped_receiver_keeps_its_slot_out_of_use(
     keeps it out of use and says so). The request fails with the reason; the decoder
     serves the next request byte for byte."""
     rid = "cutoff-1"
-    answer: dict = {}
-    client = threading.Thread(
-        target=lambda: answer.update(out=stack.generate("medium hold cutoff", rid)), name="client"
-    )
-    client.start()
-    reached = stack.fake_dir / f"{rid}.reached"
-    deadline = time.monotonic() + WAIT_MAX_S
-    while not reached.exists():
-        assert time.monotonic() < deadline, "the denoiser never reached the gate"
-        time.sleep(0.05)
+    client, answer, deadline = _held_at_the_denoiser(stack, "medium hold cutoff", rid)
     victim = stack.scheduler_pid("decoder")
     os.kill(victim, signal.SIGSTOP)
     try:
@@ -221,16 +231,7 @@ def test_a_killed_decoder_fails_the_request_with_its_reason(stack: ServeStack) -
     failure with its reason from the failure path: ``--disagg-timeout`` is a day,
     so an answer can only come from there (no timing is asserted)."""
     rid = "held-1"
-    answer: dict = {}
-    client = threading.Thread(
-        target=lambda: answer.update(out=stack.generate("small hold", rid)), name="client"
-    )
-    client.start()
-    reached = stack.fake_dir / f"{rid}.reached"
-    deadline = time.monotonic() + WAIT_MAX_S
-    while not reached.exists():
-        assert time.monotonic() < deadline, "the denoiser never reached the gate"
-        time.sleep(0.05)
+    client, answer, deadline = _held_at_the_denoiser(stack, "small hold", rid)
     victim = stack.scheduler_pid("decoder")
     stack.kill_scheduler("decoder")
     while _alive(victim):
