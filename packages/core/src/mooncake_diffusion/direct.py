@@ -100,9 +100,13 @@ def may_write_late(error: BaseException) -> bool:
     another write: a network write that was submitted and then failed or ran past
     its deadline. Mooncake cannot cancel a submitted transfer, and a failure it
     reports does not prove that nothing lands later (a 64 MiB TCP write to a
-    SIGSTOPped receiver was seen to end in -1 within the deadline). False for the
-    same-host paths (they copy in the calling thread), for a destination refused
-    before any byte moved, a malformed session, and a peer that is gone."""
+    SIGSTOPped receiver was seen to end in -1 within the deadline), so a write the
+    peer refused counts too. False for the same-host paths (they copy in the
+    calling thread), a destination outside the peer's listed regions
+    (``UnregisteredDestinationError``, refused before any byte moved), a malformed
+    session, and ``PeerGoneError`` (one refused connect after the attempts: its
+    receiver is taken for gone, and an engine that routes around a gone receiver,
+    as the SGLang adapter's does, needs none of its memory back either)."""
     return getattr(error, _LATE, False) is True
 
 

@@ -13,9 +13,10 @@ with ``_mcd_failed_push``; sglang's own backend is left alone):
 
     AROUND DiffusionServer._handle_role_error
            returns the pre-allocated slot to the receiver's pool, unless the
-           push may still write into it (``_mcd_dst_lost``: a network write cut
-           off at its deadline; the slot then stays out of use, logged); with
-           ``_mcd_peer_gone``, marks the receiver's session dead (with the reason)
+           push may still write into it (``_mcd_dst_lost``: a network write that
+           failed or was cut off; or ``_mcd_peer_gone``): the slot then stays out
+           of use, logged; with ``_mcd_peer_gone``, marks the receiver's session
+           dead (with the reason)
     AROUND DiffusionServer._transfer_dispatch_to_receiver
            a request routed to a dead session goes to another receiver of the
            role with room; when there is none, it is dispatched as sglang does,
@@ -65,7 +66,9 @@ def around_role_error(
         if p2p is not None and p2p.receiver_role in self._pools:
             if p2p.prealloc_slot_id is None:
                 pass
-            elif scalar_fields.get("_mcd_dst_lost"):
+            elif scalar_fields.get("_mcd_dst_lost") or scalar_fields.get("_mcd_peer_gone"):
+                # a receiver found gone may only have looked gone (one refused connect):
+                # its session leaves rotation below, so its slot is not needed either
                 logger.warning(
                     "%s[%s] slot %s of %s stays out of use: the failed push may still "
                     "write into it",
