@@ -95,6 +95,13 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _wait_stopped(pid: int, role: str, deadline: float) -> None:
+    """Wait until ``pid`` is stopped (a SIGSTOP is delivered asynchronously)."""
+    while not process_stopped(pid):
+        assert time.monotonic() < deadline, f"the {role} did not stop"
+        time.sleep(0.01)
+
+
 def _held_at_the_denoiser(
     stack: ServeStack, prompt: str, rid: str
 ) -> tuple[threading.Thread, dict, float]:
@@ -165,10 +172,7 @@ def test_a_stopped_same_host_receiver_fails_the_request_within_timeout_s(
     victim = stack.scheduler_pid("denoiser")
     os.kill(victim, signal.SIGSTOP)
     try:
-        deadline = time.monotonic() + WAIT_MAX_S
-        while not process_stopped(victim):  # a stop is delivered asynchronously
-            assert time.monotonic() < deadline, "the denoiser did not stop"
-            time.sleep(0.01)
+        _wait_stopped(victim, "denoiser", time.monotonic() + WAIT_MAX_S)
         answer: dict = {}
         client = threading.Thread(
             target=lambda: answer.update(out=stack.generate("small stopped", rid)),
@@ -203,9 +207,7 @@ def test_a_network_push_cut_off_by_a_stopped_receiver_keeps_its_slot_out_of_use(
     victim = stack.scheduler_pid("decoder")
     os.kill(victim, signal.SIGSTOP)
     try:
-        while not process_stopped(victim):  # a stop is delivered asynchronously
-            assert time.monotonic() < deadline, "the decoder did not stop"
-            time.sleep(0.01)
+        _wait_stopped(victim, "decoder", deadline)
         (stack.fake_dir / f"{rid}.released").write_text("")
         client.join(WAIT_MAX_S)
         assert not client.is_alive(), "the client is still waiting"

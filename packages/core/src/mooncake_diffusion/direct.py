@@ -365,7 +365,13 @@ class DirectEngine:
         if path != "net":
             self._wait_running(peer, timeout_s)
         if path == "net" and parts:
-            self._write_net(peer, parts, timeout_s)
+            try:
+                self._write_net(peer, parts, timeout_s)
+            except PeerGoneError:
+                raise
+            except (DeadlineExceededError, TransferError) as e:  # submitted, then failed or
+                setattr(e, _LATE, True)  # cut off: a failure Mooncake reports is no fence
+                raise
         nbytes = sum(p[2] for p in parts)
         with self._lock:
             s = self._stats
@@ -440,8 +446,7 @@ class DirectEngine:
             try:
                 self._engine.write(peer.segment, src, dst, lengths, deadline=deadline)
                 return
-            except DeadlineExceededError as e:  # a range was still in flight
-                setattr(e, _LATE, True)
+            except DeadlineExceededError:
                 self._count_failure()
                 raise
             except TransferError as e:
@@ -450,12 +455,10 @@ class DirectEngine:
                 break
             if time.monotonic() + backoff > deadline:
                 self._count_failure()
-                late = DeadlineExceededError(
+                raise DeadlineExceededError(
                     f"write of {sum(lengths)} bytes to {peer.segment} failed {attempt} "
                     f"time(s) and the deadline passed: {last}"
                 )
-                setattr(late, _LATE, True)  # a reported failure is no fence
-                raise late
             with self._lock:
                 self._stats.retries += 1
             time.sleep(backoff)
@@ -466,12 +469,10 @@ class DirectEngine:
                 f"peer {peer.segment} is unreachable: nothing accepts connections there "
                 f"({policy.attempts} attempt(s))"
             )
-        refused = TransferError(
+        raise TransferError(
             f"peer {peer.segment} is reachable but refused a write of {sum(lengths)} bytes "
             f"({policy.attempts} attempt(s)); is the destination registered there? ({last})"
         )
-        setattr(refused, _LATE, True)  # a reported failure is no fence
-        raise refused
 
     def _count_failure(self) -> None:
         with self._lock:
