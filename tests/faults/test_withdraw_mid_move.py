@@ -129,3 +129,67 @@ def test_withdrawal_mid_write_keeps_memory_until_the_writes_end_and_reports_no_c
         cons.close()
     assert prod.registered() == (0, 0, 0) and cons.registered() == (0, 0, 0)
     assert_no_leaks(mooncake_cluster, baseline)
+
+
+def test_withdrawal_mid_commit_keeps_the_staging_buffer_until_the_commit_ends(mooncake_cluster):
+    """A device payload's ``commit`` copies its chunk into the staging buffer the engine
+    reads; a TTL or cleanup withdrawing the payload meanwhile must not free that
+    buffer under the copy (it did: the commit then failed with a ``TypeError``). The
+    copy is held inside ``Staged.send`` (wrapped on the instance) until the
+    withdrawal returned; the commit then ends without error and lets the memory go."""
+    baseline = {f"{t.name}#{t.ident}" for t in threading.enumerate()}
+    prod = P2PTransport(mooncake_cluster.settings)
+    ops = HostOps()
+    prod._stager = Stager(lambda: False, lambda: False, "auto", lambda: ops)
+    gate, entered = threading.Event(), threading.Event()
+    try:
+        src = np.random.default_rng(6).integers(0, 255, (4, 2, 4096), dtype=np.uint8)
+        spec, region = describe("latent", src)
+        region = dataclasses.replace(region, device="cuda:0")
+        chunks = plan([spec], 0, 2)
+        payload_id = "r1/latent/commit"
+        source = prod.prepare(payload_id, [region], "delete_on_consume", chunks)
+        staged = prod._held[payload_id].staged
+        assert staged is not None
+        real_send = staged.send
+
+        def held_send(segments):  # the chunk's copy, held until the gate opens
+            entered.set()
+            assert gate.wait(30), "the test never let the copy go"
+            real_send(segments)
+
+        staged.send = held_send  # type: ignore[method-assign]
+        errors: list[BaseException] = []
+
+        def commit() -> None:
+            try:
+                prod.commit(payload_id, source, [region], "delete_on_consume", chunks, 0)
+            except BaseException as e:
+                errors.append(e)
+
+        committer = threading.Thread(target=commit)
+        committer.start()
+        assert entered.wait(30), "the commit never began its copy"
+        before = prod.registered()
+        assert before[0] >= 1
+        handle = PayloadHandle(
+            payload_id, "r1", "latent", "p2p", "delete_on_consume", (spec,), source,
+            chunk_dim=0, num_chunks=2,
+        )  # fmt: skip
+        t0 = time.monotonic()
+        prod.discard(handle)  # a TTL's withdrawal, while chunk 0 is being staged
+        assert time.monotonic() - t0 < 5, "the withdrawal waited for the commit"
+        assert prod.registered() == before, "the staging buffer was let go under the copy"
+        gate.set()
+        committer.join(60)
+        assert not committer.is_alive()
+        assert errors == [], errors
+        assert not prod.holds(payload_id)
+        assert prod.registered() == (0, 0, 0), "the commit ended but its memory was kept"
+        # a withdrawn payload's later commit does nothing
+        prod.commit(payload_id, source, [region], "delete_on_consume", chunks, 1)
+    finally:
+        gate.set()
+        prod.close()
+    assert prod.registered() == (0, 0, 0)
+    assert_no_leaks(mooncake_cluster, baseline)

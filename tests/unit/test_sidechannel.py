@@ -10,12 +10,19 @@ from __future__ import annotations
 import errno
 import os
 import socket
+import threading
+import time
 
 import pytest
 
 from mooncake_diffusion.errors import DeadlineExceededError, PeerGoneError
-from mooncake_diffusion.schema import FetchRequest
-from mooncake_diffusion.sidechannel import SideChannelClient, connect
+from mooncake_diffusion.schema import ChunkDone, FetchRequest, encode
+from mooncake_diffusion.sidechannel import (
+    SideChannelClient,
+    connect,
+    recv_frame,
+    send_frame,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -71,6 +78,48 @@ def test_the_callers_deadline_is_a_deadline():
     err, sock = _call_on(TimeoutError("timed out"))  # a socket timeout: errno None
     assert isinstance(err, DeadlineExceededError)
     assert sock.closed
+
+
+def test_a_consumer_that_gives_up_mid_answer_closes_the_connection():
+    """``on_progress`` raising (the consumer gave up on the fetch) ends the exchange:
+    the error reaches the caller as it was, and the connection is closed at once
+    (not pooled, not left to the collector while the traceback lives), so the
+    producer, a real loopback peer here, reads the end of it."""
+    before = len(os.listdir("/proc/self/fd"))
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        host, port = server.getsockname()
+        client = SideChannelClient(peer_timeout=30.0)
+
+        def give_up(_: ChunkDone) -> None:
+            raise RuntimeError("the consumer gave up")
+
+        answered = threading.Event()
+        seen: dict[str, bytes | None] = {}
+
+        def produce() -> None:
+            conn, _ = server.accept()
+            with conn:
+                recv_frame(conn)
+                send_frame(conn, encode(ChunkDone(0)))
+                answered.set()
+                conn.settimeout(60.0)  # hang guard only: a close is read at once
+                try:
+                    seen["after"] = conn.recv(1)
+                except TimeoutError:
+                    seen["after"] = None
+
+        producer = threading.Thread(target=produce)
+        producer.start()
+        with pytest.raises(RuntimeError, match="the consumer gave up") as got:
+            deadline = time.monotonic() + 60.0  # hang guard only
+            client.call(f"{host}:{port}", FetchRequest("p", "s", (), ()), deadline, give_up)
+        producer.join(90.0)
+        assert not producer.is_alive()
+        assert answered.is_set()
+        assert seen["after"] == b"", "the producer's peer did not close the connection"
+        assert got.value is not None and not client._idle
+        client.close()
+    assert len(os.listdir("/proc/self/fd")) == before
 
 
 @pytest.mark.parametrize("peer_timeout", [0.5, 3.0, 300.0, 86400.0])

@@ -137,6 +137,7 @@ def _main() -> int:
         return {"ok": True, "engine": type(role.engine).__name__, "session": role.engine.session_id}
 
     def stage_push(cmd: dict) -> dict:
+        from mooncake_diffusion_sglang.failure import PushFailedError
         from sglang.multimodal_gen.runtime.disaggregation.scheduler_mixin import (
             extract_transfer_fields,
         )
@@ -148,7 +149,10 @@ def _main() -> int:
         if event is not None:
             event.synchronize()
         size = staged.slot.size if cmd.get("whole_slot") else _payload_bytes(staged.manifest)
-        ok = role.manager.push_to_peer(rid, cmd["session"], int(cmd["addr"]), size)
+        try:  # the adapter's hook raises PushFailedError for a failed push
+            ok = role.manager.push_to_peer(rid, cmd["session"], int(cmd["addr"]), size)
+        except PushFailedError:
+            ok = False
         if ok:
             role.manager.free_staged(rid)
         stats = role.engine.stats() if hasattr(role.engine, "stats") else None

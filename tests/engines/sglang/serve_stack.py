@@ -10,10 +10,16 @@ Each process is started exactly as a user starts it, through the ``sglang``
 console script with ``--disagg-role``; each role spawns its scheduler through
 sglang's worker bootstrap. The test-only plugin in ``fake_worker/`` is on their
 ``PYTHONPATH`` (and only theirs). Logs go to ``<tmp>/<name>.log``.
+
+A test process ended by SIGTERM or SIGHUP (a CI runner's cancel, ``kill``) skips
+pytest's fixture teardown; a started stack is closed then too, and at interpreter
+exit, so that no ``sglang serve`` process (one may be SIGSTOPped mid-test)
+outlives the test run and holds its ports and memory for the next one.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import pickle
@@ -21,6 +27,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -32,6 +39,33 @@ START_MAX_S = 900.0  # sglang imports take minutes on a busy 2-core machine
 #: the DiffusionServer's own deadline: set far past any test so that a failure the
 #: client sees can only come from the failure path, never from this timeout
 DISAGG_TIMEOUT_S = 86400
+#: stacks started and not yet closed, closed on SIGTERM / SIGHUP and at exit
+_LIVE: set[ServeStack] = set()
+
+
+def _close_live() -> None:
+    for stack in list(_LIVE):
+        stack.close()
+
+
+def _on_signal(signum: int, _frame: Any) -> None:
+    """Close every live stack, then end as the signal would have ended us."""
+    _close_live()
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
+def _guard() -> None:
+    """Install the signal handlers (main thread only, where Python allows them) and
+    the exit hook, once; handlers someone else installed are left alone."""
+    if getattr(_guard, "done", False):
+        return
+    _guard.done = True  # type: ignore[attr-defined]
+    atexit.register(_close_live)
+    if threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGTERM, signal.SIGHUP):
+            if signal.getsignal(signum) in (signal.SIG_DFL, None):
+                signal.signal(signum, _on_signal)
 
 
 def _free_base(span: int) -> int:
@@ -91,6 +125,8 @@ class ServeStack:
         log.close()
 
     def start(self) -> None:
+        _guard()
+        _LIVE.add(self)
         urls = {r: f"tcp://127.0.0.1:{p}" for r, p in self.role_ports.items()}
         self._spawn(
             "head",
@@ -152,9 +188,12 @@ class ServeStack:
 
     def close(self) -> None:
         """End every process group (SIGTERM, then SIGKILL) and reap. Idempotent."""
+        _LIVE.discard(self)
         for proc in self.procs.values():
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGTERM)
+                with contextlib.suppress(ProcessLookupError):  # a stopped one acts on it too
+                    os.killpg(proc.pid, signal.SIGCONT)
         deadline = time.monotonic() + 60
         for proc in self.procs.values():
             try:

@@ -130,6 +130,16 @@ def _records(stack: ServeStack, rid: str, kind: str = "") -> dict[str, dict]:
     return out
 
 
+def _sent_no_pushed(stack: ServeStack, role: str, rid: str) -> None:
+    """The failed push of ``rid`` raised out of ``push_to_peer`` (the adapter's hook),
+    so sglang's push thread sent the server no ``transfer_pushed``, which would race
+    the error report: the thread logs "RDMA push failed" only after sending one
+    (sglang's manager logs a line like it inside the push: not this one)."""
+    log, thread = stack.log(role), f"Transfer {role.upper()}: RDMA push"
+    assert f"{thread} thread error for {rid}" in log, log[-4000:]
+    assert f"{thread} failed for {rid}" not in log
+
+
 @pytest.mark.parametrize("size", ["small", "large"])
 def test_a_request_crosses_every_hop_byte_identical(stack: ServeStack, size: str) -> None:
     rid = f"bytes-{size}"
@@ -188,6 +198,7 @@ def test_a_stopped_same_host_receiver_fails_the_request_within_timeout_s(
     assert "DiffusionServer timeout" not in error
     assert error.startswith(f"encoder error: mooncake-diffusion push of {rid} "), error
     assert "is stopped" in error, error
+    _sent_no_pushed(stack, "encoder", rid)
 
 
 def test_a_network_push_cut_off_by_a_stopped_receiver_keeps_its_slot_out_of_use(
@@ -219,6 +230,7 @@ def test_a_network_push_cut_off_by_a_stopped_receiver_keeps_its_slot_out_of_use(
     assert error.startswith(f"denoiser error: mooncake-diffusion push of {rid} "), error
     # in flight at the deadline, failed and then past it, or failed on every attempt
     assert "deadline" in error or "refused" in error, error
+    _sent_no_pushed(stack, "denoiser", rid)
     kept = [line for line in stack.log("head").splitlines() if "stays out of use" in line]
     assert len(kept) == 1 and rid in kept[0], kept
     after = "after-cutoff-1"
@@ -250,6 +262,7 @@ def test_a_killed_decoder_fails_the_request_with_its_reason(stack: ServeStack) -
     assert "unreachable" in error or "is gone" in error, error
     push = _records(stack, rid, ".push")["denoiser"]
     assert push["ok"] is False
+    _sent_no_pushed(stack, "denoiser", rid)
     assert "decoder" not in _records(stack, rid)  # nothing reached a decoder
 
 
@@ -278,5 +291,6 @@ def test_every_request_to_a_dead_decoder_fails_with_the_reason(stack: ServeStack
         assert error.startswith(f"denoiser error: mooncake-diffusion push of {rid} "), error
         assert "unreachable" in error or "is gone" in error, error
         assert "decoder" not in _records(stack, rid)
+        _sent_no_pushed(stack, "denoiser", rid)
     # the server marked the decoder's session dead (the adapter's hook in its process)
     assert "is gone; no more requests go to it" in stack.log("head")

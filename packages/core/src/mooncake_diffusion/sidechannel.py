@@ -271,8 +271,8 @@ class SideChannelClient:
         except OSError as e:
             sock.close()
             raise PeerGoneError(f"producer {endpoint} is unreachable: {e}") from None
-        except HandleError:
-            sock.close()
+        except BaseException:  # HandleError, or the caller's on_progress gave up
+            sock.close()  # the producer learns at once that nobody reads its answer
             raise
         if not isinstance(reply, FetchReply):
             sock.close()

@@ -19,6 +19,12 @@ slot (sglang frees it only on success) when no byte can still be read out of it:
 the receiver was gone or refused the range, or the push was never attempted.
 After a deadline the Transfer Engine may still be reading it, so then it stays
 with sglang.
+
+The hook then raises ``PushFailedError``: sglang's push thread logs it and sends
+no ``transfer_pushed``. Were it sent, it would race the error report (another
+socket, read by one PULL socket in no fixed order), and the server, reading
+``pushed`` first, would tell the receiver ``transfer_ready``: a live receiver
+would compute on a slot the failed push did not fill, or may still write.
 """
 
 from __future__ import annotations
@@ -27,11 +33,16 @@ import logging
 import threading
 from typing import Any
 
-__all__ = ["report_failed_push"]
+__all__ = ["PushFailedError", "report_failed_push"]
 
 logger = logging.getLogger(__name__)
 
 _local = threading.local()
+
+
+class PushFailedError(RuntimeError):
+    """A push failed and was reported to the DiffusionServer (``report_failed_push``):
+    raised out of ``push_to_peer`` so that sglang sends no ``transfer_pushed`` for it."""
 
 
 def _socket(endpoint: str) -> Any:

@@ -19,7 +19,8 @@ all on sglang 0.5.23 targets:
     AROUND DiffusionTransferManager.push_to_peer        scheduler push thread, per request
            with our backend, a failed push fails the request at the server at
            once (``failure.report_failed_push``) instead of after
-           ``--disagg-timeout``, and frees the staging slot where that is safe
+           ``--disagg-timeout``, frees the staging slot where that is safe, and
+           raises so that sglang sends no ``transfer_pushed`` for it
     AROUND DiffusionServer._handle_role_error           server (head) process
            our failed push's receive slot back to the receiver; a receiver that
            is gone marked dead (``server.py``)
@@ -168,26 +169,29 @@ def around_buffer_init(original: Callable[..., Any], self: Any, *args: Any, **kw
 
 def around_push_to_peer(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> bool:
     """sglang's push; with our backend, a failure is reported to the DiffusionServer
-    with the engine's reason (sglang itself only logs it), and the staging slot is
-    freed where no byte can still be read out of it (``failure.py``). A push the
+    with the engine's reason (sglang itself only logs it), the staging slot is
+    freed where no byte can still be read out of it, and ``PushFailedError`` is
+    raised so that sglang sends no ``transfer_pushed`` (``failure.py``). A push the
     server addressed to a receiver it knows is gone (``server.DEAD_SESSION``) is not
-    attempted: it fails at once with the reason the server recorded."""
+    attempted: it fails at once with the reason the server recorded.
+
+    Returns True for a push that landed; raises ``PushFailedError`` for one that
+    did not."""
     if not selected():
         return original(self, *args, **kwargs)
     from mooncake_diffusion.direct import UnregisteredDestinationError, may_write_late
     from mooncake_diffusion.errors import PeerGoneError
-    from mooncake_diffusion_sglang.failure import report_failed_push
+    from mooncake_diffusion_sglang.failure import PushFailedError, report_failed_push
     from mooncake_diffusion_sglang.server import dead_reason
 
     request_id = kwargs.get("request_id", args[0] if args else "")
     dest = kwargs.get("dest_session_id", args[1] if len(args) > 1 else "")
     gone = dead_reason(dest)
     if gone is not None:
-        report_failed_push(
-            request_id, f"{BACKEND} push of {request_id} not sent: its receiver is gone ({gone})"
-        )
+        reason = f"{BACKEND} push of {request_id} not sent: its receiver is gone ({gone})"
+        report_failed_push(request_id, reason)
         self.free_staged(request_id)
-        return False
+        raise PushFailedError(reason)
     engine = getattr(self, "_engine", None)
     if engine is not None:
         engine.last_error = None
@@ -196,16 +200,19 @@ def around_push_to_peer(original: Callable[..., Any], self: Any, *args: Any, **k
         return ok
     error = getattr(engine, "last_error", None)
     peer_gone = isinstance(error, PeerGoneError)
+    reason = (
+        f"{BACKEND} push of {request_id} to {dest.split('|', 1)[0]} failed: "
+        f"{error or 'see the sender log'}"
+    )
     report_failed_push(
         request_id,
-        f"{BACKEND} push of {request_id} to {dest.split('|', 1)[0]} failed: "
-        f"{error or 'see the sender log'}",
+        reason,
         peer_gone=peer_gone,
         dst_lost=error is not None and may_write_late(error),
     )
     if peer_gone or isinstance(error, UnregisteredDestinationError):
         self.free_staged(request_id)
-    return ok
+    raise PushFailedError(reason) from error
 
 
 def _pin(ptr: int, nbytes: int) -> bool:

@@ -24,9 +24,13 @@ the ``__transfer__`` protocol, the transfer buffer and manager):
   ``torch.cuda.Stream`` refuses ``cpu:0``. ``torch.cpu``'s Stream and Event are
   the synchronous equivalents (CPU copies finish before they return).
 
-Observed, not replaced: after each ``DiffusionTransferManager.push_to_peer``
-an AFTER hook records the result, the size pushed and the adapter engine's
-counters by path in ``<request id>.<role>.push.json``.
+Observed, not replaced: around each ``DiffusionTransferManager.push_to_peer``
+a hook records the result (not ok for a push that returned False or raised:
+the adapter's hook raises after a failure; which of the two AROUND hooks wraps
+the other follows plugin discovery, so this one sees either), the size pushed
+and the adapter engine's counters by path in ``<request id>.<role>.push.json``.
+An AFTER hook would not run when the push raises (sglang logs a warning for two
+AROUND hooks on one target).
 
 What the fake worker writes (``$MCD_FAKE_DIR``): ``<role>.pid`` at start-up;
 per request ``<request id>.<role>.json`` with the SHA-256 of every tensor it
@@ -190,17 +194,30 @@ def cpu_device_module(original: Any, device: Any = None) -> Any:
     return _CPU if device is None else original(device)
 
 
-def record_push(result: bool, manager: Any, *args: Any, **kwargs: Any) -> None:
-    """AFTER ``push_to_peer``: what was pushed, and along which path (module docstring)."""
+def record_push(original: Any, manager: Any, *args: Any, **kwargs: Any) -> bool:
+    """AROUND ``push_to_peer``: what was pushed, and along which path (module docstring)."""
     from sglang.multimodal_gen.runtime.server_args import get_global_server_args
 
     rid = kwargs.get("request_id", args[0] if args else "")
     size = kwargs.get("transfer_size", args[3] if len(args) > 3 else 0)
-    role = get_global_server_args().disagg_role
-    stats = getattr(manager._engine, "stats", None)
-    record = {"ok": bool(result), "size": size, "by_path": stats().by_path if stats else {}}
-    path = Path(os.environ[DIR_ENV]) / f"{rid}.{getattr(role, 'value', role)}.push.json"
-    path.write_text(json.dumps(record))
+    result, error = False, None
+    try:
+        result = original(manager, *args, **kwargs)
+        return result
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}"
+        raise
+    finally:
+        role = get_global_server_args().disagg_role
+        stats = getattr(manager._engine, "stats", None)
+        record = {
+            "ok": bool(result),
+            "raised": error,
+            "size": size,
+            "by_path": stats().by_path if stats else {},
+        }
+        path = Path(os.environ[DIR_ENV]) / f"{rid}.{getattr(role, 'value', role)}.push.json"
+        path.write_text(json.dumps(record))
 
 
 def register() -> None:
@@ -217,5 +234,5 @@ def register() -> None:
         "sglang.multimodal_gen.runtime.disaggregation.transport.manager."
         "DiffusionTransferManager.push_to_peer",
         record_push,
-        HookType.AFTER,
+        HookType.AROUND,
     )

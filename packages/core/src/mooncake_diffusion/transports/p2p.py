@@ -19,6 +19,7 @@ processes; a failed transfer un-claims it so the consumer may retry.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import math
@@ -26,7 +27,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from mooncake_diffusion._mooncake.engine import Engine
@@ -106,9 +107,10 @@ class _Held:
     ready: list[threading.Event] = field(default_factory=list)
     claimed: bool = False
     staged: Staged | None = None  # device tensors: what regions stand for
-    #: serves whose engine reads ``regions`` now (``_move``); a payload withdrawn
-    #: meanwhile (``dropped``) keeps its registrations and staging buffer until the
-    #: last of them ends, and no chunk moved across the withdrawal is reported landed
+    #: serves whose engine reads ``regions`` now (``_move``) and commits staging into
+    #: them (``_in_use``); a payload withdrawn meanwhile (``dropped``) keeps its
+    #: registrations and staging buffer until the last of them ends, and no chunk
+    #: moved across the withdrawal is reported landed
     moving: int = 0
     dropped: bool = False
 
@@ -173,10 +175,13 @@ class P2PTransport(Transport):
         (device tensors: once their producing stream got there, or staged to host)."""
         with self._lock:
             held = self._held.get(payload_id)
-        if held is not None:
-            if held.staged is not None:
-                held.staged.send(plan[chunk])
-            held.ready[chunk].set()
+        if held is None:
+            return
+        with self._in_use(held) as usable:  # a withdrawal meanwhile: the buffer stays
+            if usable:
+                if held.staged is not None:
+                    held.staged.send(plan[chunk])
+                held.ready[chunk].set()
 
     def discard(self, handle: PayloadHandle) -> None:
         self._drop(handle.payload_id)
@@ -187,8 +192,8 @@ class P2PTransport(Transport):
             return payload_id in self._held
 
     def _drop(self, payload_id: str) -> None:
-        """Withdraw ``payload_id``; its memory is let go now, or by the move still
-        reading it when that ends (``_moving``). Never waits."""
+        """Withdraw ``payload_id``; its memory is let go now, or by the move or commit
+        still using it when that ends (``_in_use``). Never waits."""
         with self._lock:
             held = self._held.pop(payload_id, None)
             if held is None:
@@ -266,19 +271,42 @@ class P2PTransport(Transport):
         during the move (the owner may reuse the bytes once its release returned, so
         a chunk read across it is not reported landed). The last move of a withdrawn
         payload lets its memory go."""
-        with self._lock:
-            if held.dropped:
+        with self._in_use(held) as usable:
+            if not usable:
                 return None
-            held.moving += 1
-        try:
             path = self._move(req, held, segments)
-        finally:
-            with self._lock:
-                held.moving -= 1
-                last = held.dropped and not held.moving
-            if last:
-                self._let_go(held)
         return None if held.dropped else path
+
+    @contextlib.contextmanager
+    def _in_use(self, held: _Held) -> Iterator[bool]:
+        """While the body runs, ``held``'s registrations and staging buffer stay even
+        if the payload is withdrawn (``_drop`` never waits); yields False, holding
+        nothing, if it was withdrawn before. The last user of a withdrawn payload lets
+        its memory go as it leaves: an error doing so is raised, or, when the body
+        raised, added as a note to the body's error, which is the one raised."""
+        with self._lock:
+            usable = not held.dropped
+            if usable:
+                held.moving += 1
+        if not usable:
+            yield False
+            return
+        try:
+            yield True
+        except BaseException as body:
+            try:
+                self._end_use(held)
+            except BaseException as e:
+                body.add_note(f"letting the withdrawn payload's memory go also failed: {e!r}")
+            raise
+        self._end_use(held)
+
+    def _end_use(self, held: _Held) -> None:
+        with self._lock:
+            held.moving -= 1
+            last = held.dropped and not held.moving
+        if last:
+            self._let_go(held)
 
     def _await_ready(self, payload_id: str, held: _Held, chunk: int) -> bool:
         while not held.ready[chunk].wait(_READY_POLL_S):
