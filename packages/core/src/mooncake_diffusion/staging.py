@@ -102,12 +102,16 @@ class TorchCudaOps:
             region.ready.synchronize()
 
     def flush(self) -> None:
-        used = self._local.__dict__.pop("used", set())
+        """Wait for this thread's copies on every device it used since the last
+        flush; a device leaves that set only once its wait returned, so a flush cut
+        off (a CUDA error, an interrupt) leaves the rest to the next one."""
+        used = self._local.__dict__.get("used", set())
         streams = self._local.__dict__.get("streams", {})
-        for device in used:
+        for device in sorted(used):
             done = self._torch.cuda.Event()
             done.record(streams[device])
             done.synchronize()
+            used.discard(device)
 
 
 class HostOps:
