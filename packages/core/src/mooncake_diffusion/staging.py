@@ -198,6 +198,15 @@ class Staged:
                 self._ops.copy_in(self.originals[s.tensor], s.offset, self._buffer, at, s.length)
         self._ops.flush()
 
+    def settle(self) -> bool:
+        """After a ``send`` or ``receive`` broke off: wait for the copies this thread
+        had queued. False when that wait failed too (they may still run)."""
+        try:
+            self._ops.flush()
+        except Exception:
+            return False
+        return True
+
     def release(self) -> None:
         """Drop the pinned buffer (after the engine stopped using ``regions``)."""
         self._buffer = None

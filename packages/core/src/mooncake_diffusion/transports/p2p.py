@@ -398,6 +398,8 @@ class P2PTransport(Transport):
             try:
                 reply = self._client.call(source.endpoint, req, deadline, landed)
             except BaseException as e:  # broken off before the producer's final reply
+                if copying[0] and staged is not None and staged.settle():
+                    copying[0] = False  # the queued device copies ended: regions are done
                 if staged is None or not staged.covers_all or copying[0]:  # regions written
                     setattr(e, _LATE, True)
                 if staged is not None:  # the producer may still write into its buffer
@@ -428,7 +430,9 @@ class P2PTransport(Transport):
         writing, and may start chunks until the fetch's deadline. Not when every
         region was staged and no copy out of the staging buffer was under way: then
         the late bytes can land only in that buffer, which this transport keeps for
-        ``late_write_s`` itself."""
+        ``late_write_s`` itself (a fetch broken off inside such a copy first waits
+        for the device copies it had queued; only if that wait fails as well may a
+        region still be written)."""
         return getattr(error, _LATE, False) is True
 
     # both --------------------------------------------------------------------
