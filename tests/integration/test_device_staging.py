@@ -143,28 +143,31 @@ def test_staging_buffer_of_a_broken_off_fetch_is_freed_when_its_hold_ends(
     assert_no_leaks(mooncake_cluster, baseline)
 
 
-@pytest.mark.parametrize("settles", [True, False], ids=["copies waited for", "wait fails"])
+@pytest.mark.parametrize("wait", ["returns", "fails", "interrupted"])
 def test_a_fetch_broken_off_inside_a_copy_out_of_staging_holds_its_regions_until_settled(
-    mooncake_cluster, settles
+    mooncake_cluster, wait
 ):
     """With every region staged a broken-off fetch holds only the staging buffer.
     Broken off inside a copy from that buffer into a region (a CUDA copy may be
     queued: it ends only when ``receive`` returns), the fetch waits for the copies
     it queued; only if that wait fails too may the region still be written, and
     ``may_write_late`` is True. The copy fails here (an interrupt or a CUDA error
-    in its place), and so, in one case, does the wait."""
+    in its place); the wait returns, fails, or is itself interrupted (then the
+    interrupt is what the caller gets, marked, and the staging buffer is held)."""
     baseline = {f"{t.name}#{t.ident}" for t in threading.enumerate()}
     prod, cons = P2PTransport(mooncake_cluster.settings), P2PTransport(mooncake_cluster.settings)
-    flushes: list[bool] = []
+    flushes: list[str] = []
 
     class FailingCopyIn(HostOps):
         def copy_in(self, dst, offset, host, at, n):
             raise RuntimeError("copy into the device failed")
 
         def flush(self) -> None:
-            flushes.append(settles)
-            if not settles:
+            flushes.append(wait)
+            if wait == "fails":
                 raise RuntimeError("the device is in an error state")
+            if wait == "interrupted":
+                raise KeyboardInterrupt
 
     prod._stager = Stager(lambda: False, lambda: False, "auto", HostOps)
     cons._stager = Stager(lambda: False, lambda: False, "auto", FailingCopyIn)
@@ -180,10 +183,13 @@ def test_a_fetch_broken_off_inside_a_copy_out_of_staging_holds_its_regions_until
             chunk_dim=0, num_chunks=2,
         )  # fmt: skip
         _, dst_region = _on_device(np.zeros_like(src))
-        with pytest.raises(RuntimeError, match="copy into the device failed") as broke:
+        raised = KeyboardInterrupt if wait == "interrupted" else RuntimeError
+        with pytest.raises(raised) as broke:
             cons.fetch(handle, [dst_region], chunks, time.monotonic() + 30, lambda i: None)
-        assert flushes == [settles]
-        assert cons.may_write_late(broke.value) is not settles
+        if raised is RuntimeError:
+            assert "copy into the device failed" in str(broke.value)
+        assert flushes == [wait]
+        assert cons.may_write_late(broke.value) is (wait != "returns")
         assert len(cons._late_staging) == 1  # the producer may still write into it
     finally:
         prod.close()

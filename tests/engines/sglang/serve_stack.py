@@ -11,10 +11,13 @@ console script with ``--disagg-role``; each role spawns its scheduler through
 sglang's worker bootstrap. The test-only plugin in ``fake_worker/`` is on their
 ``PYTHONPATH`` (and only theirs). Logs go to ``<tmp>/<name>.log``.
 
-A test process ended by SIGTERM or SIGHUP (a CI runner's cancel, ``kill``) skips
-pytest's fixture teardown; a started stack is closed then too, and at interpreter
-exit, so that no ``sglang serve`` process (one may be SIGSTOPped mid-test)
-outlives the test run and holds its ports and memory for the next one.
+A test process ended by SIGTERM or SIGHUP (a CI runner's cancel, ``kill``) would
+skip pytest's fixture teardown: the first such signal becomes a
+``KeyboardInterrupt`` instead, so pytest tears its fixtures down (each stack's
+``close()``), and a stack still live at interpreter exit is closed then, so that
+no ``sglang serve`` process (one may be SIGSTOPped mid-test) outlives the test
+run and holds its ports and memory for the next one. A second signal ends the
+process at once, as the default would.
 """
 
 from __future__ import annotations
@@ -39,33 +42,44 @@ START_MAX_S = 900.0  # sglang imports take minutes on a busy 2-core machine
 #: the DiffusionServer's own deadline: set far past any test so that a failure the
 #: client sees can only come from the failure path, never from this timeout
 DISAGG_TIMEOUT_S = 86400
-#: stacks started and not yet closed, closed on SIGTERM / SIGHUP and at exit
+#: stacks started and not yet closed (closed at exit); the process that installed
+#: the signal handlers and which signals it took over
 _LIVE: set[ServeStack] = set()
+_GUARD: dict[str, Any] = {"pid": 0, "signals": []}
 
 
 def _close_live() -> None:
-    for stack in list(_LIVE):
-        stack.close()
+    if os.getpid() == _GUARD["pid"]:  # not in a child forked from the test process
+        for stack in list(_LIVE):
+            stack.close()
 
 
 def _on_signal(signum: int, _frame: Any) -> None:
-    """Close every live stack, then end as the signal would have ended us."""
-    _close_live()
-    signal.signal(signum, signal.SIG_DFL)
-    os.kill(os.getpid(), signum)
+    """The first SIGTERM / SIGHUP: a ``KeyboardInterrupt``, so that pytest tears its
+    fixtures down; the handlers go back to the default, so a second one ends us."""
+    if os.getpid() != _GUARD["pid"]:  # a forked child: end as the default would
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+        return
+    for taken in _GUARD["signals"]:
+        signal.signal(taken, signal.SIG_DFL)
+    raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}: closing the sglang stacks")
 
 
 def _guard() -> None:
-    """Install the signal handlers (main thread only, where Python allows them) and
-    the exit hook, once; handlers someone else installed are left alone."""
-    if getattr(_guard, "done", False):
+    """Install the exit hook and, from the main thread (where Python allows it), the
+    signal handlers, once per process; a handler someone else installed (SIGHUP
+    ignored under ``nohup``) is left alone."""
+    if _GUARD["pid"] == os.getpid():
         return
-    _guard.done = True  # type: ignore[attr-defined]
+    _GUARD["pid"] = os.getpid()
     atexit.register(_close_live)
-    if threading.current_thread() is threading.main_thread():
-        for signum in (signal.SIGTERM, signal.SIGHUP):
-            if signal.getsignal(signum) in (signal.SIG_DFL, None):
-                signal.signal(signum, _on_signal)
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(signum) in (signal.SIG_DFL, None):
+            signal.signal(signum, _on_signal)
+            _GUARD["signals"].append(signum)
 
 
 def _free_base(span: int) -> int:
@@ -187,23 +201,25 @@ class ServeStack:
         os.kill(self.scheduler_pid(role), signal.SIGKILL)
 
     def close(self) -> None:
-        """End every process group (SIGTERM, then SIGKILL) and reap. Idempotent."""
-        _LIVE.discard(self)
+        """End every process group (SIGTERM, then SIGKILL) and reap. Idempotent; a
+        close cut off (an interrupt) leaves the stack live for the exit hook."""
         for proc in self.procs.values():
             if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-                with contextlib.suppress(ProcessLookupError):  # a stopped one acts on it too
-                    os.killpg(proc.pid, signal.SIGCONT)
+                with contextlib.suppress(ProcessLookupError):  # it may end meanwhile
+                    os.killpg(proc.pid, signal.SIGTERM)
+                    os.killpg(proc.pid, signal.SIGCONT)  # a stopped one acts on it too
         deadline = time.monotonic() + 60
         for proc in self.procs.values():
             try:
                 proc.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
         for proc in self.procs.values():
             with contextlib.suppress(ProcessLookupError):  # the group's scheduler children
                 os.killpg(proc.pid, signal.SIGKILL)
+        _LIVE.discard(self)
 
     # -- requests ----------------------------------------------------------------
     def generate(self, prompt: str, request_id: str) -> Any:

@@ -135,8 +135,14 @@ def _sent_no_pushed(stack: ServeStack, role: str, rid: str) -> None:
     so sglang's push thread sent the server no ``transfer_pushed``, which would race
     the error report: the thread logs "RDMA push failed" only after sending one
     (sglang's manager logs a line like it inside the push: not this one)."""
-    log, thread = stack.log(role), f"Transfer {role.upper()}: RDMA push"
-    assert f"{thread} thread error for {rid}" in log, log[-4000:]
+    thread = f"Transfer {role.upper()}: RDMA push"
+    # the client may have its answer before the push thread logs: wait for the line
+    deadline = time.monotonic() + WAIT_MAX_S
+    while f"{thread} thread error for {rid}" not in (log := stack.log(role)):
+        assert time.monotonic() < deadline, log[-4000:]
+        time.sleep(0.05)
+    # raised by the adapter's hook, not by anything else in the push thread
+    assert f"PushFailedError: mooncake-diffusion push of {rid} " in log, log[-4000:]
     assert f"{thread} failed for {rid}" not in log
 
 

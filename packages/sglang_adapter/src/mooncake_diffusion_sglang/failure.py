@@ -41,8 +41,11 @@ _local = threading.local()
 
 
 class PushFailedError(RuntimeError):
-    """A push failed and was reported to the DiffusionServer (``report_failed_push``):
-    raised out of ``push_to_peer`` so that sglang sends no ``transfer_pushed`` for it."""
+    """A push failed: raised out of ``push_to_peer`` once ``report_failed_push`` was
+    called, so that sglang sends no ``transfer_pushed`` for it. Where the process has
+    no result endpoint to report to (not a role scheduler) the request is then not
+    failed at the server: it waits out ``--disagg-timeout``, as a lost message does,
+    rather than have its receiver read a slot the push did not fill."""
 
 
 def _socket(endpoint: str) -> Any:

@@ -398,15 +398,21 @@ class P2PTransport(Transport):
             try:
                 reply = self._client.call(source.endpoint, req, deadline, landed)
             except BaseException as e:  # broken off before the producer's final reply
-                if copying[0] and staged is not None and staged.settle():
-                    copying[0] = False  # the queued device copies ended: regions are done
-                if staged is None or not staged.covers_all or copying[0]:  # regions written
-                    setattr(e, _LATE, True)
-                if staged is not None:  # the producer may still write into its buffer
-                    until = max(time.monotonic(), deadline) + self.late_write_s
-                    with self._lock:
-                        self._late_staging.append((until, staged))
-                    staged = None
+                error = e  # the one the caller gets: this, or one that cut the wait off
+                try:
+                    if copying[0] and staged is not None and staged.settle():
+                        copying[0] = False  # the queued device copies ended: regions are done
+                except BaseException as again:  # an interrupt inside the wait: not settled
+                    error = again
+                    raise
+                finally:
+                    if staged is None or not staged.covers_all or copying[0]:  # regions written
+                        setattr(error, _LATE, True)
+                    if staged is not None:  # the producer may still write into its buffer
+                        until = max(time.monotonic(), deadline) + self.late_write_s
+                        with self._lock:
+                            self._late_staging.append((until, staged))
+                        staged = None
                 raise
         finally:
             for lease_id in leases:
