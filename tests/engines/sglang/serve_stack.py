@@ -42,6 +42,7 @@ START_MAX_S = 900.0  # sglang imports take minutes on a busy 2-core machine
 #: the DiffusionServer's own deadline: set far past any test so that a failure the
 #: client sees can only come from the failure path, never from this timeout
 DISAGG_TIMEOUT_S = 86400
+GENERATE_MAX_S = 900.0  # a client's hang guard (never a measured bound)
 #: stacks started and not yet closed (closed at exit); the process that installed
 #: the signal handlers and which signals it took over
 _LIVE: set[ServeStack] = set()
@@ -50,6 +51,8 @@ _GUARD: dict[str, Any] = {"pid": 0, "signals": []}
 
 def _close_live() -> None:
     if os.getpid() == _GUARD["pid"]:  # not in a child forked from the test process
+        for taken in _GUARD["signals"]:  # a signal now must not cut these closes off
+            signal.signal(taken, signal.SIG_DFL)
         for stack in list(_LIVE):
             stack.close()
 
@@ -222,10 +225,11 @@ class ServeStack:
         _LIVE.discard(self)
 
     # -- requests ----------------------------------------------------------------
-    def generate(self, prompt: str, request_id: str) -> Any:
+    def generate(self, prompt: str, request_id: str, timeout_s: float = GENERATE_MAX_S) -> Any:
         """One request through the head's frontend with sglang's own client protocol
         (what its HTTP server's ``SchedulerClient`` sends: a pickled ``[Req]``, an
-        ``OutputBatch`` back). Blocks until the DiffusionServer answers."""
+        ``OutputBatch`` back). Blocks until the DiffusionServer answers; raises
+        ``TimeoutError`` after ``timeout_s`` (a hang guard: a dead head never answers)."""
         import zmq
         from sglang.multimodal_gen.configs.sample.sampling_params import SamplingParams
         from sglang.multimodal_gen.runtime.pipelines_core.schedule_batch import Req
@@ -238,7 +242,11 @@ class ServeStack:
         try:
             sock.connect(f"tcp://127.0.0.1:{self.head_port}")
             sock.send(pickle.dumps([req]))
-            return pickle.loads(sock.recv())
+            sock.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
+            try:
+                return pickle.loads(sock.recv())
+            except zmq.Again:
+                raise TimeoutError(f"no answer to {request_id} in {timeout_s} s") from None
         finally:
             sock.close()
             ctx.term()

@@ -110,7 +110,9 @@ def _held_at_the_denoiser(
     (``out``) and the hang guard's deadline."""
     answer: dict = {}
     client = threading.Thread(
-        target=lambda: answer.update(out=stack.generate(prompt, rid)), name="client"
+        target=lambda: answer.update(out=stack.generate(prompt, rid)),
+        name="client",
+        daemon=True,  # never keeps the test process alive (a dead head never answers)
     )
     client.start()
     reached = stack.fake_dir / f"{rid}.reached"
@@ -193,6 +195,7 @@ def test_a_stopped_same_host_receiver_fails_the_request_within_timeout_s(
         client = threading.Thread(
             target=lambda: answer.update(out=stack.generate("small stopped", rid)),
             name="client",
+            daemon=True,  # never keeps the test process alive (a dead head never answers)
         )
         client.start()
         client.join(WAIT_MAX_S)
@@ -287,6 +290,7 @@ def test_every_request_to_a_dead_decoder_fails_with_the_reason(stack: ServeStack
                 out=stack.generate("small after", rid)
             ),
             name="client",
+            daemon=True,  # never keeps the test process alive (a dead head never answers)
         )
         client.start()
         client.join(WAIT_MAX_S)

@@ -413,6 +413,7 @@ class P2PTransport(Transport):
                         with self._lock:
                             self._late_staging.append((until, staged))
                         staged = None
+                    error = None  # no cycle through this frame's traceback
                 raise
         finally:
             for lease_id in leases:
