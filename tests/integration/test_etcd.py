@@ -5,6 +5,8 @@ running afterwards."""
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 
 from mooncake_diffusion.etcd import EtcdCluster, EtcdUnavailableError, prefix_end
@@ -36,6 +38,23 @@ def test_one_member_reads_and_writes(no_leaks):
         assert etcd.client().get("u/c") == b"3"
         assert etcd.client().get("u/none") is None
         assert len(EtcdCluster.live()) == 1
+
+
+def test_a_member_whose_port_was_taken_makes_the_cluster_start_again(no_leaks):
+    """Ports are found free, then bound by etcd: another process may take one in
+    between. Here one member's client port is taken before the start: that member
+    exits, and the cluster starts once more on fresh ports and takes writes."""
+    etcd = EtcdCluster(3)
+    with socket.socket() as squatter:
+        squatter.bind((etcd.host, etcd.members[1].client_port))
+        squatter.listen()
+        taken = etcd.members[1].client_port
+        with etcd:
+            assert etcd.members[1].client_port != taken
+            ports = [p for m in etcd.members for p in (m.client_port, m.peer_port)]
+            assert len(set(ports)) == len(ports)
+            etcd.put("s/a", "1")
+            assert etcd.get_prefix("s/") == {"s/a": b"1"}
 
 
 def test_three_members_survive_the_leader_and_not_quorum_loss(no_leaks):

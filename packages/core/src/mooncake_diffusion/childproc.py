@@ -27,7 +27,7 @@ from mooncake_diffusion._mooncake import bindshim
 from mooncake_diffusion.errors import MooncakeDiffusionError
 from mooncake_diffusion.settings import MooncakeSettings
 
-__all__ = ["JsonLinesChild", "free_port", "serve_json_lines", "terminate"]
+__all__ = ["JsonLinesChild", "free_port", "free_ports", "serve_json_lines", "terminate"]
 
 
 class JsonLinesChild:
@@ -121,6 +121,21 @@ def terminate(proc: subprocess.Popen[bytes] | None, grace_s: float) -> None:
 
 def free_port(host: str = "127.0.0.1") -> int:
     """An ephemeral TCP port that is free right now (outside Mooncake's own ranges)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    return free_ports(1, host)[0]
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """``n`` distinct ephemeral TCP ports free right now: all are held until the last
+    is found (ports found one at a time and let go may repeat). Another process can
+    still take one before its user binds it; a user that must not fail then retries
+    on fresh ports."""
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            socks.append(s)
+            s.bind((host, 0))
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()

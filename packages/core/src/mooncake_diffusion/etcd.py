@@ -29,7 +29,7 @@ import weakref
 from dataclasses import dataclass
 from typing import ClassVar
 
-from mooncake_diffusion.childproc import free_port, terminate
+from mooncake_diffusion.childproc import free_ports, terminate
 from mooncake_diffusion.errors import ConfigError
 
 __all__ = [
@@ -174,10 +174,15 @@ class EtcdCluster:
         self.log_dir = log_dir
         self._root = tempfile.mkdtemp(prefix="mcd-etcd-")
         self.members = [
-            _Member(f"m{i}", free_port(host), free_port(host), os.path.join(self._root, f"m{i}"))
-            for i in range(members)
+            _Member(f"m{i}", 0, 0, os.path.join(self._root, f"m{i}")) for i in range(members)
         ]
+        self._new_ports()
         EtcdCluster._all.add(self)
+
+    def _new_ports(self) -> None:
+        ports = free_ports(2 * len(self.members), self.host)
+        for i, m in enumerate(self.members):
+            m.client_port, m.peer_port = ports[2 * i], ports[2 * i + 1]
 
     @property
     def endpoints(self) -> list[str]:
@@ -185,15 +190,63 @@ class EtcdCluster:
         return [f"{self.host}:{m.client_port}" for m in self.members]
 
     def start(self, timeout: float = 30.0) -> EtcdCluster:
-        """Start every member; returns once one of them answers a read."""
+        """Start every member; returns once a write goes through and every member
+        answers. A member that exits while the cluster forms (another process took
+        one of its ports after they were found free) makes it start once more, a new
+        cluster on fresh ports."""
         try:
-            for m in self.members:
-                self._spawn(m)
-            self.wait_ready(timeout)
+            for attempt in (1, 2):
+                deadline = time.monotonic() + timeout
+                for m in self.members:
+                    self._spawn(m)
+                try:
+                    self.wait_ready(timeout)
+                    exited = self._all_answer(deadline)
+                except EtcdUnavailableError:
+                    if attempt == 2 or not self._exited():
+                        raise
+                else:
+                    if not exited:
+                        return self
+                    if attempt == 2:
+                        raise EtcdUnavailableError(f"etcd members exited: {', '.join(exited)}")
+                self._stop_members()
+                for m in self.members:
+                    shutil.rmtree(m.data_dir, ignore_errors=True)
+                self._new_ports()
         except BaseException:
             self.close()
             raise
         return self
+
+    def _all_answer(self, deadline: float) -> list[str]:
+        """Wait until every member answers or has exited; returns those that exited.
+        ``EtcdUnavailableError`` if one does neither by ``deadline``."""
+        waiting = list(self.members)
+        while waiting:
+            for m in list(waiting):
+                if m.proc is None or m.proc.poll() is not None:
+                    waiting.remove(m)
+                    continue
+                try:
+                    self._status(m)
+                    waiting.remove(m)
+                except EtcdUnavailableError:
+                    pass
+            if waiting and time.monotonic() > deadline:
+                names = ", ".join(m.name for m in waiting)
+                raise EtcdUnavailableError(f"etcd members did not answer in time: {names}")
+            if waiting:
+                time.sleep(0.05)
+        return self._exited()
+
+    def _exited(self) -> list[str]:
+        """Members whose process ended, with its exit status."""
+        return [
+            f"{m.name} (exit {m.proc.returncode})"
+            for m in self.members
+            if m.proc is not None and m.proc.poll() is not None
+        ]
 
     def _spawn(self, m: _Member) -> None:
         cluster = ",".join(f"{x.name}=http://{self.host}:{x.peer_port}" for x in self.members)
@@ -221,7 +274,11 @@ class EtcdCluster:
             except EtcdUnavailableError as e:
                 last = e
             time.sleep(0.05)
-        raise EtcdUnavailableError(f"etcd did not accept a write within {timeout:.0f}s: {last}")
+        exited = self._exited()
+        ended = f"; exited: {', '.join(exited)}" if exited else ""
+        raise EtcdUnavailableError(
+            f"etcd did not accept a write within {timeout:.0f}s: {last}{ended}"
+        )
 
     def client(self) -> EtcdClient:
         """A gateway client over every member's endpoint."""
@@ -276,10 +333,13 @@ class EtcdCluster:
 
     def close(self) -> None:
         """SIGTERM every member (SIGKILL after 5 s) and remove the data. Idempotent."""
+        self._stop_members()
+        shutil.rmtree(self._root, ignore_errors=True)
+
+    def _stop_members(self) -> None:
         for m in self.members:
             proc, m.proc = m.proc, None
             terminate(proc, 5.0)
-        shutil.rmtree(self._root, ignore_errors=True)
 
     def __enter__(self) -> EtcdCluster:
         return self.start()
