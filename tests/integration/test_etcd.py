@@ -5,6 +5,7 @@ running afterwards."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 
 import pytest
@@ -45,7 +46,9 @@ def test_a_member_whose_port_was_taken_makes_the_cluster_start_again(no_leaks):
     between. Here one member's client port is taken before the start: that member
     exits, and the cluster starts once more on fresh ports and takes writes."""
     etcd = EtcdCluster(3)
-    with socket.socket() as squatter:
+    with contextlib.ExitStack() as stack:
+        stack.callback(etcd.close)  # its data directory, even if the squat fails
+        squatter = stack.enter_context(socket.socket())
         squatter.bind((etcd.host, etcd.members[1].client_port))
         squatter.listen()
         taken = etcd.members[1].client_port

@@ -52,7 +52,7 @@ _GUARD: dict[str, Any] = {"pid": 0, "signals": []}
 def _close_live() -> None:
     if os.getpid() == _GUARD["pid"]:  # not in a child forked from the test process
         for taken in _GUARD["signals"]:  # a signal now must not cut these closes off
-            signal.signal(taken, signal.SIG_DFL)
+            signal.signal(taken, signal.SIG_IGN)  # (each ends by itself: SIGKILL at 60 s)
         for stack in list(_LIVE):
             stack.close()
 

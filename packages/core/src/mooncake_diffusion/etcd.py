@@ -201,7 +201,7 @@ class EtcdCluster:
                     self._spawn(m)
                 try:
                     self.wait_ready(timeout)
-                    exited = self._all_answer(deadline)
+                    exited = self._all_answer(max(deadline, time.monotonic() + 10.0))
                 except EtcdUnavailableError:
                     if attempt == 2 or not self._exited():
                         raise
@@ -338,8 +338,8 @@ class EtcdCluster:
 
     def _stop_members(self) -> None:
         for m in self.members:
-            proc, m.proc = m.proc, None
-            terminate(proc, 5.0)
+            terminate(m.proc, 5.0)  # forgotten only once it is gone
+            m.proc = None
 
     def __enter__(self) -> EtcdCluster:
         return self.start()

@@ -18,7 +18,7 @@ import urllib.request
 
 from mooncake_diffusion._mooncake import mooncake_dir
 from mooncake_diffusion._mooncake.master_view import leader_rpc_address
-from mooncake_diffusion.childproc import free_port, terminate
+from mooncake_diffusion.childproc import free_port, free_ports, terminate
 from mooncake_diffusion.errors import ConfigError, MasterUnavailableError
 from mooncake_diffusion.settings import MooncakeSettings, is_etcd_master, split_address
 
@@ -125,7 +125,7 @@ class MasterProcess:
         if not os.access(binary, os.X_OK):
             raise ConfigError(f"mooncake_master not found or not executable at {binary}")
         for _attempt in range(3):  # a port can be taken between probe and bind
-            settings = self._spawn(free_port(self.host), free_port(self.host))
+            settings = self._spawn(*free_ports(2, self.host))
             if self._wait_ready(settings, timeout):
                 self.settings = settings
                 return settings
@@ -135,7 +135,7 @@ class MasterProcess:
     def spawn_only(self) -> MooncakeSettings:
         """Start the process on free ports without waiting for it to serve (an HA
         standby never does before it leads); ``settings`` name it."""
-        self.settings = self._spawn(free_port(self.host), free_port(self.host))
+        self.settings = self._spawn(*free_ports(2, self.host))
         return self.settings
 
     def restart_killed(self, timeout: float = 20.0) -> None:
