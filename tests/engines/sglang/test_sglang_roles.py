@@ -102,19 +102,25 @@ def _wait_stopped(pid: int, role: str, deadline: float) -> None:
         time.sleep(0.01)
 
 
+def _client(stack: ServeStack, prompt: str, rid: str) -> tuple[threading.Thread, dict]:
+    """Send ``prompt`` from a started client thread; its answer lands in the dict
+    (``out``). A daemon: it never keeps the test process alive (a dead head never
+    answers)."""
+    answer: dict = {}
+    client = threading.Thread(
+        target=lambda: answer.update(out=stack.generate(prompt, rid)), name="client", daemon=True
+    )
+    client.start()
+    return client, answer
+
+
 def _held_at_the_denoiser(
     stack: ServeStack, prompt: str, rid: str
 ) -> tuple[threading.Thread, dict, float]:
     """Send ``prompt`` (it must say ``hold``) from a client thread and wait until the
     denoiser holds it at its gate. Returns the thread, the dict its answer lands in
     (``out``) and the hang guard's deadline."""
-    answer: dict = {}
-    client = threading.Thread(
-        target=lambda: answer.update(out=stack.generate(prompt, rid)),
-        name="client",
-        daemon=True,  # never keeps the test process alive (a dead head never answers)
-    )
-    client.start()
+    client, answer = _client(stack, prompt, rid)
     reached = stack.fake_dir / f"{rid}.reached"
     deadline = time.monotonic() + WAIT_MAX_S
     while not reached.exists():
@@ -191,13 +197,7 @@ def test_a_stopped_same_host_receiver_fails_the_request_within_timeout_s(
     os.kill(victim, signal.SIGSTOP)
     try:
         _wait_stopped(victim, "denoiser", time.monotonic() + WAIT_MAX_S)
-        answer: dict = {}
-        client = threading.Thread(
-            target=lambda: answer.update(out=stack.generate("small stopped", rid)),
-            name="client",
-            daemon=True,  # never keeps the test process alive (a dead head never answers)
-        )
-        client.start()
+        client, answer = _client(stack, "small stopped", rid)
         client.join(WAIT_MAX_S)
         assert not client.is_alive(), "the client is still waiting"
     finally:
@@ -284,15 +284,7 @@ def test_every_request_to_a_dead_decoder_fails_with_the_reason(stack: ServeStack
     assert not _alive(stack.scheduler_pid("decoder")), "run after the decoder was killed"
     for i in range(5):
         rid = f"after-death-{i}"
-        answer: dict = {}
-        client = threading.Thread(
-            target=lambda rid=rid, answer=answer: answer.update(
-                out=stack.generate("small after", rid)
-            ),
-            name="client",
-            daemon=True,  # never keeps the test process alive (a dead head never answers)
-        )
-        client.start()
+        client, answer = _client(stack, "small after", rid)
         client.join(WAIT_MAX_S)
         assert not client.is_alive(), f"request {i} is still waiting"
         error = answer["out"].error

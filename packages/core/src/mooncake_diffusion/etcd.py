@@ -201,15 +201,11 @@ class EtcdCluster:
                     self._spawn(m)
                 try:
                     self.wait_ready(timeout)
-                    exited = self._all_answer(max(deadline, time.monotonic() + 10.0))
+                    self._all_answer(max(deadline, time.monotonic() + 10.0))
+                    return self
                 except EtcdUnavailableError:
                     if attempt == 2 or not self._exited():
                         raise
-                else:
-                    if not exited:
-                        return self
-                    if attempt == 2:
-                        raise EtcdUnavailableError(f"etcd members exited: {', '.join(exited)}")
                 self._stop_members()
                 for m in self.members:
                     shutil.rmtree(m.data_dir, ignore_errors=True)
@@ -219,9 +215,9 @@ class EtcdCluster:
             raise
         return self
 
-    def _all_answer(self, deadline: float) -> list[str]:
-        """Wait until every member answers or has exited; returns those that exited.
-        ``EtcdUnavailableError`` if one does neither by ``deadline``."""
+    def _all_answer(self, deadline: float) -> None:
+        """Wait until every member answers or has exited. ``EtcdUnavailableError``
+        naming them if any exited, or if one does neither by ``deadline``."""
         waiting = list(self.members)
         while waiting:
             for m in list(waiting):
@@ -238,7 +234,9 @@ class EtcdCluster:
                 raise EtcdUnavailableError(f"etcd members did not answer in time: {names}")
             if waiting:
                 time.sleep(0.05)
-        return self._exited()
+        exited = self._exited()
+        if exited:
+            raise EtcdUnavailableError(f"etcd members exited: {', '.join(exited)}")
 
     def _exited(self) -> list[str]:
         """Members whose process ended, with its exit status."""
