@@ -14,6 +14,7 @@ import time
 
 import msgspec
 import pytest
+import torch
 import zmq
 from apistack import Stack, raw
 from gated import held
@@ -38,6 +39,7 @@ from mooncake_diffusion.orchestrator.wire import (
     encode,
 )
 from mooncake_diffusion.orchestrator.worker import StageWorker
+from mooncake_diffusion.payload import StagePayload
 from mooncake_diffusion.settings import MooncakeSettings
 
 pytestmark = pytest.mark.integration
@@ -85,6 +87,56 @@ def test_requests_flow_through_every_stage_with_events_and_metrics(stack):
     in_use = families["mcd_orchestrator_credits_in_use"].samples
     assert {s.labels["stage"]: s.value for s in in_use} == {"encode": 0, "denoise": 0, "decode": 0}
     assert stack.client.healthz() == {"status": "ok"}
+
+
+def _reported(stack, wid: str, want: dict[str, int], deadline_s: float = 30.0) -> dict:
+    """Poll ``GET /v1/cluster`` until worker ``wid``'s ``memory`` has the ``want``
+    values (its beats carry what the release thread last looked at); returns it."""
+    end = time.monotonic() + deadline_s
+    seen = None
+    while time.monotonic() < end:
+        seen = next(w["memory"] for w in stack.client.cluster()["workers"] if w["worker_id"] == wid)
+        if seen is not None and all(seen[k] == v for k, v in want.items()):
+            return seen
+        time.sleep(0.1)
+    raise AssertionError(f"{wid} reported {seen}, not {want}, within {deadline_s} s")
+
+
+def _memory_gauge(stack, wid: str) -> dict[str, float]:
+    text = stack.client.metrics_text()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    samples = families["mcd_orchestrator_worker_memory_bytes"].samples
+    return {s.labels["kind"]: s.value for s in samples if s.labels["worker_id"] == wid}
+
+
+def test_workers_report_what_their_connectors_hold(stack):
+    """Each worker's beats say what its connector holds (``Beat.memory``), and the
+    cluster view and ``/metrics`` show the last report: here a payload received into
+    the decode worker's receive pool shows as pool bytes in use until it is released,
+    and its receive pool as registered bytes."""
+    stack.pipeline()
+    dec = next(w for w in stack.workers if w.stage == "decode")
+    src = DiffusionConnector("denoise", "memory", MooncakeSettings())
+    stack.connectors.append(src)
+    _reported(stack, dec.worker_id, {"pool_bytes_in_use": 0, "late_write_bytes": 0})
+    pub = src.publish(StagePayload("mem-r", "latent", tensors={"x": torch.ones(1024, 256)}))
+    got = dec.connector.consume(pub.handle)
+    try:
+        registered = dec.connector.stats().registered_bytes
+        assert registered > 0  # the receive pool the payload landed in
+        seen = _reported(stack, dec.worker_id, {"pool_bytes_in_use": 1 << 20})
+        assert seen == {
+            "registered_bytes": registered,
+            "pool_bytes_in_use": 1 << 20,
+            "late_write_bytes": 0,
+            "live_publications": 0,
+        }
+        gauge = _memory_gauge(stack, dec.worker_id)
+        assert gauge == {"registered": registered, "pool_in_use": 1 << 20, "late_write": 0}
+    finally:
+        got.release()
+    _reported(stack, dec.worker_id, {"pool_bytes_in_use": 0})
+    assert _memory_gauge(stack, dec.worker_id)["pool_in_use"] == 0
 
 
 def test_cached_embeddings_skip_encode(stack):

@@ -89,6 +89,29 @@ def test_a_worker_progress_with_a_fractional_step_decodes_as_it_was_sent():
         Progress("den-0", ItemRef("r", "denoise", 1), "a third", 100)
 
 
+def test_a_beat_carries_memory_and_one_without_it_still_decodes():
+    """``Beat.memory`` was added to wire version 1 as an optional field: a beat from a
+    worker that predates it decodes with ``memory`` None, and a service that predates
+    it (a ``Beat`` without the field) reads a new beat and ignores the field."""
+    from mooncake_diffusion.orchestrator import wire
+    from mooncake_diffusion.schema import Envelope
+
+    new = wire.Beat("dec-0", (wire.ItemRef("r", "decode", 1),), 2, wire.Memory(1, 2, 3, 4))
+    assert wire.decode_from_worker(wire.encode(new)) == new
+    old_frame = msgspec.msgpack.encode({"type": "Beat", "worker_id": "dec-0", "credits": 2})
+    env = Envelope(wire.MAGIC, wire.WIRE_VERSION, msgspec.Raw(old_frame))
+    got = wire.decode_from_worker(msgspec.msgpack.encode(env))
+    assert got == wire.Beat("dec-0", (), 2) and got.memory is None
+
+    class OldBeat(msgspec.Struct, frozen=True, tag="Beat"):
+        worker_id: str
+        running: tuple[tuple[str, str, int], ...] = ()  # ItemRef is array-like
+        credits: int | None = None
+
+    body = msgspec.msgpack.encode(new)
+    assert msgspec.msgpack.decode(body, type=OldBeat) == OldBeat("dec-0", (("r", "decode", 1),), 2)
+
+
 def test_clocks():
     assert isinstance(VirtualClock(), Clock) and isinstance(MonotonicClock(), Clock)
     c = VirtualClock(5.0)

@@ -151,6 +151,14 @@ class ServiceMetrics:
             ["worker_id", "stage"],
             registry=r,
         )
+        self.worker_memory = Gauge(
+            P + "worker_memory_bytes",
+            "What each live worker's connector holds, as of its last beat: registered "
+            "(with the Transfer Engine), pool_in_use (receive pool handed out), "
+            "late_write (held back: a producer may still write into it).",
+            ["worker_id", "kind"],
+            registry=r,
+        )
         for s in _STAGES:  # every stage's series exists from the start, at 0
             for m in (
                 self.dispatches,
@@ -234,6 +242,15 @@ class ServiceMetrics:
             self.free_credits.labels(stage=s).set(free_credits.get(s, 0))
             self.credits_in_use.labels(stage=s).set(held[s])
         self.decode_reserved.set(decode_reserved)
+
+    def memory_set(self, reports: Iterable[tuple[str, int, int, int]]) -> None:
+        """Set ``worker_memory`` from (worker id, registered, pool in use, late write)
+        bytes of the live workers that reported them; the others' series go."""
+        self.worker_memory.clear()
+        for wid, registered, pool, late in reports:
+            self.worker_memory.labels(worker_id=wid, kind="registered").set(registered)
+            self.worker_memory.labels(worker_id=wid, kind="pool_in_use").set(pool)
+            self.worker_memory.labels(worker_id=wid, kind="late_write").set(late)
 
     def pool_workers_set(self, pools: Mapping[str, int]) -> None:
         """Set ``pool_workers`` from serving workers per stage (``elastic.pool_sizes``)."""

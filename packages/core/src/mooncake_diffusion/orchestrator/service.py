@@ -148,6 +148,7 @@ from mooncake_diffusion.orchestrator.wire import (
     ItemRef,
     Leave,
     Load,
+    Memory,
     Progress,
     Refused,
     Release,
@@ -295,6 +296,8 @@ class OrchestratorService:
         self._loading: dict[str, tuple[tuple[str, ...], str, float]] = {}
         #: workers whose Drain the core accepted and has not removed yet
         self._draining: set[str] = set()
+        #: what each live worker's connector held at its last beat that said (``Beat.memory``)
+        self._memory: dict[str, Memory] = {}
         #: the last stage changes, oldest first: worker_id, stages, reason, load_s, s
         self.stage_changes: deque[dict[str, Any]] = deque(maxlen=_RECENT)
         #: during a driver turn (``_turn``): frames and API answers held for its commit
@@ -998,6 +1001,7 @@ class OrchestratorService:
             for ref in list(self._outstanding_of.get(a.worker_id, ())):
                 self._forget(ref)  # re-queued (a new attempt) or failed: nothing to resend
             self._loading.pop(a.worker_id, None)
+            self._memory.pop(a.worker_id, None)
             self._before.pop(a.worker_id, None)
             self._counters["workers_removed"] += 1
             if a.worker_id in self._draining:  # drained: it holds nothing and may exit
@@ -1129,7 +1133,9 @@ class OrchestratorService:
         if self._redeliver:
             self._redeliver_to(wid)
         if isinstance(msg, Beat):
-            self._feed(Heartbeat(wid, msg.credits), ident)
+            acts = self._feed(Heartbeat(wid, msg.credits), ident)
+            if msg.memory is not None and not _rejected(acts, "Heartbeat"):
+                self._memory[wid] = msg.memory  # a live worker's: dropped when it is removed
             self._resend_missing(wid, set(msg.running))
         elif isinstance(msg, Done):
             r, info = msg.item, msg.info
@@ -1310,6 +1316,7 @@ class OrchestratorService:
                     "free": w.free,
                     "running": list(w.running),
                     "heartbeat_age_s": round(max(0.0, hb - (w.expires_at - now)), 3),
+                    "memory": _memory_view(self._memory.get(w.worker_id)),
                 }
                 for w in snap.workers
             ],
@@ -1339,6 +1346,12 @@ class OrchestratorService:
             snap.free_credits,
             snap.decode_reserved,
         )
+        live = {w.worker_id for w in snap.workers}
+        self.metrics.memory_set(
+            (wid, m.registered_bytes, m.pool_bytes_in_use, m.late_write_bytes)
+            for wid, m in self._memory.items()
+            if wid in live
+        )
         return self.metrics.text()
 
 
@@ -1361,6 +1374,11 @@ def take_frames(
         if waiting():
             return n + 1
     return limit
+
+
+def _memory_view(m: Memory | None) -> dict[str, int] | None:
+    """A worker's ``Beat.memory`` as ``GET /v1/cluster`` shows it (None: not reported)."""
+    return None if m is None else msgspec.structs.asdict(m)
 
 
 def _rejected(actions: list[Action], event: str) -> bool:

@@ -17,7 +17,8 @@ Call sequence (worker W, service S; W's ZeroMQ routing id is its worker id):
     W -> S  Done       output published; the item is acknowledged
     W -> S  Failed     the item is given up (``retryable=False`` fails the request)
     W -> S  Beat       alive; ``running`` lists what it holds, so the service re-sends
-                       an item it dispatched that never arrived
+                       an item it dispatched that never arrived; ``memory``: what its
+                       connector holds (``GET /v1/cluster``, ``/metrics``)
     S -> W  Drop       stop an item (its request was cancelled)
     S -> W  Yield      stop a denoise item at its next step boundary (preemption)
     W -> S  Yielded    it stopped as asked; it goes back to its queue
@@ -37,7 +38,7 @@ Call sequence (worker W, service S; W's ZeroMQ routing id is its worker id):
 
 Version history: 1 (initial; ``Release.item`` added later, optional with a
 default, so a decoder that predates it reads such a frame and ignores it; so
-were ``Hello.stages`` and ``Hello.load_s``; ``Leave``, ``Load`` and ``Retire``
+were ``Hello.stages``, ``Hello.load_s`` and ``Beat.memory``; ``Leave``, ``Load`` and ``Retire``
 are new messages, which a peer that predates them refuses as a bad frame, so a
 stage change or a drain needs both sides of this build).
 """
@@ -61,6 +62,7 @@ __all__ = [
     "ItemRef",
     "Leave",
     "Load",
+    "Memory",
     "Progress",
     "Refused",
     "Release",
@@ -108,10 +110,25 @@ class Hello(msgspec.Struct, frozen=True, tag=True):
     load_s: float | None = None
 
 
+class Memory(msgspec.Struct, frozen=True, array_like=True):
+    """What a worker's connector holds (``DiffusionConnector.stats()``), as of the
+    worker's last look: bytes registered with the Transfer Engine, receive-pool bytes
+    handed out, bytes held back because a producer may still write into them (a p2p
+    fetch broken off mid-transfer: receive pool and outside it, until the
+    transport's ``late_write_s`` has passed), and its live publications."""
+
+    registered_bytes: int
+    pool_bytes_in_use: int
+    late_write_bytes: int
+    live_publications: int
+
+
 class Beat(msgspec.Struct, frozen=True, tag=True):
     worker_id: str
     running: tuple[ItemRef, ...] = ()
     credits: int | None = None
+    #: what its connector holds (None: not known yet, or a worker that predates it)
+    memory: Memory | None = None
 
 
 class Progress(msgspec.Struct, frozen=True, tag=True):

@@ -88,6 +88,7 @@ from mooncake_diffusion.orchestrator.wire import (
     ItemRef,
     Leave,
     Load,
+    Memory,
     Progress,
     Refused,
     Release,
@@ -108,6 +109,8 @@ log = logging.getLogger("mooncake_diffusion.worker")
 _REMEMBER_DONE = 256
 #: how long a thread about to keep the GIL waits for the beat it asked for
 _BEAT_WAIT_S = 0.5
+#: how often the release thread looks at what the connector holds (sent with the beats)
+_MEMORY_EVERY_S = 1.0
 
 
 class StageContext:
@@ -250,6 +253,8 @@ class StageWorker:
         self._releases: queue.SimpleQueue[tuple[str, WorkItem | None] | None] = queue.SimpleQueue()
         self.items_done = 0
         self.items_failed = 0
+        #: what the connector held at the release thread's last look (``Beat.memory``)
+        self._memory: Memory | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> StageWorker:
@@ -403,7 +408,7 @@ class StageWorker:
             now = time.monotonic()
             if beat_asked or now >= next_beat:
                 if self._welcomed.is_set():
-                    send(Beat(self.worker_id, self._refs()))
+                    send(Beat(self.worker_id, self._refs(), memory=self._memory))
                     late = now - next_beat
                     if late > interval:  # the orchestrator may have given up on us
                         log.warning(
@@ -526,8 +531,23 @@ class StageWorker:
         self._releases.put((request_id, forget))
 
     def _clean(self) -> None:
-        """The release thread: runs ``_cleanup``'s requests until ``None``."""
-        while (job := self._releases.get()) is not None:
+        """The release thread: runs ``_cleanup``'s requests until ``None``, and every
+        ``_MEMORY_EVERY_S`` between them notes what the connector holds, for the beats
+        (here, not on the loop: a look takes the connector's locks, which a transfer
+        may hold, and the loop's beats must not wait for them)."""
+        looked = time.monotonic() - _MEMORY_EVERY_S
+        while True:
+            if time.monotonic() - looked >= _MEMORY_EVERY_S:
+                looked = time.monotonic()
+                self._look()
+            try:
+                job = self._releases.get(
+                    timeout=max(0.0, looked + _MEMORY_EVERY_S - time.monotonic())
+                )
+            except queue.Empty:
+                continue
+            if job is None:
+                return
             request_id, item = job
             try:
                 self.connector.cleanup(request_id)
@@ -536,6 +556,17 @@ class StageWorker:
                     fn.forget(item, StageContext(self, item))
             except Exception as e:  # nothing re-sends it: say what is left
                 log.warning("worker %s: release of %s failed: %s", self.worker_id, request_id, e)
+
+    def _look(self) -> None:
+        """Note what the connector holds now (``_memory``, sent with the next beat)."""
+        try:
+            st = self.connector.stats()
+        except Exception as e:  # e.g. a connector closed under us: the beats go without
+            log.debug("worker %s: connector stats: %s", self.worker_id, e)
+            return
+        late = st.pool_bytes_quarantined + st.late_write_kept_bytes
+        held = Memory(st.registered_bytes, st.pool_bytes_in_use, late, st.live_publications)
+        self._memory = held
 
     def _on_work(self, item: WorkItem, pool: ThreadPoolExecutor) -> Any:
         ref = _ref(item)
