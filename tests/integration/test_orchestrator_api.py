@@ -89,33 +89,38 @@ def test_requests_flow_through_every_stage_with_events_and_metrics(stack):
     assert stack.client.healthz() == {"status": "ok"}
 
 
-def _reported(stack, wid: str, want: dict[str, int], deadline_s: float = 30.0) -> dict:
+def _reported(stack, wid: str, want: dict[str, int], deadline_s: float = 30.0) -> None:
     """Poll ``GET /v1/cluster`` until worker ``wid``'s ``memory`` has the ``want``
-    values (its beats carry what the release thread last looked at); returns it."""
+    values (its beats carry what the release thread last looked at)."""
     end = time.monotonic() + deadline_s
-    seen = None
+    seen: object = "no such worker"
     while time.monotonic() < end:
-        seen = next(w["memory"] for w in stack.client.cluster()["workers"] if w["worker_id"] == wid)
-        if seen is not None and all(seen[k] == v for k, v in want.items()):
-            return seen
+        mine = [w for w in stack.client.cluster()["workers"] if w["worker_id"] == wid]
+        seen = mine[0]["memory"] if mine else "no such worker"
+        if isinstance(seen, dict) and all(seen.get(k) == v for k, v in want.items()):
+            return
         time.sleep(0.1)
     raise AssertionError(f"{wid} reported {seen}, not {want}, within {deadline_s} s")
 
 
-def _memory_gauge(stack, wid: str) -> dict[str, float]:
-    text = stack.client.metrics_text()
-    families = {f.name: f for f in text_string_to_metric_families(text)}
-    samples = families["mcd_orchestrator_worker_memory_bytes"].samples
-    return {s.labels["kind"]: s.value for s in samples if s.labels["worker_id"] == wid}
+def _memory_gauges(stack) -> dict[str, dict[str, float]]:
+    """``mcd_orchestrator_worker_memory_bytes`` by worker id, then kind."""
+    families = {f.name: f for f in text_string_to_metric_families(stack.client.metrics_text())}
+    out: dict[str, dict[str, float]] = {}
+    for s in families["mcd_orchestrator_worker_memory_bytes"].samples:
+        out.setdefault(s.labels["worker_id"], {})[s.labels["kind"]] = s.value
+    return out
 
 
+@pytest.mark.parametrize("stack", [False, True], ids=["in-process", "bridged"], indirect=True)
 def test_workers_report_what_their_connectors_hold(stack):
     """Each worker's beats say what its connector holds (``Beat.memory``), and the
     cluster view and ``/metrics`` show the last report: here a payload received into
-    the decode worker's receive pool shows as pool bytes in use until it is released,
-    and its receive pool as registered bytes."""
+    a decode worker's receive pool shows as pool bytes in use until it is released,
+    and its receive pool as registered bytes. A worker that leaves takes its report
+    and its series with it."""
     stack.pipeline()
-    dec = next(w for w in stack.workers if w.stage == "decode")
+    dec = stack.worker("decode", worker_id="dec-mem")
     src = DiffusionConnector("denoise", "memory", MooncakeSettings())
     stack.connectors.append(src)
     _reported(stack, dec.worker_id, {"pool_bytes_in_use": 0, "late_write_bytes": 0})
@@ -124,19 +129,25 @@ def test_workers_report_what_their_connectors_hold(stack):
     try:
         registered = dec.connector.stats().registered_bytes
         assert registered > 0  # the receive pool the payload landed in
-        seen = _reported(stack, dec.worker_id, {"pool_bytes_in_use": 1 << 20})
-        assert seen == {
+        want = {
             "registered_bytes": registered,
             "pool_bytes_in_use": 1 << 20,
             "late_write_bytes": 0,
             "live_publications": 0,
         }
-        gauge = _memory_gauge(stack, dec.worker_id)
+        _reported(stack, dec.worker_id, want)  # the whole report, pool and payload alike
+        gauge = _memory_gauges(stack)[dec.worker_id]
         assert gauge == {"registered": registered, "pool_in_use": 1 << 20, "late_write": 0}
     finally:
         got.release()
     _reported(stack, dec.worker_id, {"pool_bytes_in_use": 0})
-    assert _memory_gauge(stack, dec.worker_id)["pool_in_use"] == 0
+    assert _memory_gauges(stack)[dec.worker_id]["pool_in_use"] == 0
+    dec.stop()  # says Bye: the orchestrator removes it
+    deadline = time.monotonic() + 30
+    while dec.worker_id in _memory_gauges(stack) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert dec.worker_id not in _memory_gauges(stack)
+    assert dec.worker_id not in stack.svc._memory  # the report went with the worker
 
 
 def test_cached_embeddings_skip_encode(stack):

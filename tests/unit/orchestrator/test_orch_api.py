@@ -110,6 +110,10 @@ def test_a_beat_carries_memory_and_one_without_it_still_decodes():
 
     body = msgspec.msgpack.encode(new)
     assert msgspec.msgpack.decode(body, type=OldBeat) == OldBeat("dec-0", (("r", "decode", 1),), 2)
+    bad = msgspec.msgpack.encode({"type": "Beat", "worker_id": "w", "memory": [1, -2, 3, 4]})
+    frame = msgspec.msgpack.encode(Envelope(wire.MAGIC, wire.WIRE_VERSION, msgspec.Raw(bad)))
+    with pytest.raises(wire.WireError, match="memory"):  # a count is never negative
+        wire.decode_from_worker(frame)
 
 
 def test_clocks():

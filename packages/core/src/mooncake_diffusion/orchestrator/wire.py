@@ -45,6 +45,8 @@ stage change or a drain needs both sides of this build).
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
 
 from mooncake_diffusion.orchestrator.model import WorkItem
@@ -110,6 +112,9 @@ class Hello(msgspec.Struct, frozen=True, tag=True):
     load_s: float | None = None
 
 
+_Count = Annotated[int, msgspec.Meta(ge=0)]
+
+
 class Memory(msgspec.Struct, frozen=True, array_like=True):
     """What a worker's connector holds (``DiffusionConnector.stats()``), as of the
     worker's last look: bytes registered with the Transfer Engine, receive-pool bytes
@@ -117,10 +122,10 @@ class Memory(msgspec.Struct, frozen=True, array_like=True):
     fetch broken off mid-transfer: receive pool and outside it, until the
     transport's ``late_write_s`` has passed), and its live publications."""
 
-    registered_bytes: int
-    pool_bytes_in_use: int
-    late_write_bytes: int
-    live_publications: int
+    registered_bytes: _Count
+    pool_bytes_in_use: _Count
+    late_write_bytes: _Count
+    live_publications: _Count
 
 
 class Beat(msgspec.Struct, frozen=True, tag=True):

@@ -255,6 +255,7 @@ class StageWorker:
         self.items_failed = 0
         #: what the connector held at the release thread's last look (``Beat.memory``)
         self._memory: Memory | None = None
+        self._look_failed = False
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> StageWorker:
@@ -558,12 +559,17 @@ class StageWorker:
                 log.warning("worker %s: release of %s failed: %s", self.worker_id, request_id, e)
 
     def _look(self) -> None:
-        """Note what the connector holds now (``_memory``, sent with the next beat)."""
+        """Note what the connector holds now (``_memory``, sent with the next beat). A
+        look that fails leaves ``_memory`` None (the beats say nothing rather than
+        something old) and is logged once per run of failures."""
         try:
             st = self.connector.stats()
-        except Exception as e:  # e.g. a connector closed under us: the beats go without
-            log.debug("worker %s: connector stats: %s", self.worker_id, e)
+        except Exception as e:
+            if not self._look_failed:  # the first of a run of failures
+                log.warning("worker %s: cannot read its connector's stats: %s", self.worker_id, e)
+            self._memory, self._look_failed = None, True
             return
+        self._look_failed = False
         late = st.pool_bytes_quarantined + st.late_write_kept_bytes
         held = Memory(st.registered_bytes, st.pool_bytes_in_use, late, st.live_publications)
         self._memory = held
