@@ -166,6 +166,14 @@ def test_rooms_follow_lightx2v_defaults_and_overrides():
     assert (
         AdapterConfig.room({**cfg("encoder", bootstrap_room=2), "data_bootstrap_room": 9}, 1) == 9
     )
+    # a request that sends a room as JSON null names none (LightX2V's own reading skips
+    # None; int(None) failed every such request)
+    assert (
+        AdapterConfig.room({**cfg("encoder", bootstrap_room=2), "data_bootstrap_room": None}, 1)
+        == 2
+    )
+    assert AdapterConfig.room(cfg("transformer", decoder_bootstrap_room=None), 2) == 1
+    assert AdapterConfig.room(cfg("decode", bootstrap_room=None), 2) == 1
 
 
 @pytest.mark.parametrize(
@@ -184,11 +192,23 @@ def test_rooms_follow_lightx2v_defaults_and_overrides():
         (cfg(queue={"orchestrator": "tcp://h:1", "labels": {"a": 1}}), r"queue\.labels"),
         (cfg("controller"), "disagg_mode"),
         (cfg(master="nowhere"), "master"),
+        # JSON values of the wrong type are refused, not read as Python would
+        (cfg(same_host="false"), "same_host must be true or false"),
+        (cfg(latent_chunks=2.7), "latent_chunks must be a int"),
+        (cfg(latent_chunks=True), "latent_chunks must be a int"),
+        (cfg(queue={"orchestrator": "tcp://h:1", "result_sha256": "false"}), "result_sha256"),
     ],
 )
 def test_bad_disagg_config_fails_naming_the_key(config, match):
     with pytest.raises(ConfigError, match=match):
         AdapterConfig.from_runner_config(config)
+
+
+def test_booleans_and_whole_numbers_are_read_as_given():
+    c = AdapterConfig.from_runner_config(cfg(same_host=False, latent_chunks=8.0))
+    assert c.settings.same_host is False and c.latent_chunks == 8
+    q = {"orchestrator": "tcp://h:1", "result_sha256": True}
+    assert AdapterConfig.from_runner_config(cfg("decode", queue=q)).queue.result_sha256 is True
 
 
 @pytest.mark.parametrize(

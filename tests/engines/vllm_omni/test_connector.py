@@ -308,6 +308,34 @@ def test_injected_and_unknown_extra_keys_are_accepted(extra, make, vllm_omni):
         vllm_omni.create_connector(ConnectorSpec(name=NAME, extra=unset))
 
 
+def test_core_environment_settings_apply_and_a_bad_receive_device_fails_at_once(monkeypatch):
+    """Core's ``MOONCAKE_DIFFUSION_*`` variables (documented for every process) reach
+    the connector's settings: they were dropped, the connector building its settings
+    from ``extra`` alone. A ``receive_device`` typo fails at construction; it was
+    accepted, and every receive then consumed its payload and failed."""
+    from mooncake_diffusion_vllm_omni.config import ConnectorConfig
+
+    from mooncake_diffusion.errors import ConfigError
+
+    monkeypatch.setenv("MOONCAKE_DIFFUSION_PEER_TIMEOUT_S", "3")
+    monkeypatch.setenv("MOONCAKE_DIFFUSION_GPU_PATH", "staged")
+    monkeypatch.setenv("MOONCAKE_DIFFUSION_SAME_HOST", "0")
+    cfg = ConnectorConfig.from_extra({"master": "10.0.0.1:50051", "receive_device": "cuda:1"})
+    s = cfg.settings
+    assert (s.master, s.peer_timeout_s, s.gpu_path, s.same_host) == (
+        "10.0.0.1:50051",
+        3.0,
+        "staged",
+        False,
+    )
+    assert cfg.receive_device == "cuda:1"  # named, not opened: no GPU needed to parse it
+    with pytest.raises(ConfigError, match="receive_device"):
+        ConnectorConfig.from_extra({"receive_device": "cuda0"})
+    monkeypatch.setenv("MOONCAKE_DIFFUSION_PEER_TIMEOUT_S", "soon")
+    with pytest.raises(ConfigError, match="MOONCAKE_DIFFUSION_PEER_TIMEOUT_S"):
+        ConnectorConfig.from_extra({})
+
+
 def test_dead_master_fails_construction_clearly(vllm_omni, make):
     from mooncake_diffusion_vllm_omni.connector import MooncakeDiffusionConnector
     from vllm_omni.distributed.omni_connectors.utils.config import ConnectorSpec

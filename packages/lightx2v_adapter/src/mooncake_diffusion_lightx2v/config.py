@@ -40,13 +40,31 @@ def _number(
     where: str = "disagg_config",
 ) -> Any:
     value = d.get(key, default)
+    bad = ConfigError(f"{where}.{key} must be a {kind.__name__}, got {value!r}")
+    if isinstance(value, bool):  # JSON true is not 1
+        raise bad
+    if kind is int and isinstance(value, float) and not value.is_integer():
+        raise bad  # 2.7 is not a count (int() would make it 2)
     try:
         out = kind(value)
     except (TypeError, ValueError):
-        raise ConfigError(f"{where}.{key} must be a {kind.__name__}, got {value!r}") from None
+        raise bad from None
     if out <= 0:
         raise ConfigError(f"{where}.{key} must be positive, got {value!r}")
     return out
+
+
+def _flag(
+    d: Mapping[str, Any], key: str, default: bool | None, where: str = "disagg_config"
+) -> bool | None:
+    """A JSON boolean (absent or null: ``default``); a string such as "false" is refused,
+    since ``bool("false")`` is true."""
+    value = d.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ConfigError(f"{where}.{key} must be true or false, got {value!r}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -101,7 +119,7 @@ class QueueConfig:
             token=raw.get("token"),
             worker_id=raw.get("worker_id"),
             labels=dict(labels),
-            result_sha256=bool(raw.get("result_sha256", False)),
+            result_sha256=bool(_flag(raw, "result_sha256", False, "disagg_config.queue")),
             connect_timeout_s=_number(
                 raw, "connect_timeout_s", 300.0, float, "disagg_config.queue"
             ),
@@ -154,7 +172,7 @@ class AdapterConfig:
             local_hostname=disagg.get("local_hostname"),
             protocol=disagg.get("protocol"),
             device=disagg.get("device_name"),
-            same_host=disagg.get("same_host"),
+            same_host=_flag(disagg, "same_host", None),  # None: the environment's, or on
         )
         channel = str(disagg.get("channel", "lightx2v"))
         if not channel or "/" in channel:
@@ -187,12 +205,18 @@ class AdapterConfig:
         ``bootstrap_room`` on the decoder (default 1). Read on every call, since a
         server's ``set_config`` may change them per request."""
         disagg = config.get("disagg_config") or {}
+
+        def first(*values: Any) -> Any:  # a key set to null is a key not given
+            return next(v for v in values if v is not None)
+
         try:
             if phase == 1:
-                return int(config.get("data_bootstrap_room", disagg.get("bootstrap_room", 0)))
+                return int(
+                    first(config.get("data_bootstrap_room"), disagg.get("bootstrap_room"), 0)
+                )
             if config.get("disagg_mode") == "transformer":
-                return int(disagg.get("decoder_bootstrap_room", 1))
-            return int(disagg.get("bootstrap_room", 1))
+                return int(first(disagg.get("decoder_bootstrap_room"), 1))
+            return int(first(disagg.get("bootstrap_room"), 1))
         except (TypeError, ValueError):
             raise ConfigError(f"the Phase {phase} bootstrap room must be an int") from None
 

@@ -22,6 +22,11 @@ then the environment variable, then the default:
     keep_on_close                                         true in store mode, else false
     gpu_direct                                            false
 
+Core's other settings come from its environment variables as in every process
+(``MooncakeSettings.from_env``: ``MOONCAKE_DIFFUSION_PEER_TIMEOUT_S``, ``_GPU_PATH``,
+``_SAME_HOST``, ``_STORE_PART_BYTES``, ``_STORE_LEASE_S`` and the rest).
+``receive_device`` must be a torch device name; a typo fails at construction.
+
 Keys the runtime injects (``stage_id``, ``role``, ``from_stage``, ``to_stage``,
 ``type``, ``sender_host``, ``sender_zmq_port``, ``zmq_port``), the chunk knobs
 stage input processors read from ``connector.config`` (``codec_chunk_frames``
@@ -157,7 +162,9 @@ class ConnectorConfig:
         if mode not in _MODES:
             raise ConfigError(f"transfer_mode must be one of {_MODES}, got {mode!r}")
         try:
-            settings = MooncakeSettings(
+            # from_env: core's MOONCAKE_DIFFUSION_* variables (peer timeout, GPU path,
+            # same-host, store parts and leases) apply here as in every other process
+            settings = MooncakeSettings.from_env(
                 master=str(pick("master", env=("MOONCAKE_MASTER",), default="127.0.0.1:50051")),
                 admin=pick("admin", env=("MOONCAKE_ADMIN",)),
                 local_hostname=host,
@@ -187,13 +194,26 @@ class ConnectorConfig:
                 max_record=int(
                     _number(pick("max_record", default=1 << 20), "max_record", positive=True)
                 ),
-                receive_device=str(pick("receive_device", default="cpu")),
+                receive_device=_device(pick("receive_device", default="cpu")),
                 keep_on_close=None if keep is None else _flag(keep, "keep_on_close"),
                 gpu_direct=_flag(pick("gpu_direct", default=False), "gpu_direct"),
                 sweep_s=None if sweep is None else _number(sweep, "sweep_s"),
             )
         except (TypeError, ValueError) as e:
             raise ConfigError(f"MooncakeDiffusionConnector extra: {e}") from None
+
+
+def _device(v: Any) -> str:
+    """``receive_device`` as torch names it ("cpu", "cuda", "cuda:1"); a typo fails
+    here, not at every receive (each of which would consume the payload first)."""
+    import torch
+
+    try:
+        return str(torch.device(str(v)))
+    except (RuntimeError, TypeError, ValueError):
+        raise ConfigError(
+            f"receive_device must be a torch device such as 'cpu' or 'cuda:0', got {v!r}"
+        ) from None
 
 
 def _number(v: Any, name: str, *, positive: bool = False) -> float:
