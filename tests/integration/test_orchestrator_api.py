@@ -28,6 +28,7 @@ from mooncake_diffusion.orchestrator.service import (
     OrchestratorService,
     RequestRejected,
     ServiceConfig,
+    ServiceUnavailable,
 )
 from mooncake_diffusion.orchestrator.wire import (
     Done,
@@ -148,6 +149,54 @@ def test_workers_report_what_their_connectors_hold(stack):
         time.sleep(0.1)
     assert dec.worker_id not in _memory_gauges(stack)
     assert dec.worker_id not in stack.svc._memory  # the report went with the worker
+
+
+@pytest.mark.parametrize("stack", [False, True], ids=["in-process", "bridged"], indirect=True)
+def test_a_stream_that_ends_before_its_request_leaves_no_subscriber(stack):
+    """An event stream read without following (``?follow=0``, ``timeout=0``), or closed
+    by its reader, stops following its request: each one left its queue on the driver
+    until the request finished, and every later event was put into all of them."""
+    rid = stack.client.submit({"prompt": "p", "size": 256, "steps": 3})  # no worker: it waits
+    svc = stack.svc
+
+    def subscribers() -> int:  # on the driver, after whatever was posted before
+        return svc._call(lambda: len(svc.table._subs.get(rid, ())))
+
+    for _ in range(3):
+        assert [e["kind"] for e in stack.client.events(rid, follow=False)] == ["submitted"]
+        assert [e.kind for e in svc.events(rid, timeout=0)] == ["submitted"]
+    following = svc.events(rid)
+    assert next(following).kind == "submitted"
+    assert subscribers() == 1  # a reader that follows is followed
+    following.close()  # ... until it gives up
+    assert subscribers() == 0
+    assert stack.client.cancel(rid)["state"] == "cancelled"
+
+
+def test_a_call_the_driver_did_not_answer_in_time_never_runs():
+    """A blocking call that times out (``ServiceUnavailable``, HTTP 503) is withdrawn:
+    it ran later, when the driver caught up, so a submit answered 503 still made a
+    request its client never heard of."""
+    svc = OrchestratorService(
+        ServiceConfig(worker_bind="tcp://127.0.0.1:0", call_timeout_s=0.5)
+    ).start()
+    try:
+        busy, release = threading.Event(), threading.Event()
+
+        def hold_the_driver() -> None:
+            busy.set()
+            release.wait(30)
+
+        svc._post(hold_the_driver)
+        assert busy.wait(30)
+        with pytest.raises(ServiceUnavailable, match=r"did not answer within 0\.5 s"):
+            svc.submit({"prompt": "late"}, request_id="late")
+        release.set()
+        assert svc.cluster()["queued"]["encode"] == []  # caught up: the submit did not run
+        with pytest.raises(RequestRejected, match="no request"):
+            svc.status("late")
+    finally:
+        svc.close()
 
 
 def test_cached_embeddings_skip_encode(stack):

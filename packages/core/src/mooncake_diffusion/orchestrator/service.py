@@ -555,18 +555,27 @@ class OrchestratorService:
 
     def events(self, request_id: str, timeout: float | None = None) -> Iterator[RequestEvent]:
         """The request's events so far, then each new one until it finishes (or the
-        service closes, or ``timeout`` seconds pass with nothing new)."""
+        service closes, or ``timeout`` seconds pass with nothing new). A stream that
+        ends before its request did (the timeout, or its caller closed it) stops
+        following: the driver drops its queue."""
         q: queue.SimpleQueue[RequestEvent | None] = queue.SimpleQueue()
         if not self._call(lambda: self.table.subscribe(request_id, q)):
             raise RequestRejected("unknown_request", f"no request {request_id!r}")
-        while True:
-            try:
-                ev = q.get(timeout=timeout)
-            except queue.Empty:
-                return
-            if ev is None:
-                return
-            yield ev
+        ended = False
+        try:
+            while True:
+                try:
+                    ev = q.get(timeout=timeout)
+                except queue.Empty:
+                    return
+                if ev is None:
+                    ended = True  # the table dropped the queue itself
+                    return
+                yield ev
+        finally:
+            if not ended:
+                with contextlib.suppress(ServiceUnavailable):  # stopped: nothing follows
+                    self._post(lambda: self.table.unsubscribe(request_id, q))
 
     def wait(self, request_id: str, timeout: float | None = None) -> RequestStatus:
         """Block until the request finishes (or ``timeout``); returns its status."""
@@ -633,6 +642,9 @@ class OrchestratorService:
         try:
             return fut.result(timeout=self.config.call_timeout_s)
         except FutureTimeout:
+            # the caller is told it failed: so it must not happen later (a submit the
+            # client was answered 503 for would run, its request unknown to the client)
+            fut.cancel()  # the driver skips a cancelled call; a running one ends as it does
             raise self._late() from None
 
     async def _call_async(self, fn: Callable[[], Any]) -> Any:

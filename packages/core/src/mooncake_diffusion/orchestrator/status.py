@@ -143,6 +143,18 @@ class RequestTable:
             self._subs.setdefault(rid, []).append(q)
         return True
 
+    def unsubscribe(self, rid: str, q: queue.SimpleQueue[RequestEvent | None]) -> None:
+        """Stop following into ``q`` (a stream that ended before its request did);
+        nothing if the request already finished (its queues went with it)."""
+        subs = self._subs.get(rid)
+        if subs is None:
+            return
+        kept = [s for s in subs if s is not q]
+        if kept:
+            self._subs[rid] = kept
+        else:
+            del self._subs[rid]
+
     def hold(self) -> None:
         """Keep new stream items back until ``release`` (the service's group commit:
         no client sees an event before it is durable). Statuses change at once."""
