@@ -31,9 +31,11 @@ from mooncake_diffusion.orchestrator.service import (
     ServiceUnavailable,
 )
 from mooncake_diffusion.orchestrator.wire import (
+    Bye,
     Done,
     Hello,
     ItemRef,
+    Leave,
     Refused,
     Welcome,
     decode_from_service,
@@ -360,6 +362,44 @@ def test_non_loopback_needs_a_token_and_the_token_is_enforced():
         s.worker("decode")
         assert [w["stage"] for w in s.client.cluster()["workers"]] == ["decode"]
     finally:
+        s.close()
+
+
+def test_with_a_token_a_connection_that_takes_a_workers_id_cannot_speak_for_it():
+    """ZeroMQ hands a routing id to the newest connection that claims it
+    (``ROUTER_HANDOVER``: a restarted worker gets its id back), and with a token the
+    service checked only that the id had said Hello with it: a rogue that connected
+    under a live worker's id, token unknown, could send its Leave, Bye or results.
+    Now every frame after Hello carries the session key of that connection's
+    ``Welcome``: the rogue's frames are refused and change nothing, while the
+    workers (which stamp the key on theirs) serve requests. Not prevented: the
+    worker whose id was taken hears nothing until it is given up (heartbeat
+    timeout), as before."""
+    s = Stack(token="s3cret")
+    ctx = zmq.Context()
+    rogue = ctx.socket(zmq.DEALER)
+    try:
+        s.pipeline()
+        rid = s.client.submit({"prompt": "keyed", "size": 256, "steps": 2})
+        assert s.client.wait(rid, timeout=60)["state"] == "completed"  # stamped frames pass
+        dec = next(w for w in s.workers if w.stage == "decode")
+        rogue.setsockopt(zmq.ROUTING_ID, dec.worker_id.encode())
+        rogue.setsockopt(zmq.LINGER, 0)
+        rogue.connect(s.svc.worker_address)
+        for frame in (
+            Leave(dec.worker_id, "hijacked"),
+            Leave(dec.worker_id, "hijacked", session="0" * 32),  # a guessed key
+            Bye(dec.worker_id, "hijacked"),
+        ):
+            rogue.send(encode(frame))
+            assert rogue.poll(10_000), "no answer"  # the id is the rogue's now
+            r = decode_from_service(rogue.recv())
+            assert isinstance(r, Refused) and r.code == "unauthorized", r
+        states = {w["worker_id"]: w["state"] for w in s.client.cluster()["workers"]}
+        assert states.get(dec.worker_id) == "serving", states  # neither drained nor gone
+    finally:
+        rogue.close()
+        ctx.term()
         s.close()
 
 

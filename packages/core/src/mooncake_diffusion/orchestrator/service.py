@@ -74,6 +74,7 @@ import contextlib
 import hmac
 import logging
 import queue
+import secrets
 import threading
 import time
 import uuid
@@ -291,7 +292,9 @@ class OrchestratorService:
         #: releases that may have been lost in a restart (filled by the journal's replay):
         #: request -> its producers still owed one
         self._redeliver: OrderedDict[str, set[str]] = OrderedDict()
-        self._authed: set[bytes] = set()
+        #: with a token: each worker connection that said Hello with it -> the session
+        #: key its later frames must carry (a routing id alone can be taken over)
+        self._authed: dict[bytes, str] = {}
         #: workers sent ``Load`` and not registered again: worker -> (stages, reason, t)
         self._loading: dict[str, tuple[tuple[str, ...], str, float]] = {}
         #: workers whose Drain the core accepted and has not removed yet
@@ -1014,6 +1017,7 @@ class OrchestratorService:
                 self._forget(ref)  # re-queued (a new attempt) or failed: nothing to resend
             self._loading.pop(a.worker_id, None)
             self._memory.pop(a.worker_id, None)
+            self._authed.pop(a.worker_id.encode(), None)  # alive after all: it says Hello again
             self._before.pop(a.worker_id, None)
             self._counters["workers_removed"] += 1
             if a.worker_id in self._draining:  # drained: it holds nothing and may exit
@@ -1138,7 +1142,10 @@ class OrchestratorService:
             if self._redeliver and (not self.config.token or ident in self._authed):
                 self._redeliver_to(msg.worker_id)
             return
-        if self.config.token and ident not in self._authed:
+        if self.config.token and not hmac.compare_digest(
+            msg.session.encode(), self._authed.get(ident, "\0").encode()
+        ):
+            self._counters["unauthorized"] += 1
             self._send(ident, Refused("unauthorized", "say Hello with the token first", "frame"))
             return
         wid = msg.worker_id
@@ -1185,7 +1192,7 @@ class OrchestratorService:
         elif isinstance(msg, Leave):
             self._feed(Drain(wid, msg.reason), ident)
         elif isinstance(msg, Bye):
-            self._authed.discard(ident)
+            self._authed.pop(ident, None)
             assert self._core is not None
             if self._core.is_live(wid):  # else drained and removed already
                 self._feed(WorkerLost(wid, msg.reason), ident)
@@ -1196,7 +1203,9 @@ class OrchestratorService:
             self._counters["unauthorized"] += 1
             self._send(ident, Refused("unauthorized", "wrong or missing token", "Hello"))
             return
-        self._authed.add(ident)
+        # a key per connection that proved the token, kept across its Hellos (a stage
+        # change says Hello again while its beats with the key are under way)
+        session = self._authed.setdefault(ident, secrets.token_hex(16)) if token else ""
         assert self._core is not None
         wid = msg.worker_id
         known = self._core.is_live(wid)
@@ -1217,7 +1226,7 @@ class OrchestratorService:
         if loaded is not None:
             self._stage_changed(wid, tuple(msg.stages) or (msg.stage,), loaded, msg.load_s)
         timeout = msg.heartbeat_timeout or self.config.orchestrator.heartbeat_timeout
-        self._send(ident, Welcome(msg.worker_id, timeout / 4))
+        self._send(ident, Welcome(msg.worker_id, timeout / 4, session))
 
     def _stage_changed(
         self,

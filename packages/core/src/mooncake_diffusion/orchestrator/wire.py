@@ -10,7 +10,8 @@ Call sequence (worker W, service S; W's ZeroMQ routing id is its worker id):
     W -> S  Hello      join the pools of ``stages`` (``stage`` first; ``fresh``: a new
                        process; what an older process of the same id held goes back
                        to its queue)
-    S -> W  Welcome    accepted; heartbeat every ``heartbeat_interval`` seconds
+    S -> W  Welcome    accepted; heartbeat every ``heartbeat_interval`` seconds; with a
+                       token, ``session``: the key the worker's later messages carry
     S -> W  Work       an item to run (may repeat: a worker ignores a copy of an item
                        it runs, and answers a copy of one it finished with its Done again)
     W -> S  Progress   optional, e.g. per denoise step (for status and event streams)
@@ -38,7 +39,9 @@ Call sequence (worker W, service S; W's ZeroMQ routing id is its worker id):
 
 Version history: 1 (initial; ``Release.item`` added later, optional with a
 default, so a decoder that predates it reads such a frame and ignores it; so
-were ``Hello.stages``, ``Hello.load_s`` and ``Beat.memory``; ``Leave``, ``Load`` and ``Retire``
+were ``Hello.stages``, ``Hello.load_s``, ``Beat.memory``, ``Welcome.session``
+and every later worker message's ``session`` (checked only where a token is set:
+there both sides must be of this build); ``Leave``, ``Load`` and ``Retire``
 are new messages, which a peer that predates them refuses as a bad frame, so a
 stage change or a drain needs both sides of this build).
 """
@@ -134,6 +137,8 @@ class Beat(msgspec.Struct, frozen=True, tag=True):
     credits: int | None = None
     #: what its connector holds (None: not known yet, or a worker that predates it)
     memory: Memory | None = None
+    #: the key of this connection's ``Welcome`` (with a token; "" without one)
+    session: str = ""
 
 
 class Progress(msgspec.Struct, frozen=True, tag=True):
@@ -145,6 +150,8 @@ class Progress(msgspec.Struct, frozen=True, tag=True):
     item: ItemRef
     step: int
     total: int
+    #: the key of this connection's ``Welcome`` (with a token; "" without one)
+    session: str = ""
 
     def __post_init__(self) -> None:
         for name in ("step", "total"):
@@ -160,6 +167,8 @@ class Done(msgspec.Struct, frozen=True, tag=True):
     item: ItemRef
     output: bytes = b""
     info: Info = msgspec.field(default_factory=dict)
+    #: the key of this connection's ``Welcome`` (with a token; "" without one)
+    session: str = ""
 
 
 class Failed(msgspec.Struct, frozen=True, tag=True):
@@ -168,27 +177,38 @@ class Failed(msgspec.Struct, frozen=True, tag=True):
     reason: str
     retryable: bool = True
     input_lost: bool = False  # the item's input payload is gone (see ItemFailed)
+    #: the key of this connection's ``Welcome`` (with a token; "" without one)
+    session: str = ""
 
 
 class Yielded(msgspec.Struct, frozen=True, tag=True):
     worker_id: str
     item: ItemRef
+    #: the key of this connection's ``Welcome`` (with a token; "" without one)
+    session: str = ""
 
 
 class Leave(msgspec.Struct, frozen=True, tag=True):
     worker_id: str
     reason: str = "leaving"
+    #: the key of this connection's ``Welcome`` (with a token; "" without one)
+    session: str = ""
 
 
 class Bye(msgspec.Struct, frozen=True, tag=True):
     worker_id: str
     reason: str = "drained"
+    #: the key of this connection's ``Welcome`` (with a token; "" without one)
+    session: str = ""
 
 
 # ------------------------------------------------------------------ service -> worker
 class Welcome(msgspec.Struct, frozen=True, tag=True):
     worker_id: str
     heartbeat_interval: float
+    #: with a token: the key every later frame of this worker carries (``session``), so
+    #: that a connection that took the worker's id without its Hello is refused
+    session: str = ""
 
 
 class Work(msgspec.Struct, frozen=True, tag=True):

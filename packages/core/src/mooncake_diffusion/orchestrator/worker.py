@@ -238,7 +238,7 @@ class StageWorker:
         self.connect_timeout_s = connect_timeout_s
         self._mail: Inbox[tuple[Any, ...]] = Inbox()
         self._running: dict[ItemRef, StageContext] = {}
-        self._done: OrderedDict[ItemRef, bytes] = OrderedDict()
+        self._done: OrderedDict[ItemRef, Done] = OrderedDict()
         self._publish_lock = threading.Lock()
         #: publications of finished items, until their request is released (supersede)
         self._pubs: dict[ItemRef, Any] = {}
@@ -248,6 +248,8 @@ class StageWorker:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._welcomed = threading.Event()
+        #: the key of the last Welcome, stamped on every later message (with a token)
+        self._session = ""
         self._serving: int | None = None  # the serve loop's thread id, while it runs
         #: ``_cleanup``'s requests: (request id, the item to ``forget`` or None)
         self._releases: queue.SimpleQueue[tuple[str, WorkItem | None] | None] = queue.SimpleQueue()
@@ -351,8 +353,10 @@ class StageWorker:
         sent.wait(_BEAT_WAIT_S)
 
     def _serve(self, sock: zmq.Socket, pool: ThreadPoolExecutor) -> None:
-        def send(msg: Any) -> None:  # a message, or a frame already encoded
-            sock.send(msg if isinstance(msg, bytes) else encode(msg))
+        def send(msg: Any) -> None:  # a message (with a token, stamped with the session key)
+            if self._session and not isinstance(msg, Hello):
+                msg = msgspec.structs.replace(msg, session=self._session)
+            sock.send(encode(msg))
 
         hello = self._hello(fresh=True)
         if self._follow.address is not None:  # else sent once a leader is announced
@@ -449,6 +453,7 @@ class StageWorker:
             log.warning("worker %s: bad frame from the orchestrator: %s", self.worker_id, e)
             return None
         if isinstance(msg, Welcome):
+            self._session = msg.session  # this connection's key ("" without a token)
             self._welcomed.set()
             return msg
         if isinstance(msg, Work):
@@ -660,12 +665,12 @@ class StageWorker:
         if kind == "yielded":
             send(Yielded(self.worker_id, ref))
         elif kind == "done":
-            frame = encode(Done(self.worker_id, ref, msg[2], msg[3]))
-            self._done[ref] = frame
+            done = Done(self.worker_id, ref, msg[2], msg[3])
+            self._done[ref] = done  # said again (with the key of the time) if the item comes again
             while len(self._done) > _REMEMBER_DONE:
                 self._pubs.pop(self._done.popitem(last=False)[0], None)
             self.items_done += 1
-            send(frame)
+            send(done)
         else:
             self.items_failed += 1
             send(Failed(self.worker_id, ref, msg[2], msg[3], msg[4] if len(msg) > 4 else False))
