@@ -6,6 +6,7 @@ test_orchestrator_processes.py."""
 from __future__ import annotations
 
 import base64
+import dataclasses
 import http.client
 import json
 import socket
@@ -36,6 +37,7 @@ from mooncake_diffusion.orchestrator.wire import (
     Hello,
     ItemRef,
     Leave,
+    Progress,
     Refused,
     Welcome,
     decode_from_service,
@@ -193,6 +195,7 @@ def test_a_call_the_driver_did_not_answer_in_time_never_runs():
         assert busy.wait(30)
         with pytest.raises(ServiceUnavailable, match=r"did not answer within 0\.5 s"):
             svc.submit({"prompt": "late"}, request_id="late")
+        svc.config = dataclasses.replace(svc.config, call_timeout_s=30.0)  # busy machines
         release.set()
         assert svc.cluster()["queued"]["encode"] == []  # caught up: the submit did not run
         with pytest.raises(RequestRejected, match="no request"):
@@ -392,15 +395,32 @@ def test_with_a_token_a_connection_that_takes_a_workers_id_cannot_speak_for_it()
             Bye(dec.worker_id, "hijacked"),
         ):
             rogue.send(encode(frame))
-            assert rogue.poll(10_000), "no answer"  # the id is the rogue's now
-            r = decode_from_service(rogue.recv())
-            assert isinstance(r, Refused) and r.code == "unauthorized", r
+        deadline = time.monotonic() + 30  # counted: the refusal goes to whoever holds the id
+        while s.client.cluster()["counters"].get("unauthorized", 0) < 3:
+            assert time.monotonic() < deadline, s.client.cluster()["counters"]
+            time.sleep(0.05)
+        # an id that never said Hello has no key: no session passes, "" or NUL alike
+        nobody = ctx.socket(zmq.DEALER)
+        nobody.setsockopt(zmq.ROUTING_ID, b"nobody")
+        nobody.setsockopt(zmq.LINGER, 0)
+        nobody.connect(s.svc.worker_address)
+        try:
+            for key in ("", "\0"):
+                nobody.send(encode(Progress("nobody", ItemRef("r-none", "denoise", 1), 1, 2, key)))
+                assert nobody.poll(10_000), "no answer"
+                r = decode_from_service(nobody.recv())
+                assert isinstance(r, Refused) and r.code == "unauthorized", r
+        finally:
+            nobody.close()
         states = {w["worker_id"]: w["state"] for w in s.client.cluster()["workers"]}
         assert states.get(dec.worker_id) == "serving", states  # neither drained nor gone
     finally:
         rogue.close()
         ctx.term()
-        s.close()
+        for w in s.workers:  # the one whose id was taken hears nothing more: stop it now
+            if w.stage == "decode":
+                w.stop()
+        s.close_released()
 
 
 def test_a_worker_that_drains_hands_its_denoise_job_back_and_takes_no_more(stack):

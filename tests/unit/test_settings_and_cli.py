@@ -26,6 +26,14 @@ def test_settings_from_env_with_overrides(monkeypatch):
     assert s.admin_address == "10.0.0.1:9003"
     assert MooncakeSettings.from_env(**{}).master == "10.0.0.1:50051"
     assert s.as_env()["MOONCAKE_MASTER"] == "10.0.0.1:50051"
+    # a variable set to "" counts as unset (as the adapters' own fallbacks read it)
+    monkeypatch.setenv("MOONCAKE_ADMIN", "")
+    monkeypatch.setenv("MOONCAKE_LOCAL_HOSTNAME", "")
+    s = MooncakeSettings.from_env()
+    assert (s.admin_address, s.local_hostname) == (
+        "10.0.0.1:9003",
+        MooncakeSettings().local_hostname,
+    )
 
 
 def test_peer_timeout_from_env_and_back(monkeypatch):

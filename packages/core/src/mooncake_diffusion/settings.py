@@ -146,7 +146,8 @@ class MooncakeSettings:
         ``MOONCAKE_DIFFUSION_STORE_LEASE_S``, ``MOONCAKE_DIFFUSION_PEER_TIMEOUT_S``,
         ``MOONCAKE_DIFFUSION_SAME_HOST`` and
         ``MOONCAKE_DIFFUSION_STORE_DIRECT_READS``;
-        explicit ``overrides`` win. A malformed number raises ``ConfigError``."""
+        explicit ``overrides`` win; a variable set to "" counts as unset. A malformed
+        number raises ``ConfigError``."""
         env = {
             "master": os.environ.get("MOONCAKE_MASTER"),
             "admin": os.environ.get("MOONCAKE_ADMIN"),
@@ -154,7 +155,7 @@ class MooncakeSettings:
             "protocol": os.environ.get("MOONCAKE_PROTOCOL"),
             "device": os.environ.get("MOONCAKE_DEVICE"),
         }
-        merged: dict[str, object] = {k: v for k, v in env.items() if v is not None}
+        merged: dict[str, object] = {k: v for k, v in env.items() if v}  # "" is unset
         for field, var, conv in (
             ("store_part_bytes", "MOONCAKE_DIFFUSION_STORE_PART_BYTES", int),
             ("store_retry_s", "MOONCAKE_DIFFUSION_STORE_RETRY_S", float),

@@ -294,7 +294,7 @@ class OrchestratorService:
         self._redeliver: OrderedDict[str, set[str]] = OrderedDict()
         #: with a token: each worker connection that said Hello with it -> the session
         #: key its later frames must carry (a routing id alone can be taken over)
-        self._authed: dict[bytes, str] = {}
+        self._authed: OrderedDict[bytes, str] = OrderedDict()
         #: workers sent ``Load`` and not registered again: worker -> (stages, reason, t)
         self._loading: dict[str, tuple[tuple[str, ...], str, float]] = {}
         #: workers whose Drain the core accepted and has not removed yet
@@ -562,7 +562,13 @@ class OrchestratorService:
         ends before its request did (the timeout, or its caller closed it) stops
         following: the driver drops its queue."""
         q: queue.SimpleQueue[RequestEvent | None] = queue.SimpleQueue()
-        if not self._call(lambda: self.table.subscribe(request_id, q)):
+        try:
+            known = self._call(lambda: self.table.subscribe(request_id, q))
+        except ServiceUnavailable:  # answered late: the driver may have subscribed it
+            with contextlib.suppress(ServiceUnavailable):
+                self._post(lambda: self.table.unsubscribe(request_id, q))
+            raise
+        if not known:
             raise RequestRejected("unknown_request", f"no request {request_id!r}")
         ended = False
         try:
@@ -1017,7 +1023,6 @@ class OrchestratorService:
                 self._forget(ref)  # re-queued (a new attempt) or failed: nothing to resend
             self._loading.pop(a.worker_id, None)
             self._memory.pop(a.worker_id, None)
-            self._authed.pop(a.worker_id.encode(), None)  # alive after all: it says Hello again
             self._before.pop(a.worker_id, None)
             self._counters["workers_removed"] += 1
             if a.worker_id in self._draining:  # drained: it holds nothing and may exit
@@ -1142,9 +1147,8 @@ class OrchestratorService:
             if self._redeliver and (not self.config.token or ident in self._authed):
                 self._redeliver_to(msg.worker_id)
             return
-        if self.config.token and not hmac.compare_digest(
-            msg.session.encode(), self._authed.get(ident, "\0").encode()
-        ):
+        key = self._authed.get(ident) if self.config.token else ""
+        if key is None or (key and not hmac.compare_digest(msg.session.encode(), key.encode())):
             self._counters["unauthorized"] += 1
             self._send(ident, Refused("unauthorized", "say Hello with the token first", "frame"))
             return
@@ -1206,6 +1210,10 @@ class OrchestratorService:
         # a key per connection that proved the token, kept across its Hellos (a stage
         # change says Hello again while its beats with the key are under way)
         session = self._authed.setdefault(ident, secrets.token_hex(16)) if token else ""
+        if token:  # kept until its Bye (a removed worker's late Done is answered, not
+            self._authed.move_to_end(ident)  # refused); the least recently welcomed go
+            while len(self._authed) > _MAX_SESSIONS:
+                self._authed.popitem(last=False)
         assert self._core is not None
         wid = msg.worker_id
         known = self._core.is_live(wid)
@@ -1409,6 +1417,10 @@ def _rejected(actions: list[Action], event: str) -> bool:
 def _rejected_code(actions: list[Action], event: str) -> str | None:
     return next((a.code for a in actions if isinstance(a, Rejected) and a.event == event), None)
 
+
+#: session keys kept (with a token); past it the least recently welcomed worker's goes
+#: (a live one so dropped is refused once and says Hello again)
+_MAX_SESSIONS = 65_536
 
 #: refusals of a Done that leave its published output without a consumer
 _ORPHANING = frozenset({"stale_attempt", "unknown_worker"})
