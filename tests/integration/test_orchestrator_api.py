@@ -377,8 +377,8 @@ def test_with_a_token_a_connection_that_takes_a_workers_id_cannot_speak_for_it()
     ``Welcome``: the rogue's frames are refused and change nothing, while the
     workers (which stamp the key on theirs) serve requests. Not prevented: the
     worker whose id was taken hears nothing until it is given up (heartbeat
-    timeout), as before."""
-    s = Stack(token="s3cret")
+    timeout), as before (60 s here, so that the check below does not race it)."""
+    s = Stack(token="s3cret", heartbeat_timeout=60.0)
     ctx = zmq.Context()
     rogue = ctx.socket(zmq.DEALER)
     try:

@@ -133,3 +133,55 @@ def test_a_drained_worker_hands_its_denoise_job_over_and_exits(stack, how):
     assert d0._thread is not None and not d0._thread.is_alive()
     assert worker_view(stack, "d0") is None
     assert stack.svc.cluster()["counters"].get("drained") == 1
+
+
+def test_a_hello_while_loading_does_not_register_the_stages_it_still_holds(stack):
+    """A worker told to Load says Hello with its new stages and ``load_s`` once loaded.
+    Another Hello meanwhile (after a refusal, or to a new leader: the stages it still
+    holds, no ``load_s``) was taken as that registration: the worker came back
+    serving its old stages and the real one after loading was only a heartbeat."""
+    import zmq
+
+    from mooncake_diffusion.orchestrator.wire import (
+        Bye,
+        Hello,
+        Load,
+        Welcome,
+        decode_from_service,
+        encode,
+    )
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.ROUTING_ID, b"flex")
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(stack.svc.worker_address)
+
+    def next_of(kind: type) -> object:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if sock.poll(1000):
+                msg = decode_from_service(sock.recv())
+                if isinstance(msg, kind):
+                    return msg
+        raise AssertionError(f"no {kind.__name__} within 30 s")
+
+    try:
+        sock.send(encode(Hello("flex", "encode")))
+        next_of(Welcome)
+        assert stack.svc.reassign("flex", ("denoise",)) == "loading"  # holds nothing
+        next_of(Load)
+        sock.send(encode(Hello("flex", "encode", fresh=False)))  # still loading
+        next_of(Welcome)
+        view = worker_view(stack, "flex")
+        assert view is not None and view["state"] == "loading", view
+        sock.send(encode(Hello("flex", "denoise", fresh=False, stages=("denoise",), load_s=0.1)))
+        next_of(Welcome)
+        view = worker_view(stack, "flex")
+        assert view is not None and (view["state"], view["stages"]) == ("serving", ["denoise"]), (
+            view
+        )
+        sock.send(encode(Bye("flex", "done")))
+    finally:
+        sock.close()
+        ctx.term()

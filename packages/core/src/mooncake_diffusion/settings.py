@@ -146,8 +146,8 @@ class MooncakeSettings:
         ``MOONCAKE_DIFFUSION_STORE_LEASE_S``, ``MOONCAKE_DIFFUSION_PEER_TIMEOUT_S``,
         ``MOONCAKE_DIFFUSION_SAME_HOST`` and
         ``MOONCAKE_DIFFUSION_STORE_DIRECT_READS``;
-        explicit ``overrides`` win; a variable set to "" counts as unset. A malformed
-        number raises ``ConfigError``."""
+        explicit ``overrides`` win; the five address and device variables count as
+        unset when set to "". A malformed number raises ``ConfigError``."""
         env = {
             "master": os.environ.get("MOONCAKE_MASTER"),
             "admin": os.environ.get("MOONCAKE_ADMIN"),

@@ -1148,6 +1148,8 @@ class OrchestratorService:
                 self._redeliver_to(msg.worker_id)
             return
         key = self._authed.get(ident) if self.config.token else ""
+        if key:  # the least recently heard go first when the keys are many
+            self._authed.move_to_end(ident)
         if key is None or (key and not hmac.compare_digest(msg.session.encode(), key.encode())):
             self._counters["unauthorized"] += 1
             self._send(ident, Refused("unauthorized", "say Hello with the token first", "frame"))
@@ -1211,13 +1213,16 @@ class OrchestratorService:
         # change says Hello again while its beats with the key are under way)
         session = self._authed.setdefault(ident, secrets.token_hex(16)) if token else ""
         if token:  # kept until its Bye (a removed worker's late Done is answered, not
-            self._authed.move_to_end(ident)  # refused); the least recently welcomed go
+            self._authed.move_to_end(ident)  # refused); the least recently heard go
             while len(self._authed) > _MAX_SESSIONS:
                 self._authed.popitem(last=False)
         assert self._core is not None
         wid = msg.worker_id
         known = self._core.is_live(wid)
-        loaded = self._loading.get(wid) if known else None
+        # only the Hello a Load asked for says how long loading took: another (a re-Hello
+        # after a refusal or a new leader, while still loading) must not register the
+        # stages it still holds as the new ones
+        loaded = self._loading.get(wid) if known and msg.load_s is not None else None
         if known and msg.fresh and loaded is None:  # a new process under an old id:
             self._feed(WorkerLost(wid, "worker restarted"), ident)  # its items go back
             known = False
@@ -1418,7 +1423,7 @@ def _rejected_code(actions: list[Action], event: str) -> str | None:
     return next((a.code for a in actions if isinstance(a, Rejected) and a.event == event), None)
 
 
-#: session keys kept (with a token); past it the least recently welcomed worker's goes
+#: session keys kept (with a token); past it the least recently heard worker's goes
 #: (a live one so dropped is refused once and says Hello again)
 _MAX_SESSIONS = 65_536
 

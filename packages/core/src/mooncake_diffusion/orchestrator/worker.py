@@ -518,7 +518,7 @@ class StageWorker:
         self._post(("loaded", load_s))
 
     def _on_refused(self, msg: Refused) -> Any:
-        if self._announced and msg.code in ("unknown_worker", "unauthorized"):
+        if self._announced and msg.code == "unknown_worker":
             return None  # leaving, and the orchestrator has forgotten us already: fine
         if msg.code in ("unknown_worker", "unauthorized") and msg.about != "Hello":
             # the orchestrator forgot us (restarted without a journal, or re-auth needed)
