@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import openai
 import pytest
+from gated import Gate
 from PIL import Image
 
 from mooncake_diffusion.demo import demo_stack
@@ -38,8 +39,16 @@ def _no_thread_left_behind():
 
 
 @pytest.fixture(scope="module")
-def front(_module_threads, tmp_path_factory):
-    with demo_stack(1, tmp_path_factory.mktemp("front")) as stack:
+def gate(tmp_path_factory):
+    """Holds a request's stage where a test asks (``Gate.hold``); others run through."""
+    return Gate(tmp_path_factory.mktemp("gate"))
+
+
+@pytest.fixture(scope="module")
+def front(_module_threads, gate, tmp_path_factory):
+    # the workers run the reference pipeline's stages through tests/gated.py
+    out = tmp_path_factory.mktemp("front")
+    with demo_stack(1, out, worker_fn="gated", worker_env=gate.env()) as stack:
         yield stack
         assert stack.svc.cluster()["running"] == []
 
@@ -114,29 +123,33 @@ def row_cell(rid: str, cls: str) -> str:
     return f"document.querySelector('tr[data-request=\"{rid}\"] td.{cls}')"
 
 
-def test_dashboard_shows_a_request_appear_advance_and_complete(front):
+def test_dashboard_shows_a_request_appear_advance_and_complete(front, gate):
+    """The request's denoise is held at step 5 until the page shows it (the page polls
+    every 0.5 s: 100 steps of the tiny model ran between two polls on a fast host)."""
     from playwright.sync_api import sync_playwright
 
-    steps = 100  # enough denoise steps for the page's 0.5 s poll to see several
+    steps, at = 100, 5
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         try:
             page = browser.new_page(viewport={"width": 1400, "height": 900})
             page.goto(f"{front.api.url}/dashboard")
             page.wait_for_selector("#workers tr >> text=den-0")
+            gate.hold("dash-1", "denoise", at)
             rid = front.svc.submit(
                 {"prompt": "a lighthouse at dusk", "steps": steps, "seed": 9},
                 request_id="dash-1",
                 slo_class="interactive",
             )
             page.locator(f'tr[data-request="{rid}"]').wait_for(timeout=120_000)
-            # advances: a denoise step short of the last one is on the page
+            gate.wait_reached(rid)  # the worker holds it inside step 5
+            # advances: the held step, short of the last one, is on the page
             page.wait_for_function(
                 f"() => {{ const c = {row_cell(rid, 'step')};"
-                f" const m = c && c.textContent.match(/^(\\d+)\\/{steps}$/);"
-                f" return m && +m[1] >= 1 && +m[1] < {steps}; }}",
+                f" return c && c.textContent === '{at}/{steps}'; }}",
                 timeout=120_000,
             )
+            gate.release(rid)
             page.wait_for_function(
                 f"() => {{ const c = {row_cell(rid, 'state')};"
                 " return c && c.textContent === 'completed'; }",

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -197,6 +197,8 @@ def demo_stack(
     port: int = 0,
     encode_workers: int = 1,
     planner: Any = None,
+    worker_fn: str | None = None,
+    worker_env: Mapping[str, str] | None = None,
 ) -> Iterator[DemoStack]:
     """A fresh embedded system: a real Mooncake master and store host, the orchestrator
     with its API on ``127.0.0.1:port`` (0: a free port), ``encode_workers`` Encode, a
@@ -204,8 +206,11 @@ def demo_stack(
     the model loaded). ``planner``: a planner instance the orchestrator runs once the
     workers are warm (before, ``static``: a cold worker's first item would look like a
     starved queue); its ``AddWorker`` / ``Retire`` go to the stack's
-    ``LocalProvisioner``. On exit every process is stopped and waited for, and the
-    service closed; outputs, journal and logs stay in ``out``."""
+    ``LocalProvisioner``. ``worker_fn``, ``worker_env``: the workers' stage module
+    (default the reference pipeline's) and more of their environment, for a test
+    that holds a stage where it must (``tests/gated.py``). On exit every process is
+    stopped and waited for, and the service closed; outputs, journal and logs stay
+    in ``out``."""
     from mooncake_diffusion._mooncake.cluster import LocalCluster
     from mooncake_diffusion.orchestrator.api import ApiServer
     from mooncake_diffusion.orchestrator.provision import LocalProvisioner
@@ -230,6 +235,7 @@ def demo_stack(
             **settings.as_env(),
             **bindshim.env(settings.local_hostname),
             "MCD_OUTPUTS": str(out),
+            **(worker_env or {}),
         }
         svc = OrchestratorService(cfg)
         try:  # the driver turns on the API server's loop, as under the command
@@ -241,7 +247,11 @@ def demo_stack(
         # decode credits are latent receive slots: a denoise job is admitted only
         # when one can be reserved, so give every denoise worker one, and a spare
         prov = LocalProvisioner(
-            svc.worker_address, env, logs, credits={"decode": denoise_workers + 1}
+            svc.worker_address,
+            env,
+            logs,
+            credits={"decode": denoise_workers + 1},
+            **({"fn": worker_fn} if worker_fn else {}),
         )
         try:
             plan = [("encode", f"enc-{i}") for i in range(encode_workers)]
