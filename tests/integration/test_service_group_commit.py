@@ -153,10 +153,13 @@ def test_an_awaited_submit_is_one_driver_call_answered_with_its_status(service):
         asyncio.run(svc.status_async("no-such-request"))
 
 
-def test_an_awaited_call_past_its_timeout_is_unavailable_and_never_runs(service):
+@pytest.mark.parametrize("how", ["awaited", "blocking"])
+def test_a_call_past_its_timeout_is_unavailable_and_never_runs(service, how):
     """A submit the driver did not start within ``call_timeout_s`` is withdrawn: the
-    caller gets ``ServiceUnavailable`` and the request is never accepted. The driver
-    is held on a gate, so the timeout cannot race it."""
+    caller gets ``ServiceUnavailable`` (HTTP 503) and the request is never accepted,
+    awaited or blocking (the blocking call left it posted, and the driver ran it once
+    it caught up: a request its client never heard of). The driver is held on a
+    gate, so the timeout cannot race it."""
     svc, _ = service
     gate, held = threading.Event(), threading.Event()
 
@@ -169,10 +172,14 @@ def test_an_awaited_call_past_its_timeout_is_unavailable_and_never_runs(service)
     patient = svc.config
     svc.config = dataclasses.replace(patient, call_timeout_s=0.2)  # type: ignore[misc]
     try:
-        with pytest.raises(ServiceUnavailable, match="did not answer"):
-            asyncio.run(svc.submit_async({"prompt": "late"}, request_id="late-1"))
+        with pytest.raises(ServiceUnavailable, match=r"did not answer within 0\.2 s"):
+            if how == "awaited":
+                asyncio.run(svc.submit_async({"prompt": "late"}, request_id="late-1"))
+            else:
+                svc.submit({"prompt": "late"}, request_id="late-1")
     finally:
         gate.set()
         svc.config = patient  # type: ignore[misc]
+    assert svc.cluster()["queued"]["encode"] == []  # caught up: the submit did not run
     with pytest.raises(RequestRejected, match="no request"):
         svc.status("late-1")

@@ -213,7 +213,7 @@ def demo_stack(
     in ``out``."""
     from mooncake_diffusion._mooncake.cluster import LocalCluster
     from mooncake_diffusion.orchestrator.api import ApiServer
-    from mooncake_diffusion.orchestrator.provision import LocalProvisioner
+    from mooncake_diffusion.orchestrator.provision import REFERENCE_STAGES, LocalProvisioner
     from mooncake_diffusion.orchestrator.service import OrchestratorService, ServiceConfig
 
     out.mkdir(parents=True, exist_ok=True)
@@ -250,8 +250,8 @@ def demo_stack(
             svc.worker_address,
             env,
             logs,
+            fn=worker_fn or REFERENCE_STAGES,
             credits={"decode": denoise_workers + 1},
-            **({"fn": worker_fn} if worker_fn else {}),
         )
         try:
             plan = [("encode", f"enc-{i}") for i in range(encode_workers)]

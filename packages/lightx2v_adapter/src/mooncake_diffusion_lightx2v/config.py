@@ -67,6 +67,11 @@ def _flag(
     return value
 
 
+def _first_given(*values: Any) -> Any:
+    """The first value that is not None: a key set to null is a key not given."""
+    return next(v for v in values if v is not None)
+
+
 @dataclass(frozen=True)
 class QueueConfig:
     """``disagg_config.queue``: this role serves the orchestrator's queue of its stage
@@ -205,18 +210,14 @@ class AdapterConfig:
         ``bootstrap_room`` on the decoder (default 1). Read on every call, since a
         server's ``set_config`` may change them per request."""
         disagg = config.get("disagg_config") or {}
-
-        def first(*values: Any) -> Any:  # a key set to null is a key not given
-            return next(v for v in values if v is not None)
-
         try:
             if phase == 1:
                 return int(
-                    first(config.get("data_bootstrap_room"), disagg.get("bootstrap_room"), 0)
+                    _first_given(config.get("data_bootstrap_room"), disagg.get("bootstrap_room"), 0)
                 )
             if config.get("disagg_mode") == "transformer":
-                return int(first(disagg.get("decoder_bootstrap_room"), 1))
-            return int(first(disagg.get("bootstrap_room"), 1))
+                return int(_first_given(disagg.get("decoder_bootstrap_room"), 1))
+            return int(_first_given(disagg.get("bootstrap_room"), 1))
         except (TypeError, ValueError):
             raise ConfigError(f"the Phase {phase} bootstrap room must be an int") from None
 

@@ -562,23 +562,18 @@ class OrchestratorService:
         ends before its request did (the timeout, or its caller closed it) stops
         following: the driver drops its queue."""
         q: queue.SimpleQueue[RequestEvent | None] = queue.SimpleQueue()
-        try:
-            known = self._call(lambda: self.table.subscribe(request_id, q))
-        except ServiceUnavailable:  # answered late: the driver may have subscribed it
-            with contextlib.suppress(ServiceUnavailable):
-                self._post(lambda: self.table.unsubscribe(request_id, q))
-            raise
-        if not known:
-            raise RequestRejected("unknown_request", f"no request {request_id!r}")
-        ended = False
-        try:
+        ended = False  # the table put None: it dropped the queue itself
+        try:  # a subscribe answered too late may have subscribed: the finally drops it
+            if not self._call(lambda: self.table.subscribe(request_id, q)):
+                ended = True
+                raise RequestRejected("unknown_request", f"no request {request_id!r}")
             while True:
                 try:
                     ev = q.get(timeout=timeout)
                 except queue.Empty:
                     return
                 if ev is None:
-                    ended = True  # the table dropped the queue itself
+                    ended = True
                     return
                 yield ev
         finally:
@@ -1147,13 +1142,15 @@ class OrchestratorService:
             if self._redeliver and (not self.config.token or ident in self._authed):
                 self._redeliver_to(msg.worker_id)
             return
-        key = self._authed.get(ident) if self.config.token else ""
-        if key:  # the least recently heard go first when the keys are many
-            self._authed.move_to_end(ident)
-        if key is None or (key and not hmac.compare_digest(msg.session.encode(), key.encode())):
-            self._counters["unauthorized"] += 1
-            self._send(ident, Refused("unauthorized", "say Hello with the token first", "frame"))
-            return
+        if self.config.token:
+            key = self._authed.get(ident)
+            if key is None or not hmac.compare_digest(msg.session.encode(), key.encode()):
+                self._counters["unauthorized"] += 1
+                self._send(
+                    ident, Refused("unauthorized", "say Hello with the token first", "frame")
+                )
+                return
+            self._authed.move_to_end(ident)  # the least recently heard go first when many
         wid = msg.worker_id
         if self._redeliver:
             self._redeliver_to(wid)
@@ -1350,7 +1347,9 @@ class OrchestratorService:
                     "free": w.free,
                     "running": list(w.running),
                     "heartbeat_age_s": round(max(0.0, hb - (w.expires_at - now)), 3),
-                    "memory": _memory_view(self._memory.get(w.worker_id)),
+                    "memory": msgspec.structs.asdict(m)
+                    if (m := self._memory.get(w.worker_id))
+                    else None,
                 }
                 for w in snap.workers
             ],
@@ -1380,11 +1379,9 @@ class OrchestratorService:
             snap.free_credits,
             snap.decode_reserved,
         )
-        live = {w.worker_id for w in snap.workers}
-        self.metrics.memory_set(
+        self.metrics.memory_set(  # live workers' only: an entry goes with WorkerRemoved
             (wid, m.registered_bytes, m.pool_bytes_in_use, m.late_write_bytes)
             for wid, m in self._memory.items()
-            if wid in live
         )
         return self.metrics.text()
 
@@ -1408,11 +1405,6 @@ def take_frames(
         if waiting():
             return n + 1
     return limit
-
-
-def _memory_view(m: Memory | None) -> dict[str, int] | None:
-    """A worker's ``Beat.memory`` as ``GET /v1/cluster`` shows it (None: not reported)."""
-    return None if m is None else msgspec.structs.asdict(m)
 
 
 def _rejected(actions: list[Action], event: str) -> bool:
