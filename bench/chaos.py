@@ -80,7 +80,7 @@ from hosts import Hosts, available  # noqa: E402
 from soak import soak  # noqa: E402
 
 from mooncake_diffusion._mooncake.cluster import LocalCluster  # noqa: E402
-from mooncake_diffusion.etcd import EtcdCluster  # noqa: E402
+from mooncake_diffusion.platform.etcd import EtcdCluster  # noqa: E402
 
 #: the spill row's burst, in multiples of its 64 MiB pool (the same in --quick)
 SPILL_X = spill_scenario.SPILL_X

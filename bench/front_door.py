@@ -326,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", metavar="PATH", help="also write results as JSON here")
     a = p.parse_args(argv)
     from mooncake_diffusion.demo import demo_stack
-    from mooncake_diffusion.orchestrator.bodies import BODY_TIMEOUT_S, MAX_BODY
+    from mooncake_diffusion.orchestrator.http.bodies import BODY_TIMEOUT_S, MAX_BODY
 
     t0 = time.perf_counter()
     timed_calls = 20 if a.quick else 100
@@ -394,7 +394,7 @@ def cancel_checkpoints(stack: Any) -> tuple[int, str]:
     """Create a video, wait until it has denoised past a checkpoint, DELETE it; the
     checkpoints left in the store afterwards (counted by removing them)."""
     from mooncake_diffusion.caches.checkpoint import CKPT_ROOT
-    from mooncake_diffusion.orchestrator.client import OrchestratorClient
+    from mooncake_diffusion.orchestrator.http.client import OrchestratorClient
 
     c = http.client.HTTPConnection(stack.api.host, stack.api.port, timeout=30)
     body = _j({"prompt": "a long video", "size": "64x64", "num_frames": 9})
@@ -434,7 +434,7 @@ def store_keys(stack: Any) -> list[str]:
 def flood_health(stack: Any, n: int) -> Flood:
     """1,000 idle connections and 50 event streams of a running request, then /healthz
     and /metrics timed ``n`` times each."""
-    from mooncake_diffusion.orchestrator.client import OrchestratorClient
+    from mooncake_diffusion.orchestrator.http.client import OrchestratorClient
 
     host, port = stack.api.host, stack.api.port
     client = OrchestratorClient(stack.api.url)

@@ -36,8 +36,8 @@ import sys
 import time
 from typing import Any
 
-from mooncake_diffusion.deployment import inspect_build, torch_cuda
-from mooncake_diffusion.device import nic_reaches_gpu
+from mooncake_diffusion.memory.device import nic_reaches_gpu
+from mooncake_diffusion.platform.deployment import inspect_build, torch_cuda
 
 MEMCPY = ("memcpy_d2d", "memcpy_d2h")
 PATHS = ("p2p_staged", "p2p_direct", "store_staged", "store_direct")

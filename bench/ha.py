@@ -49,10 +49,10 @@ from mooncake_diffusion._mooncake.cluster import LocalCluster
 from mooncake_diffusion._mooncake.master_view import oplog_puts
 from mooncake_diffusion._mooncake.store import StoreClient
 from mooncake_diffusion.errors import StoreFullError
-from mooncake_diffusion.etcd import EtcdCluster
-from mooncake_diffusion.orchestrator.leader import Candidate
-from mooncake_diffusion.settings import MooncakeSettings
-from mooncake_diffusion.tensors import describe
+from mooncake_diffusion.memory.tensors import describe
+from mooncake_diffusion.orchestrator.ha.election import Candidate
+from mooncake_diffusion.platform.etcd import EtcdCluster
+from mooncake_diffusion.platform.settings import MooncakeSettings
 
 MIB = 1 << 20
 #: Mooncake 0.3.13's master-view lease in etcd (its source and HA docs; not a flag)

@@ -454,7 +454,7 @@ def fleet_agent(address: str, out_path: str, stages: str) -> int:
 
     import zmq
 
-    from mooncake_diffusion.orchestrator.wire import (
+    from mooncake_diffusion.orchestrator.link.wire import (
         Beat,
         Done,
         Hello,
@@ -648,7 +648,7 @@ def library_open_loop(
     for another thread's Python. Same return as ``raw_open_loop``."""
     import threading
 
-    from mooncake_diffusion.orchestrator.client import OrchestratorClient
+    from mooncake_diffusion.orchestrator.http.client import OrchestratorClient
 
     sent: dict[str, tuple[float, float]] = {}
     failures: list[str] = []

@@ -120,7 +120,7 @@ import torch
 from _common import PeerClient, connector, serve_peer
 
 from mooncake_diffusion import DiffusionConnector, LocalCluster, MooncakeSettings, StagePayload
-from mooncake_diffusion.handoff import make_tensor
+from mooncake_diffusion.handoff.demo import make_tensor
 
 DTYPE = "bfloat16"
 CHUNK_DIM = 2  # T of [B, C, T, H, W]

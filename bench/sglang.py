@@ -130,7 +130,7 @@ class Receiver:
     """One landing buffer (a shared host pool), registered with both engines."""
 
     def __init__(self, nbytes: int) -> None:
-        from mooncake_diffusion.direct import allocate_pool
+        from mooncake_diffusion.handoff.direct import allocate_pool
 
         self.pool = allocate_pool(nbytes)
         self.buf = self.pool.tensor
@@ -148,7 +148,7 @@ class Receiver:
         return {"equal": ok}
 
     def close(self) -> dict[str, Any]:
-        from mooncake_diffusion.direct import release_pool
+        from mooncake_diffusion.handoff.direct import release_pool
 
         for e in self.engines.values():
             e.deregister_buffer(self.pool.base)

@@ -9,16 +9,17 @@ import os
 import time
 from typing import Any
 
-from mooncake_diffusion.connector import DiffusionConnector
-from mooncake_diffusion.orchestrator import OrchestratorConfig, toy
-from mooncake_diffusion.orchestrator.api import ApiServer
-from mooncake_diffusion.orchestrator.bridge import BridgeServer
-from mooncake_diffusion.orchestrator.client import OrchestratorClient
-from mooncake_diffusion.orchestrator.remote import RemoteService
-from mooncake_diffusion.orchestrator.service import OrchestratorService, ServiceConfig
-from mooncake_diffusion.orchestrator.worker import StageWorker
-from mooncake_diffusion.settings import MooncakeSettings
-from mooncake_diffusion.transports.memory import fabric_keys
+from mooncake_diffusion.orchestrator import OrchestratorConfig
+from mooncake_diffusion.orchestrator.http.api import ApiServer
+from mooncake_diffusion.orchestrator.http.client import OrchestratorClient
+from mooncake_diffusion.orchestrator.http.remote import RemoteService
+from mooncake_diffusion.orchestrator.service.bridge import BridgeServer
+from mooncake_diffusion.orchestrator.service.service import OrchestratorService, ServiceConfig
+from mooncake_diffusion.orchestrator.worker import toy
+from mooncake_diffusion.orchestrator.worker.runtime import StageWorker
+from mooncake_diffusion.platform.settings import MooncakeSettings
+from mooncake_diffusion.transfer.connector import DiffusionConnector
+from mooncake_diffusion.transfer.transports.memory import fabric_keys
 
 
 def raw(

@@ -9,10 +9,10 @@ import threading
 
 import pytest
 
-from mooncake_diffusion.connector import DiffusionConnector
-from mooncake_diffusion.settings import MooncakeSettings
+from mooncake_diffusion.platform.settings import MooncakeSettings
 from mooncake_diffusion.testing import assert_no_leaks
-from mooncake_diffusion.transports.memory import fabric_keys
+from mooncake_diffusion.transfer.connector import DiffusionConnector
+from mooncake_diffusion.transfer.transports.memory import fabric_keys
 
 # Engine adapter tests (tests/engines/NAME) need that engine's own environment;
 # `./dev engines NAME` runs them with MCD_ENGINE=NAME. Elsewhere they are not

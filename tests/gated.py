@@ -50,7 +50,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from mooncake_diffusion.orchestrator import toy
+from mooncake_diffusion.orchestrator.worker import toy
 from mooncake_diffusion.pipeline import stages
 
 __all__ = [
@@ -146,7 +146,7 @@ def _gate_serving() -> None:
     transfer, and the fault must land there, so this wraps its per-chunk wait
     (``P2PTransport._await_ready``) in this process; nothing else of it changes (a
     transport closing lets the hold go)."""
-    from mooncake_diffusion.transports.p2p import P2PTransport
+    from mooncake_diffusion.transfer.transports.p2p import P2PTransport
 
     ready = P2PTransport._await_ready
 

@@ -7,7 +7,7 @@ import contextlib
 
 import torch
 
-from mooncake_diffusion.handoff import make_tensor
+from mooncake_diffusion.handoff.demo import make_tensor
 
 __all__ = ["driven", "from_service", "make_tensor", "same_bytes"]
 
@@ -45,7 +45,7 @@ def from_service(sock, kind: type, within: float = 30.0) -> object | None:
     ZeroMQ DEALER), skipping others; None if none came within ``within`` seconds."""
     import time
 
-    from mooncake_diffusion.orchestrator.wire import decode_from_service
+    from mooncake_diffusion.orchestrator.link.wire import decode_from_service
 
     deadline = time.monotonic() + within
     while time.monotonic() < deadline:

@@ -13,8 +13,8 @@ import threading
 import time
 from pathlib import Path
 
-from mooncake_diffusion._mooncake import bindshim
-from mooncake_diffusion.orchestrator.client import OrchestratorClient
+from mooncake_diffusion.orchestrator.http.client import OrchestratorClient
+from mooncake_diffusion.platform import bindshim
 
 #: Bounds on waiting for a child to come up or to exit after SIGTERM. They are
 #: bounds, not sleeps (a healthy child returns far sooner); generous because a
@@ -26,7 +26,7 @@ EXIT_TIMEOUT_S = 120.0
 WORKER_READY = r"worker ready: "
 
 CLI = [sys.executable, "-m", "mooncake_diffusion.cli"]
-TOY = "mooncake_diffusion.orchestrator.toy"
+TOY = "mooncake_diffusion.orchestrator.worker.toy"
 
 
 def free_port() -> int:

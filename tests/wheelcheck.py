@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from mooncake_diffusion.deployment import inspect_build, torch_cuda, wheel_for
+from mooncake_diffusion.platform.deployment import inspect_build, torch_cuda, wheel_for
 
 __all__ = ["test_mooncake_wheel_matches_torch"]
 

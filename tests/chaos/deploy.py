@@ -26,8 +26,9 @@ from typing import Any
 from gated import Gate
 from hosts import Hosts, Spawned
 
-from mooncake_diffusion._mooncake import bindshim, mooncake_dir
-from mooncake_diffusion.orchestrator.client import OrchestratorClient
+from mooncake_diffusion._mooncake import mooncake_dir
+from mooncake_diffusion.orchestrator.http.client import OrchestratorClient
+from mooncake_diffusion.platform import bindshim
 
 HOSTS = ("master", "store", "orch", "enc", "den0", "den1", "dec0", "dec1")
 WORKERS = {

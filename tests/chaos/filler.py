@@ -9,8 +9,8 @@ import sys
 import threading
 
 from mooncake_diffusion.errors import MooncakeDiffusionError
-from mooncake_diffusion.mailbox import Mailbox
-from mooncake_diffusion.settings import MooncakeSettings
+from mooncake_diffusion.handoff.mailbox import Mailbox
+from mooncake_diffusion.platform.settings import MooncakeSettings
 
 PREFIX = "chaos-fill/"
 

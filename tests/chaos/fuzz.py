@@ -29,9 +29,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mooncake_diffusion.errors import HandleError, PayloadError
-from mooncake_diffusion.keyed import RECORD_VERSION, KeyedRecord, _decode_record, unpack
-from mooncake_diffusion.orchestrator import wire
-from mooncake_diffusion.schema import (
+from mooncake_diffusion.handoff.keyed import RECORD_VERSION, KeyedRecord, _decode_record, unpack
+from mooncake_diffusion.orchestrator.link import wire
+from mooncake_diffusion.wire.schema import (
     MAGIC,
     SCHEMA_VERSION,
     Envelope,
@@ -188,7 +188,7 @@ def check_skeleton(data: bytes) -> None:
 
 
 def check_mailbox_name(name: str) -> None:
-    from mooncake_diffusion.mailbox import Mailbox
+    from mooncake_diffusion.handoff.mailbox import Mailbox
 
     box = Mailbox.__new__(Mailbox)  # key_of needs no store
     box.namespace = "mcd-mbox/"
@@ -255,8 +255,11 @@ class ApiTarget:
     nothing."""
 
     def __init__(self) -> None:
-        from mooncake_diffusion.orchestrator.api import build_app
-        from mooncake_diffusion.orchestrator.service import OrchestratorService, ServiceConfig
+        from mooncake_diffusion.orchestrator.http.api import build_app
+        from mooncake_diffusion.orchestrator.service.service import (
+            OrchestratorService,
+            ServiceConfig,
+        )
 
         self.svc = OrchestratorService(ServiceConfig(worker_bind="tcp://127.0.0.1:0")).start()
         self.app = build_app(self.svc)

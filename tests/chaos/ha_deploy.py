@@ -23,9 +23,9 @@ from typing import Any
 from deploy import API, HEARTBEAT_S, TOKEN, WORKERS, WPORT, Deployment
 from hosts import Hosts, Spawned, _ip
 
-from mooncake_diffusion.etcd import EtcdClient, EtcdUnavailableError, member_argv
-from mooncake_diffusion.orchestrator.client import OrchestratorClient
-from mooncake_diffusion.orchestrator.follow import Announcement, LeaderAddress
+from mooncake_diffusion.orchestrator.http.client import OrchestratorClient
+from mooncake_diffusion.orchestrator.link.follow import Announcement, LeaderAddress
+from mooncake_diffusion.platform.etcd import EtcdClient, EtcdUnavailableError, member_argv
 
 HA_HOSTS = ("master", "store", "etcd0", "etcd1", "etcd2", "orch0", "orch1", *WORKERS)
 ORCHS = ("orch0", "orch1")

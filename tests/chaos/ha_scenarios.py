@@ -26,10 +26,10 @@ from deploy import TOKEN
 from ha_deploy import ETCD_HOSTS, ORCHS, PREFIX, UNDER, HaDeployment, wait_line
 from scenarios import Outcome, Run, colocated
 
-from mooncake_diffusion.etcd import EtcdClient, EtcdUnavailableError
-from mooncake_diffusion.orchestrator.client import OrchestratorClient
 from mooncake_diffusion.orchestrator.errors import OrchestratorError
-from mooncake_diffusion.orchestrator.ha_service import audit
+from mooncake_diffusion.orchestrator.ha.service import audit
+from mooncake_diffusion.orchestrator.http.client import OrchestratorClient
+from mooncake_diffusion.platform.etcd import EtcdClient, EtcdUnavailableError
 
 
 @dataclass

@@ -10,10 +10,10 @@ import signal
 import sys
 import threading
 
-from mooncake_diffusion.connector import DiffusionConnector
-from mooncake_diffusion.handoff import make_tensor
-from mooncake_diffusion.payload import StagePayload
-from mooncake_diffusion.settings import MooncakeSettings
+from mooncake_diffusion.handoff.demo import make_tensor
+from mooncake_diffusion.platform.settings import MooncakeSettings
+from mooncake_diffusion.transfer.connector import DiffusionConnector
+from mooncake_diffusion.transfer.payload import StagePayload
 
 SHAPE = (4, 1 << 20)  # float32: 16 MiB, four chunks of 4 MiB
 SEED = 71

@@ -16,8 +16,8 @@ import sys
 import time
 from typing import Any
 
-from mooncake_diffusion.mailbox import Mailbox
-from mooncake_diffusion.settings import MooncakeSettings
+from mooncake_diffusion.handoff.mailbox import Mailbox
+from mooncake_diffusion.platform.settings import MooncakeSettings
 
 NAMESPACE = "chaos-race/"
 

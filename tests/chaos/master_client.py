@@ -27,8 +27,8 @@ import torch
 
 from mooncake_diffusion._mooncake.store import StoreClient
 from mooncake_diffusion.errors import MooncakeDiffusionError
-from mooncake_diffusion.settings import MooncakeSettings
-from mooncake_diffusion.tensors import describe
+from mooncake_diffusion.memory.tensors import describe
+from mooncake_diffusion.platform.settings import MooncakeSettings
 
 MIB = 1 << 20
 LIMIT_S = 120.0

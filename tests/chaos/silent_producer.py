@@ -10,8 +10,8 @@ import signal
 import sys
 import threading
 
-from mooncake_diffusion.schema import ChunkDone, FetchReply, FetchRequest
-from mooncake_diffusion.sidechannel import SideChannelServer
+from mooncake_diffusion.transfer.sidechannel import SideChannelServer
+from mooncake_diffusion.wire.schema import ChunkDone, FetchReply, FetchRequest
 
 SLOW_S = 3.0
 

@@ -21,8 +21,8 @@ from typing import Any
 
 from servicestack import ServiceStack
 
-from mooncake_diffusion.orchestrator import toy
 from mooncake_diffusion.orchestrator.errors import OrchestratorError
+from mooncake_diffusion.orchestrator.worker import toy
 
 TERMINAL = ("completed", "failed", "cancelled")
 WORKERS = (

@@ -20,8 +20,8 @@ import torch
 
 from mooncake_diffusion._mooncake.store import StoreClient
 from mooncake_diffusion.errors import StoreFullError
-from mooncake_diffusion.settings import MooncakeSettings
-from mooncake_diffusion.tensors import describe
+from mooncake_diffusion.memory.tensors import describe
+from mooncake_diffusion.platform.settings import MooncakeSettings
 
 #: how long one put may keep finding the pool full before the burst stops
 PUT_RETRY_S = 60.0

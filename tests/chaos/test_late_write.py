@@ -25,12 +25,12 @@ from hosts import Hosts, available
 from late_producer import SEED, SHAPE
 
 from helpers import same_bytes
-from mooncake_diffusion.connector import DiffusionConnector
 from mooncake_diffusion.errors import PeerGoneError
-from mooncake_diffusion.handoff import make_tensor
-from mooncake_diffusion.payload import StagePayload
-from mooncake_diffusion.settings import MooncakeSettings
+from mooncake_diffusion.handoff.demo import make_tensor
+from mooncake_diffusion.platform.settings import MooncakeSettings
 from mooncake_diffusion.testing import thread_names
+from mooncake_diffusion.transfer.connector import DiffusionConnector
+from mooncake_diffusion.transfer.payload import StagePayload
 
 pytestmark = pytest.mark.chaos
 

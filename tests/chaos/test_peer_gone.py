@@ -19,8 +19,8 @@ import pytest
 from hosts import Hosts, available
 
 from mooncake_diffusion.errors import PeerGoneError
-from mooncake_diffusion.schema import FetchRequest
-from mooncake_diffusion.sidechannel import SideChannelClient
+from mooncake_diffusion.transfer.sidechannel import SideChannelClient
+from mooncake_diffusion.wire.schema import FetchRequest
 
 pytestmark = pytest.mark.chaos
 

@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from mooncake_diffusion.orchestrator import toy
+from mooncake_diffusion.orchestrator.worker import toy
 
 pytestmark = pytest.mark.faults
 

@@ -19,11 +19,11 @@ from gated import Gate
 from test_pipeline_disaggregated import NO_KILL_HEARTBEAT_S, clear_embeddings, colocated, result
 
 from mooncake_diffusion.caches.keys import EMB_ROOT
-from mooncake_diffusion.orchestrator.model import OrchestratorConfig
-from mooncake_diffusion.orchestrator.planner import Move
-from mooncake_diffusion.orchestrator.planners import ReactivePlanner
-from mooncake_diffusion.orchestrator.provision import LocalProvisioner
-from mooncake_diffusion.orchestrator.service import OrchestratorService, ServiceConfig
+from mooncake_diffusion.orchestrator.core.model import OrchestratorConfig
+from mooncake_diffusion.orchestrator.elastic.contract import Move
+from mooncake_diffusion.orchestrator.elastic.planners import ReactivePlanner
+from mooncake_diffusion.orchestrator.elastic.provision import LocalProvisioner
+from mooncake_diffusion.orchestrator.service.service import OrchestratorService, ServiceConfig
 
 pytestmark = pytest.mark.faults
 

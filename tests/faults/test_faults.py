@@ -17,10 +17,10 @@ from mooncake_diffusion.errors import (
     StoreFullError,
     TransferError,
 )
-from mooncake_diffusion.handoff import ProducerProcess
-from mooncake_diffusion.schema import FetchReply, FetchRequest
-from mooncake_diffusion.sidechannel import SideChannelClient
+from mooncake_diffusion.handoff.demo import ProducerProcess
 from mooncake_diffusion.testing import assert_no_leaks
+from mooncake_diffusion.transfer.sidechannel import SideChannelClient
+from mooncake_diffusion.wire.schema import FetchReply, FetchRequest
 
 pytestmark = pytest.mark.faults
 

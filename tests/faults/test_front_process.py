@@ -18,7 +18,7 @@ import pytest
 from gated import Gate
 from servicestack import CLI
 
-from mooncake_diffusion.orchestrator import toy
+from mooncake_diffusion.orchestrator.worker import toy
 from mooncake_diffusion.testing import descendants, non_loopback_listeners
 
 pytestmark = pytest.mark.faults

@@ -18,7 +18,7 @@ import time
 import pytest
 from gated import Gate
 
-from mooncake_diffusion.orchestrator import toy
+from mooncake_diffusion.orchestrator.worker import toy
 
 pytestmark = pytest.mark.faults
 

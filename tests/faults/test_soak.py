@@ -11,7 +11,7 @@ import pytest
 from helpers import make_tensor, same_bytes
 from mooncake_diffusion import StagePayload, decode_handle
 from mooncake_diffusion.errors import DeadlineExceededError, PayloadGoneError, TransferError
-from mooncake_diffusion.handoff import ProducerProcess
+from mooncake_diffusion.handoff.demo import ProducerProcess
 
 # 1,000 cycles run near the default 300 s hang guard beside stress-ng and other test
 # runs; 900 s is the guard `./dev test --under-load` uses

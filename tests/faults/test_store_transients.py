@@ -34,8 +34,8 @@ from mooncake_diffusion.errors import (
     PayloadGoneError,
     TransientStoreError,
 )
-from mooncake_diffusion.handoff import ProducerProcess
-from mooncake_diffusion.tensors import describe
+from mooncake_diffusion.handoff.demo import ProducerProcess
+from mooncake_diffusion.memory.tensors import describe
 from mooncake_diffusion.testing import assert_no_leaks, thread_names
 
 pytestmark = pytest.mark.faults

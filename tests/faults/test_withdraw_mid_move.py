@@ -24,13 +24,13 @@ import time
 import numpy as np
 import pytest
 
-from mooncake_diffusion.chunks import plan
 from mooncake_diffusion.errors import PayloadGoneError
-from mooncake_diffusion.schema import PayloadHandle
-from mooncake_diffusion.staging import HostOps, Stager
-from mooncake_diffusion.tensors import describe
+from mooncake_diffusion.memory.tensors import describe
 from mooncake_diffusion.testing import assert_no_leaks
-from mooncake_diffusion.transports.p2p import P2PTransport
+from mooncake_diffusion.transfer.chunks import plan
+from mooncake_diffusion.transfer.staging import HostOps, Stager
+from mooncake_diffusion.transfer.transports.p2p import P2PTransport
+from mooncake_diffusion.wire.schema import PayloadHandle
 
 pytestmark = pytest.mark.integration
 

@@ -12,11 +12,11 @@ import torch
 
 from helpers import make_tensor, same_bytes
 from mooncake_diffusion import DiffusionConnector, StagePayload
-from mooncake_diffusion.deployment import cuda_build
 from mooncake_diffusion.errors import AlreadyConsumedError, DestinationMismatchError
-from mooncake_diffusion.tensors import describe
+from mooncake_diffusion.memory.tensors import describe
+from mooncake_diffusion.platform.deployment import cuda_build
 from mooncake_diffusion.testing import assert_no_leaks
-from mooncake_diffusion.transports.p2p import P2PTransport
+from mooncake_diffusion.transfer.transports.p2p import P2PTransport
 
 CASES = [(m, p) for m in ("p2p", "store") for p in ("staged", "gpu-direct")]
 

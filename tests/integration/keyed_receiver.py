@@ -10,10 +10,10 @@ environment; ``argv[1]`` is the handoff's ``lease_s``.
 import sys
 import threading
 
-from mooncake_diffusion import keyed
-from mooncake_diffusion.childproc import serve_json_lines
-from mooncake_diffusion.keyed import KeyedHandoff
-from mooncake_diffusion.settings import MooncakeSettings
+from mooncake_diffusion.handoff import keyed
+from mooncake_diffusion.handoff.keyed import KeyedHandoff
+from mooncake_diffusion.platform.childproc import serve_json_lines
+from mooncake_diffusion.platform.settings import MooncakeSettings
 
 
 def main() -> None:

@@ -9,9 +9,9 @@ import sys
 
 import torch
 
-from mooncake_diffusion.childproc import serve_json_lines
-from mooncake_diffusion.keyed import KeyedHandoff
-from mooncake_diffusion.settings import MooncakeSettings
+from mooncake_diffusion.handoff.keyed import KeyedHandoff
+from mooncake_diffusion.platform.childproc import serve_json_lines
+from mooncake_diffusion.platform.settings import MooncakeSettings
 
 
 def main() -> None:

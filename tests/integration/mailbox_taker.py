@@ -8,9 +8,9 @@ what it took (hex, or null). Settings come from the environment.
 import sys
 import threading
 
-from mooncake_diffusion.childproc import serve_json_lines
-from mooncake_diffusion.mailbox import Mailbox
-from mooncake_diffusion.settings import MooncakeSettings
+from mooncake_diffusion.handoff.mailbox import Mailbox
+from mooncake_diffusion.platform.childproc import serve_json_lines
+from mooncake_diffusion.platform.settings import MooncakeSettings
 
 
 def main() -> None:

@@ -20,10 +20,10 @@ import msgspec
 import pytest
 from apistack import Stack, raw
 
-from mooncake_diffusion.orchestrator.bridge import Call, Reply, frame, read_reply
 from mooncake_diffusion.orchestrator.errors import OrchestratorError
-from mooncake_diffusion.orchestrator.remote import RemoteService
-from mooncake_diffusion.orchestrator.service import RequestRejected, ServiceUnavailable
+from mooncake_diffusion.orchestrator.http.remote import RemoteService
+from mooncake_diffusion.orchestrator.service.bridge import Call, Reply, frame, read_reply
+from mooncake_diffusion.orchestrator.service.service import RequestRejected, ServiceUnavailable
 from mooncake_diffusion.testing import assert_no_leaks, thread_names
 
 pytestmark = pytest.mark.integration

@@ -128,7 +128,7 @@ def test_store_ls_lists_our_keys_by_kind_size_and_expiry(mooncake_cluster):
 
     import torch
 
-    from mooncake_diffusion.keyed import KeyedHandoff
+    from mooncake_diffusion.handoff.keyed import KeyedHandoff
 
     s = mooncake_cluster.settings
     env = {**os.environ, "MOONCAKE_MASTER": s.master, "MOONCAKE_ADMIN": s.admin_address}

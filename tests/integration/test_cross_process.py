@@ -8,7 +8,7 @@ import torch
 from helpers import make_tensor, same_bytes
 from mooncake_diffusion import DiffusionConnector, StagePayload
 from mooncake_diffusion.errors import AlreadyConsumedError, PayloadGoneError
-from mooncake_diffusion.handoff import ProducerProcess
+from mooncake_diffusion.handoff.demo import ProducerProcess
 
 pytestmark = pytest.mark.integration
 

@@ -16,14 +16,14 @@ import time
 import numpy as np
 import pytest
 
-from mooncake_diffusion.chunks import plan
 from mooncake_diffusion.errors import DeadlineExceededError
-from mooncake_diffusion.schema import PayloadHandle
-from mooncake_diffusion.staging import HostOps, Stager
-from mooncake_diffusion.tensors import describe
+from mooncake_diffusion.memory.tensors import describe
 from mooncake_diffusion.testing import assert_no_leaks
-from mooncake_diffusion.transports.p2p import P2PTransport
-from mooncake_diffusion.transports.store import StoreTransport
+from mooncake_diffusion.transfer.chunks import plan
+from mooncake_diffusion.transfer.staging import HostOps, Stager
+from mooncake_diffusion.transfer.transports.p2p import P2PTransport
+from mooncake_diffusion.transfer.transports.store import StoreTransport
+from mooncake_diffusion.wire.schema import PayloadHandle
 
 pytestmark = pytest.mark.integration
 

@@ -1,4 +1,4 @@
-"""core's DirectEngine (``mooncake_diffusion.direct``): address-level pushes between
+"""core's DirectEngine (``mooncake_diffusion.handoff.direct``): address-level pushes between
 two real Transfer Engines over loopback TCP, and the same-host paths. The SGLang
 adapter's tests drive it across processes through sglang's own classes."""
 
@@ -13,8 +13,13 @@ import time
 import pytest
 import torch
 
-from mooncake_diffusion.childproc import JsonLinesChild
-from mooncake_diffusion.direct import (
+from mooncake_diffusion.errors import (
+    ConfigError,
+    DeadlineExceededError,
+    PeerGoneError,
+    TransferError,
+)
+from mooncake_diffusion.handoff.direct import (
     DirectEngine,
     PeerSession,
     RetryPolicy,
@@ -23,14 +28,9 @@ from mooncake_diffusion.direct import (
     may_write_late,
     release_pool,
 )
-from mooncake_diffusion.errors import (
-    ConfigError,
-    DeadlineExceededError,
-    PeerGoneError,
-    TransferError,
-)
-from mooncake_diffusion.samehost import process_stopped
-from mooncake_diffusion.settings import MooncakeSettings
+from mooncake_diffusion.memory.samehost import process_stopped
+from mooncake_diffusion.platform.childproc import JsonLinesChild
+from mooncake_diffusion.platform.settings import MooncakeSettings
 from mooncake_diffusion.testing import assert_no_leaks
 
 pytestmark = pytest.mark.integration

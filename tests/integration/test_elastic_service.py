@@ -12,9 +12,9 @@ import pytest
 from apistack import Stack
 from prometheus_client.parser import text_string_to_metric_families
 
-from mooncake_diffusion.orchestrator import toy
-from mooncake_diffusion.orchestrator.planner import Move
-from mooncake_diffusion.orchestrator.planners import ReactivePlanner, StaticPlanner
+from mooncake_diffusion.orchestrator.elastic.contract import Move
+from mooncake_diffusion.orchestrator.elastic.planners import ReactivePlanner, StaticPlanner
+from mooncake_diffusion.orchestrator.worker import toy
 
 pytestmark = pytest.mark.integration
 

@@ -13,8 +13,8 @@ import torch
 
 from mooncake_diffusion._mooncake.engine import Engine
 from mooncake_diffusion.errors import TransferError
-from mooncake_diffusion.settings import MooncakeSettings
-from mooncake_diffusion.tensors import describe
+from mooncake_diffusion.memory.tensors import describe
+from mooncake_diffusion.platform.settings import MooncakeSettings
 from mooncake_diffusion.testing import assert_no_leaks
 
 pytestmark = pytest.mark.integration

@@ -1,4 +1,4 @@
-"""The etcd helper (``mooncake_diffusion.etcd``) on real etcd processes: one member
+"""The etcd helper (``mooncake_diffusion.platform.etcd``) on real etcd processes: one member
 answers reads and writes through the v3 gateway; three members keep taking writes
 after their Raft leader is SIGKILLed and stop when quorum is lost; nothing is left
 running afterwards."""
@@ -10,7 +10,7 @@ import socket
 
 import pytest
 
-from mooncake_diffusion.etcd import EtcdCluster, EtcdUnavailableError, prefix_end
+from mooncake_diffusion.platform.etcd import EtcdCluster, EtcdUnavailableError, prefix_end
 from mooncake_diffusion.testing import assert_no_leaks, thread_names
 
 pytestmark = pytest.mark.integration

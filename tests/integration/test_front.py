@@ -203,8 +203,8 @@ def test_docs_render_from_the_stacks_own_assets():
     UI's files come from the stack (the ``fastapi-offline`` package), not a CDN."""
     from playwright.sync_api import sync_playwright
 
-    from mooncake_diffusion.orchestrator.api import ApiServer
-    from mooncake_diffusion.orchestrator.service import OrchestratorService, ServiceConfig
+    from mooncake_diffusion.orchestrator.http.api import ApiServer
+    from mooncake_diffusion.orchestrator.service.service import OrchestratorService, ServiceConfig
 
     svc = OrchestratorService(ServiceConfig(worker_bind="tcp://127.0.0.1:0")).start()
     api = ApiServer(svc, "127.0.0.1", 0)

@@ -19,9 +19,9 @@ import openai
 import pytest
 from apistack import Stack, raw
 
-from mooncake_diffusion.orchestrator.api import MAX_BODY
-from mooncake_diffusion.orchestrator.front import FrontConfig
-from mooncake_diffusion.orchestrator.limits import HttpLimits
+from mooncake_diffusion.orchestrator.http.api import MAX_BODY
+from mooncake_diffusion.orchestrator.http.front import FrontConfig
+from mooncake_diffusion.orchestrator.http.limits import HttpLimits
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -106,7 +106,7 @@ def test_out_dir_and_ids_are_refused_before_anything_is_queued(front, tmp_path):
     )
     assert status == 400 and err["error"]["param"] == "params.out_dir", err
     # the id rule is the workers' own: what the API accepts, a worker can key
-    from mooncake_diffusion.payload import request_id_problem
+    from mooncake_diffusion.transfer.payload import request_id_problem
 
     for rid in ("a/b", "", "x" * 257, "tab\there"):
         assert request_id_problem(rid) is not None

@@ -15,7 +15,7 @@ INNER = """
 import torch
 
 from mooncake_diffusion._mooncake.store import StoreClient
-from mooncake_diffusion.tensors import describe
+from mooncake_diffusion.memory.tensors import describe
 
 
 def test_a_leaks_a_key(mooncake_cluster):

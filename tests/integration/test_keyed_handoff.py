@@ -16,11 +16,11 @@ from mooncake_diffusion.errors import (
     MasterUnavailableError,
     StoreFullError,
 )
-from mooncake_diffusion.keyed import KeyedHandoff
-from mooncake_diffusion.leases import TTL_ROOT, Reaper
-from mooncake_diffusion.mailbox import Mailbox
-from mooncake_diffusion.settings import MooncakeSettings
+from mooncake_diffusion.handoff.keyed import KeyedHandoff
+from mooncake_diffusion.handoff.mailbox import Mailbox
+from mooncake_diffusion.platform.settings import MooncakeSettings
 from mooncake_diffusion.testing import assert_no_leaks
+from mooncake_diffusion.transfer.leases import TTL_ROOT, Reaper
 
 pytestmark = pytest.mark.integration
 
@@ -223,7 +223,7 @@ def test_a_crashed_producers_sends_are_reclaimed_with_no_call_at_all():
     from pathlib import Path
 
     from mooncake_diffusion._mooncake.cluster import LocalCluster
-    from mooncake_diffusion.childproc import JsonLinesChild
+    from mooncake_diffusion.platform.childproc import JsonLinesChild
 
     baseline = {f"{t.name}#{t.ident}" for t in threading.enumerate()}
     sender = [sys.executable, str(Path(__file__).with_name("keyed_sender.py")), "1"]
@@ -248,7 +248,7 @@ def test_a_clean_producer_exit_leaves_its_store_sends_for_the_consumer(pair, moo
     import sys
     from pathlib import Path
 
-    from mooncake_diffusion.childproc import JsonLinesChild
+    from mooncake_diffusion.platform.childproc import JsonLinesChild
 
     sender = [sys.executable, str(Path(__file__).with_name("keyed_sender.py")), "600"]
     child = JsonLinesChild(sender, mooncake_cluster.settings, "keyed sender")
@@ -310,7 +310,7 @@ def test_mailbox_take_is_exactly_once_across_processes(mooncake_cluster):
     import time
     from pathlib import Path
 
-    from mooncake_diffusion.childproc import JsonLinesChild
+    from mooncake_diffusion.platform.childproc import JsonLinesChild
 
     taker = [sys.executable, str(Path(__file__).with_name("mailbox_taker.py"))]
     children = [JsonLinesChild(taker, mooncake_cluster.settings, f"taker {i}") for i in range(4)]
@@ -343,7 +343,7 @@ def test_a_consumer_killed_mid_receive_leaves_the_payload_to_a_retry(pair, moonc
     import sys
     from pathlib import Path
 
-    from mooncake_diffusion.childproc import JsonLinesChild
+    from mooncake_diffusion.platform.childproc import JsonLinesChild
 
     producer, retry = pair(sweep_s=0), pair(sweep_s=0)
     sent = torch.randn(16 << 20)  # 64 MiB
@@ -509,7 +509,7 @@ class FillablePool:
         import numpy as np
 
         from mooncake_diffusion._mooncake.store import StoreClient
-        from mooncake_diffusion.tensors import describe
+        from mooncake_diffusion.memory.tensors import describe
 
         self.cluster, self.keys = cluster, []
         self.client = StoreClient(cluster.settings)

@@ -14,8 +14,8 @@ import textwrap
 
 import pytest
 
-from mooncake_diffusion.etcd import EtcdClient, EtcdCluster
-from mooncake_diffusion.orchestrator.leader import Candidate
+from mooncake_diffusion.orchestrator.ha.election import Candidate
+from mooncake_diffusion.platform.etcd import EtcdClient, EtcdCluster
 from mooncake_diffusion.testing import assert_no_leaks, thread_names
 
 pytestmark = pytest.mark.integration
@@ -25,8 +25,8 @@ TTL_S = 3
 _LEADER = textwrap.dedent(
     """
     import json, sys, time
-    from mooncake_diffusion.etcd import EtcdClient
-    from mooncake_diffusion.orchestrator.leader import Candidate
+    from mooncake_diffusion.platform.etcd import EtcdClient
+    from mooncake_diffusion.orchestrator.ha.election import Candidate
     me = Candidate(EtcdClient(sys.argv[1].split(",")), "/t/orch", "child", ttl_s=int(sys.argv[2]))
     token = me.campaign(timeout=60)
     assert me.append([b"a1", b"a2"])

@@ -14,7 +14,7 @@ import threading
 import pytest
 from servicestack import ServiceStack
 
-from mooncake_diffusion.orchestrator.toy import expected_checksum
+from mooncake_diffusion.orchestrator.worker.toy import expected_checksum
 from mooncake_diffusion.testing import (
     assert_no_leaks,
     descendants,

@@ -22,8 +22,8 @@ from mooncake_diffusion._mooncake.master_view import (
 )
 from mooncake_diffusion._mooncake.store import StoreClient
 from mooncake_diffusion.errors import StoreFullError
-from mooncake_diffusion.etcd import EtcdCluster
-from mooncake_diffusion.tensors import describe
+from mooncake_diffusion.memory.tensors import describe
+from mooncake_diffusion.platform.etcd import EtcdCluster
 from mooncake_diffusion.testing import assert_no_leaks, thread_names
 
 pytestmark = pytest.mark.integration

@@ -20,16 +20,9 @@ from apistack import Stack, raw
 from gated import held
 from prometheus_client.parser import text_string_to_metric_families
 
-from mooncake_diffusion.connector import DiffusionConnector
-from mooncake_diffusion.orchestrator import toy
-from mooncake_diffusion.orchestrator.api import MAX_BODY, ApiServer
 from mooncake_diffusion.orchestrator.errors import OrchestratorError
-from mooncake_diffusion.orchestrator.service import (
-    OrchestratorService,
-    RequestRejected,
-    ServiceConfig,
-)
-from mooncake_diffusion.orchestrator.wire import (
+from mooncake_diffusion.orchestrator.http.api import MAX_BODY, ApiServer
+from mooncake_diffusion.orchestrator.link.wire import (
     Bye,
     Done,
     Hello,
@@ -41,9 +34,16 @@ from mooncake_diffusion.orchestrator.wire import (
     decode_from_service,
     encode,
 )
-from mooncake_diffusion.orchestrator.worker import StageWorker
-from mooncake_diffusion.payload import StagePayload
-from mooncake_diffusion.settings import MooncakeSettings
+from mooncake_diffusion.orchestrator.service.service import (
+    OrchestratorService,
+    RequestRejected,
+    ServiceConfig,
+)
+from mooncake_diffusion.orchestrator.worker import toy
+from mooncake_diffusion.orchestrator.worker.runtime import StageWorker
+from mooncake_diffusion.platform.settings import MooncakeSettings
+from mooncake_diffusion.transfer.connector import DiffusionConnector
+from mooncake_diffusion.transfer.payload import StagePayload
 
 pytestmark = pytest.mark.integration
 
@@ -182,7 +182,7 @@ def test_cached_embeddings_skip_encode(stack):
     try:
         import numpy as np
 
-        from mooncake_diffusion.payload import StagePayload
+        from mooncake_diffusion.transfer.payload import StagePayload
 
         emb = np.ones(64, np.float32)
         pub = enc.publish(StagePayload(request_id="cached", kind="embedding", tensor=emb))

@@ -25,19 +25,19 @@ from pathlib import Path
 
 import pytest
 
-from mooncake_diffusion.connector import DiffusionConnector
-from mooncake_diffusion.etcd import EtcdCluster
-from mooncake_diffusion.orchestrator import toy
-from mooncake_diffusion.orchestrator.client import OrchestratorClient
-from mooncake_diffusion.orchestrator.follow import LeaderAddress
-from mooncake_diffusion.orchestrator.ha_service import EtcdJournal, audit
-from mooncake_diffusion.orchestrator.journal import JournalError
-from mooncake_diffusion.orchestrator.leader import Candidate
-from mooncake_diffusion.orchestrator.model import Submit
-from mooncake_diffusion.orchestrator.worker import StageWorker
-from mooncake_diffusion.settings import MooncakeSettings
+from mooncake_diffusion.orchestrator.core.model import Submit
+from mooncake_diffusion.orchestrator.ha.election import Candidate
+from mooncake_diffusion.orchestrator.ha.service import EtcdJournal, audit
+from mooncake_diffusion.orchestrator.http.client import OrchestratorClient
+from mooncake_diffusion.orchestrator.link.follow import LeaderAddress
+from mooncake_diffusion.orchestrator.service.journal import JournalError
+from mooncake_diffusion.orchestrator.worker import toy
+from mooncake_diffusion.orchestrator.worker.runtime import StageWorker
+from mooncake_diffusion.platform.etcd import EtcdCluster
+from mooncake_diffusion.platform.settings import MooncakeSettings
 from mooncake_diffusion.testing import assert_no_leaks, thread_names
-from mooncake_diffusion.transports.memory import fabric_keys
+from mooncake_diffusion.transfer.connector import DiffusionConnector
+from mooncake_diffusion.transfer.transports.memory import fabric_keys
 
 pytestmark = pytest.mark.integration
 

@@ -13,16 +13,16 @@ from typing import Any
 
 import pytest
 
-from mooncake_diffusion.orchestrator import toy
-from mooncake_diffusion.orchestrator.model import OrchestratorConfig
-from mooncake_diffusion.orchestrator.planner import AddWorker, Retire
-from mooncake_diffusion.orchestrator.planners import ReactivePlanner, StaticPlanner
-from mooncake_diffusion.orchestrator.provision import LocalProvisioner
-from mooncake_diffusion.orchestrator.service import OrchestratorService, ServiceConfig
+from mooncake_diffusion.orchestrator.core.model import OrchestratorConfig
+from mooncake_diffusion.orchestrator.elastic.contract import AddWorker, Retire
+from mooncake_diffusion.orchestrator.elastic.planners import ReactivePlanner, StaticPlanner
+from mooncake_diffusion.orchestrator.elastic.provision import LocalProvisioner
+from mooncake_diffusion.orchestrator.service.service import OrchestratorService, ServiceConfig
+from mooncake_diffusion.orchestrator.worker import toy
 
 pytestmark = pytest.mark.integration
 
-TOY = "mooncake_diffusion.orchestrator.toy"
+TOY = "mooncake_diffusion.orchestrator.worker.toy"
 NEVER = 1e9  # planner interval: rounds run only when the test calls plan_now()
 
 

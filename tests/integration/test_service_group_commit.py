@@ -15,13 +15,7 @@ import zmq
 
 from helpers import driven, from_service
 from mooncake_diffusion.orchestrator import JournalError, OrchestratorConfig
-from mooncake_diffusion.orchestrator.service import (
-    OrchestratorService,
-    RequestRejected,
-    ServiceConfig,
-    ServiceUnavailable,
-)
-from mooncake_diffusion.orchestrator.wire import (
+from mooncake_diffusion.orchestrator.link.wire import (
     Done,
     Hello,
     ItemRef,
@@ -29,6 +23,12 @@ from mooncake_diffusion.orchestrator.wire import (
     Work,
     decode_from_service,
     encode,
+)
+from mooncake_diffusion.orchestrator.service.service import (
+    OrchestratorService,
+    RequestRejected,
+    ServiceConfig,
+    ServiceUnavailable,
 )
 
 pytestmark = pytest.mark.integration

@@ -16,10 +16,10 @@ import zmq
 
 from helpers import driven, from_service
 from mooncake_diffusion.orchestrator import JournalError, OrchestratorConfig
-from mooncake_diffusion.orchestrator.api import ApiServer
 from mooncake_diffusion.orchestrator.errors import OrchestratorError
-from mooncake_diffusion.orchestrator.service import OrchestratorService, ServiceConfig
-from mooncake_diffusion.orchestrator.wire import Done, Hello, ItemRef, Welcome, Work, encode
+from mooncake_diffusion.orchestrator.http.api import ApiServer
+from mooncake_diffusion.orchestrator.link.wire import Done, Hello, ItemRef, Welcome, Work, encode
+from mooncake_diffusion.orchestrator.service.service import OrchestratorService, ServiceConfig
 from mooncake_diffusion.testing import assert_no_leaks, thread_names
 
 pytestmark = pytest.mark.integration

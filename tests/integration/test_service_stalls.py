@@ -16,9 +16,9 @@ import zmq
 
 from helpers import driven, from_service
 from mooncake_diffusion.orchestrator import OrchestratorConfig
-from mooncake_diffusion.orchestrator.clock import StallClock
-from mooncake_diffusion.orchestrator.service import OrchestratorService, ServiceConfig
-from mooncake_diffusion.orchestrator.wire import Beat, Hello, Welcome, encode
+from mooncake_diffusion.orchestrator.core.clock import StallClock
+from mooncake_diffusion.orchestrator.link.wire import Beat, Hello, Welcome, encode
+from mooncake_diffusion.orchestrator.service.service import OrchestratorService, ServiceConfig
 from mooncake_diffusion.testing import assert_no_leaks, thread_names
 
 pytestmark = pytest.mark.integration

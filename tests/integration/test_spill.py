@@ -14,7 +14,7 @@ import torch
 from mooncake_diffusion._mooncake.cluster import LocalCluster
 from mooncake_diffusion._mooncake.store import StoreClient
 from mooncake_diffusion.errors import StoreFullError
-from mooncake_diffusion.tensors import describe
+from mooncake_diffusion.memory.tensors import describe
 from mooncake_diffusion.testing import assert_no_leaks, thread_names
 
 pytestmark = pytest.mark.integration

@@ -19,7 +19,7 @@ import torch
 from mooncake_diffusion._mooncake import store as store_module
 from mooncake_diffusion._mooncake.store import DIRECT_MIN_BYTES, StoreClient
 from mooncake_diffusion.errors import MooncakeDiffusionError
-from mooncake_diffusion.tensors import describe
+from mooncake_diffusion.memory.tensors import describe
 from mooncake_diffusion.testing import assert_no_leaks, thread_names
 
 pytestmark = pytest.mark.integration

@@ -22,18 +22,19 @@ import torch
 from mooncake_diffusion._mooncake.cluster import LocalCluster
 from mooncake_diffusion._mooncake.master import admin_get
 from mooncake_diffusion._mooncake.store import StoreClient
-from mooncake_diffusion.connector import DiffusionConnector
-from mooncake_diffusion.orchestrator import OrchestratorConfig, toy
-from mooncake_diffusion.orchestrator.service import OrchestratorService, ServiceConfig
-from mooncake_diffusion.orchestrator.worker import StageWorker
-from mooncake_diffusion.settings import MooncakeSettings
-from mooncake_diffusion.tensors import Region
+from mooncake_diffusion.memory.tensors import Region
+from mooncake_diffusion.orchestrator import OrchestratorConfig
+from mooncake_diffusion.orchestrator.service.service import OrchestratorService, ServiceConfig
+from mooncake_diffusion.orchestrator.worker import toy
+from mooncake_diffusion.orchestrator.worker.runtime import StageWorker
+from mooncake_diffusion.platform.settings import MooncakeSettings
 from mooncake_diffusion.testing import (
     assert_no_leaks,
     close_wait_sockets,
     tcp_states,
     thread_names,
 )
+from mooncake_diffusion.transfer.connector import DiffusionConnector
 
 pytestmark = pytest.mark.integration
 

@@ -11,7 +11,7 @@ import torch
 from helpers import make_tensor, same_bytes
 from mooncake_diffusion import StagePayload
 from mooncake_diffusion.errors import PayloadGoneError
-from mooncake_diffusion.transports import store as store_transport
+from mooncake_diffusion.transfer.transports import store as store_transport
 
 pytestmark = pytest.mark.integration
 

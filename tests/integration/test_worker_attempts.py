@@ -14,9 +14,8 @@ import torch
 import zmq
 
 from helpers import from_service
-from mooncake_diffusion.connector import DiffusionConnector
-from mooncake_diffusion.orchestrator.model import WorkItem
-from mooncake_diffusion.orchestrator.wire import (
+from mooncake_diffusion.orchestrator.core.model import WorkItem
+from mooncake_diffusion.orchestrator.link.wire import (
     Beat,
     Done,
     Failed,
@@ -28,10 +27,11 @@ from mooncake_diffusion.orchestrator.wire import (
     decode_from_worker,
     encode,
 )
-from mooncake_diffusion.orchestrator.worker import StageWorker
-from mooncake_diffusion.payload import StagePayload
-from mooncake_diffusion.settings import MooncakeSettings
-from mooncake_diffusion.transports.memory import fabric_keys
+from mooncake_diffusion.orchestrator.worker.runtime import StageWorker
+from mooncake_diffusion.platform.settings import MooncakeSettings
+from mooncake_diffusion.transfer.connector import DiffusionConnector
+from mooncake_diffusion.transfer.payload import StagePayload
+from mooncake_diffusion.transfer.transports.memory import fabric_keys
 
 pytestmark = pytest.mark.integration
 
@@ -56,7 +56,7 @@ def _journaled(tmp_path, heartbeat_timeout: float):
     from servicestack import free_port
 
     from mooncake_diffusion.orchestrator import OrchestratorConfig
-    from mooncake_diffusion.orchestrator.service import ServiceConfig
+    from mooncake_diffusion.orchestrator.service.service import ServiceConfig
 
     return ServiceConfig(
         orchestrator=OrchestratorConfig(heartbeat_timeout=heartbeat_timeout),
@@ -143,9 +143,10 @@ def test_a_stale_result_is_released_not_orphaned():
     """A worker's result for an attempt the service re-queued (it went silent past its
     heartbeat deadline) is refused; what it published has no consumer, so the service
     has it dropped: at the request's end, or at once when the request already ended."""
-    from mooncake_diffusion.orchestrator import OrchestratorConfig, toy
-    from mooncake_diffusion.orchestrator.service import OrchestratorService, ServiceConfig
-    from mooncake_diffusion.orchestrator.wire import ItemRef, Refused
+    from mooncake_diffusion.orchestrator import OrchestratorConfig
+    from mooncake_diffusion.orchestrator.link.wire import ItemRef, Refused
+    from mooncake_diffusion.orchestrator.service.service import OrchestratorService, ServiceConfig
+    from mooncake_diffusion.orchestrator.worker import toy
 
     cfg = ServiceConfig(
         orchestrator=OrchestratorConfig(heartbeat_timeout=0.5), worker_bind="tcp://127.0.0.1:0"
@@ -202,8 +203,8 @@ def test_a_result_refused_after_an_orchestrator_restart_is_not_shown_done(tmp_pa
     from servicestack import free_port
 
     from mooncake_diffusion.orchestrator import OrchestratorConfig
-    from mooncake_diffusion.orchestrator.service import OrchestratorService, ServiceConfig
-    from mooncake_diffusion.orchestrator.wire import ItemRef, Refused
+    from mooncake_diffusion.orchestrator.link.wire import ItemRef, Refused
+    from mooncake_diffusion.orchestrator.service.service import OrchestratorService, ServiceConfig
 
     cfg = ServiceConfig(
         orchestrator=OrchestratorConfig(heartbeat_timeout=1.0),
@@ -312,8 +313,8 @@ def test_releases_a_restart_may_have_lost_are_sent_again(tmp_path):
     releases of the requests that ended last again, each to its producer once that
     worker speaks, and none to a worker that produced nothing. Here the first releases
     reach the workers and are ignored, as if lost."""
-    from mooncake_diffusion.orchestrator.service import OrchestratorService
-    from mooncake_diffusion.orchestrator.wire import ItemRef
+    from mooncake_diffusion.orchestrator.link.wire import ItemRef
+    from mooncake_diffusion.orchestrator.service.service import OrchestratorService
 
     cfg = _journaled(tmp_path, heartbeat_timeout=30.0)
     ctx = zmq.Context()
@@ -360,8 +361,8 @@ def test_a_restart_longer_than_the_heartbeat_timeout_keeps_the_items_running(tmp
     throw away what that did, so the re-queued items were never sent.) Virtual
     clocks: the second starts 1000 s after the first, no sleeping."""
     from mooncake_diffusion.orchestrator import VirtualClock
-    from mooncake_diffusion.orchestrator.service import OrchestratorService
-    from mooncake_diffusion.orchestrator.wire import ItemRef
+    from mooncake_diffusion.orchestrator.link.wire import ItemRef
+    from mooncake_diffusion.orchestrator.service.service import OrchestratorService
 
     cfg = _journaled(tmp_path, heartbeat_timeout=10.0)
     ctx = zmq.Context()

@@ -16,8 +16,8 @@ import pytest
 from apistack import Stack
 from gated import held
 
-from mooncake_diffusion.orchestrator import toy
-from mooncake_diffusion.orchestrator.service import RequestRejected
+from mooncake_diffusion.orchestrator.service.service import RequestRejected
+from mooncake_diffusion.orchestrator.worker import toy
 
 pytestmark = pytest.mark.integration
 
@@ -142,7 +142,7 @@ def test_a_hello_while_loading_does_not_register_the_stages_it_still_holds(stack
     serving its old stages and the real one after loading was only a heartbeat."""
     import zmq
 
-    from mooncake_diffusion.orchestrator.wire import (
+    from mooncake_diffusion.orchestrator.link.wire import (
         Bye,
         Hello,
         Load,

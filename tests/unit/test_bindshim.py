@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from mooncake_diffusion._mooncake import bindshim
+from mooncake_diffusion.platform import bindshim
 
 pytestmark = pytest.mark.unit
 
@@ -77,7 +77,7 @@ def test_check_says_whether_this_process_runs_under_it(caplog):
         pytest.skip("no C compiler: the shim cannot be built (a warning says so)")
     assert bindshim.check("127.0.0.1") is False  # pytest was not started under it
     assert "start it with LD_PRELOAD=" in caplog.text
-    code = "from mooncake_diffusion._mooncake import bindshim; print(bindshim.check('127.0.0.1'))"
+    code = "from mooncake_diffusion.platform import bindshim; print(bindshim.check('127.0.0.1'))"
     out = subprocess.run(
         [sys.executable, "-c", code],
         env={**os.environ, **env},

@@ -27,7 +27,7 @@ from mooncake_diffusion.caches.keys import (
     is_embedding_key,
 )
 from mooncake_diffusion.errors import PayloadError
-from mooncake_diffusion.schema import TensorSpec
+from mooncake_diffusion.wire.schema import TensorSpec
 
 pytestmark = pytest.mark.unit
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 from PIL import Image
 
-from mooncake_diffusion import carried
 from mooncake_diffusion.errors import HandleError, PayloadError
-from mooncake_diffusion.keyed import EXT_OBJECT, pack, unpack
+from mooncake_diffusion.handoff.keyed import EXT_OBJECT, pack, unpack
+from mooncake_diffusion.wire import carried
 
 pytestmark = pytest.mark.unit
 

@@ -3,9 +3,9 @@ import ctypes
 import pytest
 import torch
 
-from mooncake_diffusion.chunks import chunk_bounds, plan
-from mooncake_diffusion.schema import check_chunking
-from mooncake_diffusion.tensors import describe
+from mooncake_diffusion.memory.tensors import describe
+from mooncake_diffusion.transfer.chunks import chunk_bounds, plan
+from mooncake_diffusion.wire.schema import check_chunking
 
 pytestmark = pytest.mark.unit
 

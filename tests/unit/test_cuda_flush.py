@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-from mooncake_diffusion.staging import TorchCudaOps
+from mooncake_diffusion.transfer.staging import TorchCudaOps
 
 pytestmark = pytest.mark.unit
 

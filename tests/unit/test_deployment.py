@@ -9,8 +9,14 @@ from pathlib import Path
 import pytest
 from elfwriter import write_so
 
-from mooncake_diffusion.deployment import WHEELS, inspect_build, main, torch_cuda, wheel_for
-from mooncake_diffusion.elf import needed
+from mooncake_diffusion.platform.deployment import (
+    WHEELS,
+    inspect_build,
+    main,
+    torch_cuda,
+    wheel_for,
+)
+from mooncake_diffusion.platform.elf import needed
 
 pytestmark = pytest.mark.unit
 

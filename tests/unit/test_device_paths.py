@@ -8,12 +8,17 @@ import dataclasses
 import numpy as np
 import pytest
 
-from mooncake_diffusion.chunks import Segment
-from mooncake_diffusion.device import choose_path, describe_paths, nic_reaches_gpu, plan_staging
 from mooncake_diffusion.errors import ConfigError
-from mooncake_diffusion.settings import MooncakeSettings
-from mooncake_diffusion.staging import HostOps, Stager
-from mooncake_diffusion.tensors import Region, describe
+from mooncake_diffusion.memory.device import (
+    choose_path,
+    describe_paths,
+    nic_reaches_gpu,
+    plan_staging,
+)
+from mooncake_diffusion.memory.tensors import Region, describe
+from mooncake_diffusion.platform.settings import MooncakeSettings
+from mooncake_diffusion.transfer.chunks import Segment
+from mooncake_diffusion.transfer.staging import HostOps, Stager
 
 pytestmark = pytest.mark.unit
 

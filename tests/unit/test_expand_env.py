@@ -3,7 +3,7 @@
 import pytest
 
 from mooncake_diffusion.errors import ConfigError
-from mooncake_diffusion.settings import expand_env
+from mooncake_diffusion.platform.settings import expand_env
 
 pytestmark = pytest.mark.unit
 

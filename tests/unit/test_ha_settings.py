@@ -8,7 +8,7 @@ import pytest
 
 from mooncake_diffusion._mooncake.master_view import etcd_endpoints, master_view_key
 from mooncake_diffusion.errors import ConfigError
-from mooncake_diffusion.settings import MooncakeSettings, is_etcd_master
+from mooncake_diffusion.platform.settings import MooncakeSettings, is_etcd_master
 
 pytestmark = pytest.mark.unit
 

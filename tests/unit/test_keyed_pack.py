@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mooncake_diffusion.errors import HandleError, PayloadError
-from mooncake_diffusion.keyed import pack, unpack
+from mooncake_diffusion.handoff.keyed import pack, unpack
 
 pytestmark = pytest.mark.unit
 
@@ -102,7 +102,7 @@ def test_a_skeleton_naming_a_tensor_that_did_not_arrive_is_rejected():
 def test_a_corrupt_inline_tensor_is_a_handle_error(ext):
     """Found by fuzzing (tests/chaos/fuzz.py): these raised AttributeError, TypeError,
     ValueError or RuntimeError out of ``unpack`` instead of its typed error."""
-    from mooncake_diffusion.keyed import EXT_TENSOR
+    from mooncake_diffusion.handoff.keyed import EXT_TENSOR
 
     skeleton = msgspec.msgpack.encode(
         {"x": msgspec.msgpack.Ext(EXT_TENSOR, msgspec.msgpack.encode(ext))}

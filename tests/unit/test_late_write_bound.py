@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from mooncake_diffusion.transports import p2p
-from mooncake_diffusion.transports.p2p import late_write_bound
+from mooncake_diffusion.transfer.transports import p2p
+from mooncake_diffusion.transfer.transports.p2p import late_write_bound
 
 
 def test_the_kernel_default_gives_up_after_924_6_s():

@@ -1,6 +1,6 @@
 import pytest
 
-from mooncake_diffusion.leases import expired_keys, expiry_of
+from mooncake_diffusion.transfer.leases import expired_keys, expiry_of
 
 pytestmark = pytest.mark.unit
 
@@ -24,7 +24,7 @@ def test_only_keys_past_their_ttl_are_expired():
 
 
 def test_an_expired_marker_takes_the_key_it_marks_with_it():
-    from mooncake_diffusion.leases import ttl_marker
+    from mooncake_diffusion.transfer.leases import ttl_marker
 
     marker = ttl_marker(1500, "mcd-mbox/req-1_0_0@0_1")
     assert marker == "mcd-ttl/1500/mcd-mbox/req-1_0_0@0_1"

@@ -1,6 +1,6 @@
 import pytest
 
-from mooncake_diffusion.pool import ALIGN, FreeList
+from mooncake_diffusion.memory.pool import ALIGN, FreeList
 
 pytestmark = pytest.mark.unit
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from mooncake_diffusion.recycle import RecycledBuffers
+from mooncake_diffusion.memory.recycle import RecycledBuffers
 
 pytestmark = pytest.mark.unit
 

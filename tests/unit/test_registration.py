@@ -2,8 +2,8 @@ import pytest
 
 from helpers import Recorder
 from mooncake_diffusion.errors import TransferError
-from mooncake_diffusion.registration import Registrations
-from mooncake_diffusion.tensors import Region
+from mooncake_diffusion.memory.registration import Registrations
+from mooncake_diffusion.memory.tensors import Region
 
 pytestmark = pytest.mark.unit
 

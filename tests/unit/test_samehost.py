@@ -6,7 +6,7 @@ import socket
 import pytest
 import torch
 
-from mooncake_diffusion.samehost import (
+from mooncake_diffusion.memory.samehost import (
     PeerPools,
     SharedPool,
     host_identity,

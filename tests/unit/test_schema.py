@@ -2,7 +2,7 @@ import msgspec
 import pytest
 
 from mooncake_diffusion.errors import HandleError
-from mooncake_diffusion.schema import (
+from mooncake_diffusion.wire.schema import (
     SCHEMA_VERSION,
     FetchReply,
     P2PSource,

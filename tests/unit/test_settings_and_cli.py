@@ -13,7 +13,11 @@ from mooncake_diffusion.errors import (
     PeerGoneError,
     StoreFullError,
 )
-from mooncake_diffusion.transports import known_transports, load_transport, register_transport
+from mooncake_diffusion.transfer.transports import (
+    known_transports,
+    load_transport,
+    register_transport,
+)
 
 pytestmark = pytest.mark.unit
 

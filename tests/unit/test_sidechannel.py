@@ -16,13 +16,13 @@ import time
 import pytest
 
 from mooncake_diffusion.errors import DeadlineExceededError, PeerGoneError
-from mooncake_diffusion.schema import ChunkDone, FetchRequest, encode
-from mooncake_diffusion.sidechannel import (
+from mooncake_diffusion.transfer.sidechannel import (
     SideChannelClient,
     connect,
     recv_frame,
     send_frame,
 )
+from mooncake_diffusion.wire.schema import ChunkDone, FetchRequest, encode
 
 pytestmark = pytest.mark.unit
 

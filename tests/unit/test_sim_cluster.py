@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from mooncake_diffusion.orchestrator.model import OrchestratorConfig
+from mooncake_diffusion.orchestrator.core.model import OrchestratorConfig
 from mooncake_diffusion.simulate import (
     FLUX_1024,
     H100,

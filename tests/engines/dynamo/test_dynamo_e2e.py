@@ -126,7 +126,7 @@ def test_request_while_stage1_is_down_leaves_a_bounded_key(dynamo_stack, mooncak
     first assertion on the store fails: update the docs."""
     from mooncake_diffusion_vllm_omni.connector import MooncakeDiffusionConnector
 
-    from mooncake_diffusion.inventory import inventory
+    from mooncake_diffusion.handoff.inventory import inventory
 
     stack = dynamo_stack
     stage1 = stack.procs["stage1"]

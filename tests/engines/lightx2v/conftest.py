@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from mooncake_diffusion import MooncakeSettings
-from mooncake_diffusion.childproc import JsonLinesChild
+from mooncake_diffusion.platform.childproc import JsonLinesChild
 from mooncake_diffusion.testing import assert_no_leaks
 
 HERE = Path(__file__).resolve().parent

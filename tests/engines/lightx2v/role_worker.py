@@ -69,7 +69,9 @@ def main() -> None:
     worker = TorchrunInferenceWorker()
     if not worker.init(args):
         sys.exit(1)
-    from mooncake_diffusion.childproc import serve_json_lines  # after init: see test_plugin
+    from mooncake_diffusion.platform.childproc import (
+        serve_json_lines,  # after init: see test_plugin
+    )
 
     runner = worker.runner
 

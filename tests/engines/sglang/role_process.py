@@ -8,7 +8,7 @@ args, and builds the transfer path with sglang's own classes: the engine from
 a ``TransferTensorBuffer`` and a ``DiffusionTransferManager``.
 
 Run as a script it is the sender of the cross-process tests, driven by JSON
-lines (``mooncake_diffusion.childproc``): ``setup``, ``stage_push``, ``exit``.
+lines (``mooncake_diffusion.platform.childproc``): ``setup``, ``stage_push``, ``exit``.
 Its protocol uses a private copy of stdout; fd 1 goes to stderr, so native
 prints cannot corrupt it. Nothing is pickled.
 """
@@ -104,7 +104,7 @@ def start_role(model: str, role: str, *extra: str) -> Role:
 
 def make_fields() -> dict[str, Any]:
     """The request's tensors, deterministic: every process builds the same bytes."""
-    from mooncake_diffusion.handoff import make_tensor
+    from mooncake_diffusion.handoff.demo import make_tensor
 
     return {
         name: [make_tensor(dtype, shape, seed) for dtype, shape, seed in specs]
@@ -125,7 +125,7 @@ def make_req() -> Any:
 
 # --------------------------------------------------------------------------- child
 def _main() -> int:
-    from mooncake_diffusion.childproc import serve_json_lines
+    from mooncake_diffusion.platform.childproc import serve_json_lines
 
     proto = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)

@@ -39,7 +39,7 @@ import time
 import pytest
 from serve_stack import FAKE, ROLES, ServeStack
 
-from mooncake_diffusion.samehost import process_stopped
+from mooncake_diffusion.memory.samehost import process_stopped
 from mooncake_diffusion.testing import assert_no_leaks
 
 # one deployment for the module: its start-up (minutes of sglang imports) counts

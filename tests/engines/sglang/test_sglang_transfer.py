@@ -24,8 +24,8 @@ from role_process import FIELDS, make_fields, start_role
 
 from helpers import same_bytes
 from mooncake_diffusion import MooncakeSettings
-from mooncake_diffusion.childproc import JsonLinesChild
-from mooncake_diffusion.direct import _pools
+from mooncake_diffusion.handoff.direct import _pools
+from mooncake_diffusion.platform.childproc import JsonLinesChild
 from mooncake_diffusion.testing import assert_no_leaks
 
 pytestmark = [pytest.mark.engines, pytest.mark.usefixtures("clean_env")]

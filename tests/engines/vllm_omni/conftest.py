@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import vo_cpu_env  # noqa: F401  (before anything imports vllm)
 
-from mooncake_diffusion.childproc import JsonLinesChild
+from mooncake_diffusion.platform.childproc import JsonLinesChild
 from mooncake_diffusion.testing import assert_no_leaks
 
 HERE = Path(__file__).resolve().parent

@@ -362,7 +362,7 @@ def test_a_stage_killed_mid_get_leaves_its_input_to_a_retry(mooncake_cluster, ex
     a 64 MiB payload and is SIGKILLed there, before any byte was read: its claim is a
     lease, so a retry gets every byte once the lease lapsed (``timeout_s`` + 5 s), not
     ``None``; nothing is left behind."""
-    from mooncake_diffusion.childproc import JsonLinesChild
+    from mooncake_diffusion.platform.childproc import JsonLinesChild
 
     producer, retry = make(extra), make({**extra, "timeout_s": 5})
     sent = torch.randn(16 << 20)

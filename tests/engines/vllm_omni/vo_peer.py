@@ -1,7 +1,7 @@
 """The other process of the vLLM-Omni engine tests: a stage process with one connector.
 
 Run as ``python tests/engines/vllm_omni/vo_peer.py``; driven by JSON lines
-(``mooncake_diffusion.childproc``). It loads vLLM's general plugins (which runs
+(``mooncake_diffusion.platform.childproc``). It loads vLLM's general plugins (which runs
 this adapter's entry point), builds the connector through vLLM-Omni's own
 factory, and then puts or gets the payloads of ``vo_payloads`` on request,
 answering with digests so the test process can compare every byte.
@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import vo_cpu_env  # noqa: E402, F401  (before anything imports vllm)
 import vo_payloads  # noqa: E402
 
-from mooncake_diffusion.childproc import serve_json_lines  # noqa: E402
+from mooncake_diffusion.platform.childproc import serve_json_lines  # noqa: E402
 
 _state: dict[str, Any] = {}
 
@@ -96,7 +96,7 @@ def get(cmd: dict) -> dict:
 def hold_get(cmd: dict) -> dict:
     import threading
 
-    from mooncake_diffusion import keyed
+    from mooncake_diffusion.handoff import keyed
 
     reached, forever = threading.Event(), threading.Event()
     before = keyed._destinations

@@ -18,9 +18,9 @@ from mooncake_diffusion.orchestrator import (
     VirtualClock,
     WorkerRemoved,
 )
-from mooncake_diffusion.orchestrator.elastic import Elastic, pool_sizes
-from mooncake_diffusion.orchestrator.planner import Move, Retire
-from mooncake_diffusion.orchestrator.planners import ReactivePlanner, StaticPlanner
+from mooncake_diffusion.orchestrator.elastic.contract import Move, Retire
+from mooncake_diffusion.orchestrator.elastic.driver import Elastic, pool_sizes
+from mooncake_diffusion.orchestrator.elastic.planners import ReactivePlanner, StaticPlanner
 
 pytestmark = pytest.mark.unit
 

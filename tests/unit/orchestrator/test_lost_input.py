@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from mooncake_diffusion.errors import PayloadGoneError, PeerGoneError, TransientStoreError
-from mooncake_diffusion.orchestrator.lost_input import InputWatch
+from mooncake_diffusion.orchestrator.worker.lost_input import InputWatch
 
 
 class _Got:

@@ -79,7 +79,12 @@ def test_events_and_actions_cross_a_wire_as_a_tagged_union():
 def test_a_worker_progress_with_a_fractional_step_decodes_as_it_was_sent():
     """LightX2V reports ``progress_callback(33.33.., 100)``: a float step was encoded
     as such and refused on decode (``Expected int, got float - at $.step``)."""
-    from mooncake_diffusion.orchestrator.wire import ItemRef, Progress, decode_from_worker, encode
+    from mooncake_diffusion.orchestrator.link.wire import (
+        ItemRef,
+        Progress,
+        decode_from_worker,
+        encode,
+    )
 
     sent = Progress("den-0", ItemRef("r", "denoise", 1), 100 / 3, 100.0)
     got = decode_from_worker(encode(sent))
@@ -93,8 +98,8 @@ def test_a_beat_carries_memory_and_one_without_it_still_decodes():
     """``Beat.memory`` was added to wire version 1 as an optional field: a beat from a
     worker that predates it decodes with ``memory`` None, and a service that predates
     it (a ``Beat`` without the field) reads a new beat and ignores the field."""
-    from mooncake_diffusion.orchestrator import wire
-    from mooncake_diffusion.schema import Envelope
+    from mooncake_diffusion.orchestrator.link import wire
+    from mooncake_diffusion.wire.schema import Envelope
 
     new = wire.Beat("dec-0", (wire.ItemRef("r", "decode", 1),), 2, wire.Memory(1, 2, 3, 4))
     assert wire.decode_from_worker(wire.encode(new)) == new

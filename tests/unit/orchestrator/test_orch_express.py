@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 from asgicall import Answer, post
 
-from mooncake_diffusion.orchestrator.api import build_app
-from mooncake_diffusion.orchestrator.service import OrchestratorService, ServiceConfig
+from mooncake_diffusion.orchestrator.http.api import build_app
+from mooncake_diffusion.orchestrator.service.service import OrchestratorService, ServiceConfig
 from mooncake_diffusion.testing import thread_names
 
 pytestmark = pytest.mark.unit

@@ -8,7 +8,7 @@ import pytest
 import zmq
 
 from mooncake_diffusion.errors import ConfigError
-from mooncake_diffusion.orchestrator.follow import DEFAULT_PREFIX, Follower, LeaderAddress
+from mooncake_diffusion.orchestrator.link.follow import DEFAULT_PREFIX, Follower, LeaderAddress
 from mooncake_diffusion.testing import assert_no_leaks, thread_names
 
 pytestmark = pytest.mark.unit

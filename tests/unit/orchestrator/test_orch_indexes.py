@@ -37,8 +37,8 @@ from mooncake_diffusion.orchestrator import (
     WorkItem,
     create_policy,
 )
-from mooncake_diffusion.orchestrator.indexes import AffinityIndex, RoundRobinIndex
-from mooncake_diffusion.orchestrator.pools import Worker
+from mooncake_diffusion.orchestrator.core.indexes import AffinityIndex, RoundRobinIndex
+from mooncake_diffusion.orchestrator.core.pools import Worker
 
 pytestmark = pytest.mark.unit
 

@@ -7,7 +7,7 @@ import weakref
 
 import pytest
 
-from mooncake_diffusion.orchestrator.interned import Interned
+from mooncake_diffusion.orchestrator.core.interned import Interned
 
 pytestmark = pytest.mark.unit
 

@@ -41,7 +41,7 @@ from mooncake_diffusion.orchestrator import (
     WorkerRemoved,
     create_policy,
 )
-from mooncake_diffusion.orchestrator.journal import CHECKPOINT_EVERY, WAL_FALLBACK_PAGES
+from mooncake_diffusion.orchestrator.service.journal import CHECKPOINT_EVERY, WAL_FALLBACK_PAGES
 
 pytestmark = pytest.mark.unit
 

@@ -130,10 +130,10 @@ def test_duplicates_and_bad_targets_raise():
     with pytest.raises(OrchestratorConfigError, match="module:Class"):
         reg.register("mine", "no_colon")
     with pytest.raises(OrchestratorConfigError, match="already registered"):
-        register_policy("round_robin", "mooncake_diffusion.orchestrator.policies:RoundRobin")
-    reg.register("mine", "mooncake_diffusion.orchestrator.policies:LeastLoaded")
+        register_policy("round_robin", "mooncake_diffusion.orchestrator.core.policies:RoundRobin")
+    reg.register("mine", "mooncake_diffusion.orchestrator.core.policies:LeastLoaded")
     with pytest.raises(OrchestratorConfigError, match="already registered"):
-        reg.register("mine", "mooncake_diffusion.orchestrator.policies:LeastLoaded")
+        reg.register("mine", "mooncake_diffusion.orchestrator.core.policies:LeastLoaded")
 
 
 def test_options_are_passed_through_never_dropped():
@@ -148,7 +148,7 @@ def test_lookup_is_lazy_and_import_errors_are_config_errors():
     assert "mcd_not_a_real_module_xyz" not in sys.modules
     with pytest.raises(OrchestratorConfigError, match="cannot import"):
         reg.load("later")
-    reg.register("notapolicy", "mooncake_diffusion.orchestrator.model:STAGES")
+    reg.register("notapolicy", "mooncake_diffusion.orchestrator.core.model:STAGES")
     with pytest.raises(OrchestratorConfigError, match="choose"):
         reg.load("notapolicy")
 
@@ -163,8 +163,8 @@ def test_entry_points_are_discovered_once_and_strictly():
     def eps():
         calls.append(1)
         return [
-            ep("from_plugin", "mooncake_diffusion.orchestrator.policies:RoundRobin"),
-            ep("affinity", "mooncake_diffusion.orchestrator.policies:AffinityLeastLoaded"),
+            ep("from_plugin", "mooncake_diffusion.orchestrator.core.policies:RoundRobin"),
+            ep("affinity", "mooncake_diffusion.orchestrator.core.policies:AffinityLeastLoaded"),
         ]
 
     reg = PolicyRegistry(entry_points=eps)
@@ -181,6 +181,6 @@ def test_entry_points_are_discovered_once_and_strictly():
 
 def test_this_package_declares_its_policies_as_entry_points():
     found = {e.name: e.value for e in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
-    assert found["affinity"] == "mooncake_diffusion.orchestrator.policies:AffinityLeastLoaded"
-    assert found["round_robin"] == "mooncake_diffusion.orchestrator.policies:RoundRobin"
-    assert found["least_loaded"] == "mooncake_diffusion.orchestrator.policies:LeastLoaded"
+    assert found["affinity"] == "mooncake_diffusion.orchestrator.core.policies:AffinityLeastLoaded"
+    assert found["round_robin"] == "mooncake_diffusion.orchestrator.core.policies:RoundRobin"
+    assert found["least_loaded"] == "mooncake_diffusion.orchestrator.core.policies:LeastLoaded"

@@ -16,7 +16,7 @@ from mooncake_diffusion.orchestrator import (
     SloClass,
     Submit,
 )
-from mooncake_diffusion.orchestrator.queues import ClassQueue
+from mooncake_diffusion.orchestrator.core.queues import ClassQueue
 
 pytestmark = pytest.mark.unit
 

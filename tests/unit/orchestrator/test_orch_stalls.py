@@ -10,10 +10,10 @@ import time
 
 import pytest
 
-from mooncake_diffusion.orchestrator.clock import StallClock
+from mooncake_diffusion.orchestrator.core.clock import StallClock
 from mooncake_diffusion.orchestrator.errors import ClockError
-from mooncake_diffusion.orchestrator.service import OrchestratorService, ServiceConfig
-from mooncake_diffusion.orchestrator.stalls import StallWatch
+from mooncake_diffusion.orchestrator.service.service import OrchestratorService, ServiceConfig
+from mooncake_diffusion.orchestrator.service.stalls import StallWatch
 from mooncake_diffusion.testing import assert_no_leaks, thread_names
 
 pytestmark = pytest.mark.unit

@@ -11,15 +11,15 @@ import gc
 
 import pytest
 
-from mooncake_diffusion.orchestrator.model import (
+from mooncake_diffusion.orchestrator.core.model import (
     Dispatch,
     RequestCancelled,
     RequestCompleted,
     RequestFailed,
     WorkItem,
 )
-from mooncake_diffusion.orchestrator.status import RequestTable
-from mooncake_diffusion.orchestrator.wire import ItemRef
+from mooncake_diffusion.orchestrator.link.wire import ItemRef
+from mooncake_diffusion.orchestrator.service.status import RequestTable
 
 pytestmark = pytest.mark.unit
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import zmq
 
-from mooncake_diffusion.orchestrator.inbox import Inbox
-from mooncake_diffusion.orchestrator.service import take_frames
+from mooncake_diffusion.orchestrator.link.inbox import Inbox
+from mooncake_diffusion.orchestrator.service.service import take_frames
 
 pytestmark = pytest.mark.unit
 

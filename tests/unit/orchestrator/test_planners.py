@@ -7,8 +7,9 @@ import importlib.metadata
 import pytest
 
 from mooncake_diffusion.orchestrator import OrchestratorConfigError
-from mooncake_diffusion.orchestrator.model import WorkerSnapshot
-from mooncake_diffusion.orchestrator.planner import (
+from mooncake_diffusion.orchestrator.core.model import WorkerSnapshot
+from mooncake_diffusion.orchestrator.core.registry import NamedRegistry
+from mooncake_diffusion.orchestrator.elastic.contract import (
     AddWorker,
     Move,
     Planner,
@@ -16,7 +17,7 @@ from mooncake_diffusion.orchestrator.planner import (
     Retire,
     StageLoad,
 )
-from mooncake_diffusion.orchestrator.planners import (
+from mooncake_diffusion.orchestrator.elastic.planners import (
     PLANNER_GROUP,
     PredictivePlanner,
     ReactivePlanner,
@@ -26,7 +27,6 @@ from mooncake_diffusion.orchestrator.planners import (
     known_planners,
     share,
 )
-from mooncake_diffusion.orchestrator.registry import NamedRegistry
 
 pytestmark = pytest.mark.unit
 
@@ -239,12 +239,12 @@ def test_registry_builds_the_builtins_and_is_strict():
 
 def test_the_package_declares_its_builtins_as_entry_points():
     eps = {ep.name: ep.value for ep in importlib.metadata.entry_points(group=PLANNER_GROUP)}
-    assert eps["reactive"] == "mooncake_diffusion.orchestrator.planners:ReactivePlanner"
+    assert eps["reactive"] == "mooncake_diffusion.orchestrator.elastic.planners:ReactivePlanner"
     clash = NamedRegistry(
         "planner",
         "plan",
         PLANNER_GROUP,
-        {"reactive": "mooncake_diffusion.orchestrator.planners:ReactivePlanner"},
+        {"reactive": "mooncake_diffusion.orchestrator.elastic.planners:ReactivePlanner"},
         lambda: [importlib.metadata.EntryPoint("reactive", "other:Planner", PLANNER_GROUP)],
     )
     with pytest.raises(OrchestratorConfigError, match="registered twice"):

@@ -12,7 +12,7 @@ from mooncake_diffusion.orchestrator import (
     Submit,
     VirtualClock,
 )
-from mooncake_diffusion.orchestrator.planview import PlanWindow
+from mooncake_diffusion.orchestrator.elastic.view import PlanWindow
 
 pytestmark = pytest.mark.unit
 

@@ -8,8 +8,8 @@ import sys
 
 CHECK = """
 import gc
-from mooncake_diffusion.orchestrator.runtime import settle_after_startup
-import mooncake_diffusion.orchestrator.api  # the web stack: what startup makes
+from mooncake_diffusion.orchestrator.service.runtime import settle_after_startup
+import mooncake_diffusion.orchestrator.http.api  # the web stack: what startup makes
 assert gc.get_freeze_count() == 0
 seen = len(gc.get_objects())
 settle_after_startup()

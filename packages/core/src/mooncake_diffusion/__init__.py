@@ -18,10 +18,10 @@ Nothing here imports Mooncake or torch; they load on first use.
 
 from mooncake_diffusion import errors
 from mooncake_diffusion._mooncake.cluster import LocalCluster
-from mooncake_diffusion.connector import DiffusionConnector
-from mooncake_diffusion.payload import Publication, ReceivedPayload, StagePayload
-from mooncake_diffusion.schema import PayloadHandle, decode_handle
-from mooncake_diffusion.settings import MooncakeSettings
+from mooncake_diffusion.platform.settings import MooncakeSettings
+from mooncake_diffusion.transfer.connector import DiffusionConnector
+from mooncake_diffusion.transfer.payload import Publication, ReceivedPayload, StagePayload
+from mooncake_diffusion.wire.schema import PayloadHandle, decode_handle
 
 __version__ = "0.1.0"
 

@@ -99,7 +99,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _handoff(args: argparse.Namespace) -> int:
-    from mooncake_diffusion.handoff import run_handoff
+    from mooncake_diffusion.handoff.demo import run_handoff
 
     rows = run_handoff(args.shape, args.dtype, args.modes, args.repeats)
     return 0 if all(r["verified"] for r in rows) else 1
@@ -108,8 +108,8 @@ def _handoff(args: argparse.Namespace) -> int:
 def _store_ls(args: argparse.Namespace) -> int:
     import json
 
-    from mooncake_diffusion.inventory import inventory, render, render_keys, summarise
-    from mooncake_diffusion.settings import MooncakeSettings
+    from mooncake_diffusion.handoff.inventory import inventory, render, render_keys, summarise
+    from mooncake_diffusion.platform.settings import MooncakeSettings
 
     over = {k: v for k, v in (("master", args.master), ("admin", args.admin)) if v}
     entries = inventory(MooncakeSettings.from_env(**over), ttl_s=args.ttl_s)

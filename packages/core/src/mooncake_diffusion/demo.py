@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mooncake_diffusion._mooncake import bindshim
+from mooncake_diffusion.platform import bindshim
 
 __all__ = ["DemoStack", "demo_batch", "demo_stack", "run_demo", "serve_batch"]
 
@@ -133,7 +133,7 @@ def run_demo(
     """The demo; 0 when every request completed (and matched colocated, with ``verify``).
     The mix shifts (images, then videos, then images again) under ``planner``
     (``DEMO_PLANNER`` options), which may move workers between stages as it goes."""
-    from mooncake_diffusion.orchestrator.planners import create_planner
+    from mooncake_diffusion.orchestrator.elastic.planners import create_planner
 
     out = Path(out_dir or tempfile.mkdtemp(prefix="mooncake-diffusion-demo-"))
     batch = demo_batch(images, videos, steps, shift=True)
@@ -166,7 +166,7 @@ DEMO_PLANNER: dict[str, dict[str, Any]] = {
 def orchestrator_config() -> Any:
     """The ``OrchestratorConfig`` the demo's orchestrator runs (bench/e2e.py gives its
     colocated side the same one)."""
-    from mooncake_diffusion.orchestrator.model import OrchestratorConfig
+    from mooncake_diffusion.orchestrator.core.model import OrchestratorConfig
 
     return OrchestratorConfig(heartbeat_timeout=5.0, preemption=True)
 
@@ -212,9 +212,9 @@ def demo_stack(
     stopped and waited for, and the service closed; outputs, journal and logs stay
     in ``out``."""
     from mooncake_diffusion._mooncake.cluster import LocalCluster
-    from mooncake_diffusion.orchestrator.api import ApiServer
-    from mooncake_diffusion.orchestrator.provision import REFERENCE_STAGES, LocalProvisioner
-    from mooncake_diffusion.orchestrator.service import OrchestratorService, ServiceConfig
+    from mooncake_diffusion.orchestrator.elastic.provision import REFERENCE_STAGES, LocalProvisioner
+    from mooncake_diffusion.orchestrator.http.api import ApiServer
+    from mooncake_diffusion.orchestrator.service.service import OrchestratorService, ServiceConfig
 
     out.mkdir(parents=True, exist_ok=True)
     logs = out / "logs"

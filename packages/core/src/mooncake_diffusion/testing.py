@@ -33,7 +33,7 @@ from typing import Any
 import pytest
 
 from mooncake_diffusion._mooncake.cluster import LocalCluster
-from mooncake_diffusion.connector import DiffusionConnector
+from mooncake_diffusion.transfer.connector import DiffusionConnector
 
 __all__ = [
     "assert_no_leaks",

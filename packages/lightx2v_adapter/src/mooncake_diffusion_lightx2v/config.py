@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mooncake_diffusion.errors import ConfigError
-from mooncake_diffusion.settings import MooncakeSettings
+from mooncake_diffusion.platform.settings import MooncakeSettings
 from mooncake_diffusion_lightx2v.selection import BACKEND, selects_adapter
 
 __all__ = ["BACKEND", "AdapterConfig", "QueueConfig", "selects_adapter"]

@@ -60,8 +60,8 @@ import torch
 
 from mooncake_diffusion import StagePayload
 from mooncake_diffusion.errors import ConfigError
-from mooncake_diffusion.orchestrator.model import WorkItem
-from mooncake_diffusion.orchestrator.worker import StageContext, StageWorker
+from mooncake_diffusion.orchestrator.core.model import WorkItem
+from mooncake_diffusion.orchestrator.worker.runtime import StageContext, StageWorker
 
 __all__ = ["QueueItem", "QueueRole", "TaskData", "describe_result"]
 

@@ -50,7 +50,7 @@ import torch
 
 from mooncake_diffusion import DiffusionConnector, StagePayload
 from mooncake_diffusion.errors import DeadlineExceededError
-from mooncake_diffusion.mailbox import Mailbox
+from mooncake_diffusion.handoff.mailbox import Mailbox
 from mooncake_diffusion_lightx2v import payloads
 from mooncake_diffusion_lightx2v.config import AdapterConfig
 from mooncake_diffusion_lightx2v.request_config import RoleConfig

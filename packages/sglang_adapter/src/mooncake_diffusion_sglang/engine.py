@@ -1,4 +1,4 @@
-"""sglang's diffusion ``BaseTransferEngine``, backed by ``mooncake_diffusion.direct``.
+"""sglang's diffusion ``BaseTransferEngine``, backed by ``mooncake_diffusion.handoff.direct``.
 
 sglang 0.5.23 (``multimodal_gen/runtime/disaggregation/transport/engine.py``)
 calls, per scheduler process (rank 0 of a role):
@@ -24,15 +24,15 @@ import os
 
 from sglang.multimodal_gen.runtime.disaggregation.transport.engine import BaseTransferEngine
 
-from mooncake_diffusion.deployment import inspect_build
-from mooncake_diffusion.direct import (
+from mooncake_diffusion.errors import DeadlineExceededError, MooncakeDiffusionError, PeerGoneError
+from mooncake_diffusion.handoff.direct import (
     DirectEngine,
     DirectStats,
     RetryPolicy,
     UnregisteredDestinationError,
 )
-from mooncake_diffusion.errors import DeadlineExceededError, MooncakeDiffusionError, PeerGoneError
-from mooncake_diffusion.settings import MooncakeSettings
+from mooncake_diffusion.platform.deployment import inspect_build
+from mooncake_diffusion.platform.settings import MooncakeSettings
 from mooncake_diffusion_sglang.options import Options
 
 __all__ = ["MooncakeDiffusionTransferEngine", "resolve_pool"]

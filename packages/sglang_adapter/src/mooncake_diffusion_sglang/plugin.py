@@ -150,7 +150,7 @@ def around_buffer_init(original: Callable[..., Any], self: Any, *args: Any, **kw
     else:
         kwargs["device"] = "meta"
     original(self, *args, **kwargs)
-    from mooncake_diffusion.direct import allocate_pool, release_pool
+    from mooncake_diffusion.handoff.direct import allocate_pool, release_pool
 
     size = self._allocator.pool_size
     pool = allocate_pool(size)
@@ -179,8 +179,8 @@ def around_push_to_peer(original: Callable[..., Any], self: Any, *args: Any, **k
     did not."""
     if not selected():
         return original(self, *args, **kwargs)
-    from mooncake_diffusion.direct import UnregisteredDestinationError, may_write_late
     from mooncake_diffusion.errors import PeerGoneError
+    from mooncake_diffusion.handoff.direct import UnregisteredDestinationError, may_write_late
     from mooncake_diffusion_sglang.failure import PushFailedError, report_failed_push
     from mooncake_diffusion_sglang.server import dead_reason
 

@@ -60,7 +60,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mooncake_diffusion.errors import ConfigError
-from mooncake_diffusion.settings import MooncakeSettings, expand_env
+from mooncake_diffusion.platform.settings import MooncakeSettings, expand_env
 
 __all__ = ["IGNORED_KEYS", "ConnectorConfig"]
 

@@ -80,7 +80,7 @@ class MooncakeDiffusionConnector(OmniConnectorBase):
         }
         self._last_error = ""
         self.settings = ConnectorConfig.from_extra(config)
-        from mooncake_diffusion.keyed import KeyedHandoff
+        from mooncake_diffusion.handoff.keyed import KeyedHandoff
 
         register_types()  # vLLM's output classes travel as themselves
 

@@ -5,7 +5,7 @@ at 0.30.0) carries tensors, numpy arrays, ``PIL.Image``, vLLM ``RequestOutput`` 
 ``CompletionOutput`` (with a ``multimodal_output`` attribute set after construction),
 ``OmniRequestOutput`` and ``slice``; other dataclasses and msgspec Structs become
 dicts. Core carries tensors, arrays, images and slices itself; this module registers
-the three output classes with ``mooncake_diffusion.carried`` (their attributes are
+the three output classes with ``mooncake_diffusion.wire.carried`` (their attributes are
 their state, so dynamic ones such as ``multimodal_output`` travel too). Translation
 only: the mechanism is core's.
 
@@ -37,7 +37,7 @@ def register_types() -> None:
             return
         import importlib
 
-        from mooncake_diffusion.carried import register_type
+        from mooncake_diffusion.wire.carried import register_type
 
         for module, name in CARRIED_CLASSES:
             cls = getattr(importlib.import_module(module), name)

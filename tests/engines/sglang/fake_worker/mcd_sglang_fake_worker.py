@@ -90,7 +90,7 @@ def seed_of(request_id: str, name: str) -> int:
 
 def encoder_outputs(request_id: str, size: str) -> dict[str, Any]:
     """What the fake encoder produces for a request (the test builds the same)."""
-    from mooncake_diffusion.handoff import make_tensor
+    from mooncake_diffusion.handoff.demo import make_tensor
 
     out: dict[str, Any] = {
         name: [make_tensor(dtype, shape, seed_of(request_id, name))]

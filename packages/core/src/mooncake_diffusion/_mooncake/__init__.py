@@ -24,7 +24,7 @@ _INSTALL_HINT = (
     "Mooncake is not installed: `pip install 'mooncake-diffusion[cpu]'` on CPU/TCP machines "
     "(needs the system library libibverbs1), or on GPU machines the build matching torch's CUDA: "
     "`pip install 'mooncake-diffusion[cuda13]'` or `[cuda12]` "
-    "(`python -m mooncake_diffusion.deployment extra` says which)"
+    "(`python -m mooncake_diffusion.platform.deployment extra` says which)"
 )
 
 

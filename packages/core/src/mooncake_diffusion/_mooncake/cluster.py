@@ -27,12 +27,12 @@ import sys
 import time
 import urllib.request
 
-from mooncake_diffusion._mooncake import bindshim
 from mooncake_diffusion._mooncake.ha import HaMasters
 from mooncake_diffusion._mooncake.master import MasterProcess, admin_get
 from mooncake_diffusion._mooncake.spill import SPILL_MASTER_FLAGS
 from mooncake_diffusion.errors import MasterUnavailableError
-from mooncake_diffusion.settings import MooncakeSettings
+from mooncake_diffusion.platform import bindshim
+from mooncake_diffusion.platform.settings import MooncakeSettings
 
 __all__ = ["LocalCluster"]
 

@@ -22,8 +22,8 @@ from mooncake_diffusion.errors import (
     MooncakeError,
     TransferError,
 )
-from mooncake_diffusion.registration import Registrations
-from mooncake_diffusion.settings import MooncakeSettings
+from mooncake_diffusion.memory.registration import Registrations
+from mooncake_diffusion.platform.settings import MooncakeSettings
 
 __all__ = ["Engine", "Pacer", "Read"]
 

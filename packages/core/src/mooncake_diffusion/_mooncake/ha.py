@@ -37,7 +37,7 @@ import time
 from mooncake_diffusion._mooncake.master import MasterProcess, admin_get
 from mooncake_diffusion._mooncake.master_view import DEFAULT_CLUSTER_ID
 from mooncake_diffusion.errors import MasterUnavailableError
-from mooncake_diffusion.settings import MooncakeSettings
+from mooncake_diffusion.platform.settings import MooncakeSettings
 
 __all__ = ["HaMasters"]
 

@@ -18,9 +18,9 @@ import urllib.request
 
 from mooncake_diffusion._mooncake import mooncake_dir
 from mooncake_diffusion._mooncake.master_view import leader_rpc_address
-from mooncake_diffusion.childproc import free_port, free_ports, terminate
 from mooncake_diffusion.errors import ConfigError, MasterUnavailableError
-from mooncake_diffusion.settings import MooncakeSettings, is_etcd_master, split_address
+from mooncake_diffusion.platform.childproc import free_port, free_ports, terminate
+from mooncake_diffusion.platform.settings import MooncakeSettings, is_etcd_master, split_address
 
 __all__ = ["MasterProcess", "admin_get", "free_port", "pool_capacity", "probe_master", "terminate"]
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 import json
 import os
 
-from mooncake_diffusion.etcd import EtcdClient
-from mooncake_diffusion.settings import is_etcd_master
+from mooncake_diffusion.platform.etcd import EtcdClient
+from mooncake_diffusion.platform.settings import is_etcd_master
 
 __all__ = [
     "DEFAULT_CLUSTER_ID",

@@ -77,9 +77,9 @@ from mooncake_diffusion._mooncake.engine import Engine, Read
 from mooncake_diffusion._mooncake.master import probe_master
 from mooncake_diffusion._mooncake.spill import spill_store_kwargs
 from mooncake_diffusion.errors import MasterUnavailableError
-from mooncake_diffusion.registration import Registrations
-from mooncake_diffusion.samehost import listener_pid, vm_read
-from mooncake_diffusion.settings import MooncakeSettings, is_etcd_master
+from mooncake_diffusion.memory.registration import Registrations
+from mooncake_diffusion.memory.samehost import listener_pid, vm_read
+from mooncake_diffusion.platform.settings import MooncakeSettings, is_etcd_master
 
 __all__ = ["StoreClient"]
 

@@ -25,11 +25,11 @@ import signal
 import sys
 import threading
 
-from mooncake_diffusion._mooncake import bindshim
 from mooncake_diffusion._mooncake.master import probe_master
 from mooncake_diffusion._mooncake.store import StoreClient
-from mooncake_diffusion.leases import Reaper
-from mooncake_diffusion.settings import MooncakeSettings
+from mooncake_diffusion.platform import bindshim
+from mooncake_diffusion.platform.settings import MooncakeSettings
+from mooncake_diffusion.transfer.leases import Reaper
 
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14: fault pages in writable, contents unchanged
 

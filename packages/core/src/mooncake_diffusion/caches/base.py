@@ -30,8 +30,8 @@ from mooncake_diffusion.caches.entry import (
 )
 from mooncake_diffusion.caches.errors import CacheMismatchError
 from mooncake_diffusion.errors import MooncakeDiffusionError, PayloadError
-from mooncake_diffusion.settings import MooncakeSettings
-from mooncake_diffusion.tensors import check_destination, describe
+from mooncake_diffusion.memory.tensors import check_destination, describe
+from mooncake_diffusion.platform.settings import MooncakeSettings
 
 __all__ = ["StoreCache"]
 

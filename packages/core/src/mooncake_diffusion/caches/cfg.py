@@ -33,8 +33,8 @@ from mooncake_diffusion.caches.base import StoreCache
 from mooncake_diffusion.caches.entry import Owner, named_tensors
 from mooncake_diffusion.caches.errors import CacheKeyError
 from mooncake_diffusion.caches.keys import cfg_key, cfg_namespace
-from mooncake_diffusion.settings import MooncakeSettings
-from mooncake_diffusion.tensors import describe
+from mooncake_diffusion.memory.tensors import describe
+from mooncake_diffusion.platform.settings import MooncakeSettings
 
 __all__ = ["CfgCache"]
 

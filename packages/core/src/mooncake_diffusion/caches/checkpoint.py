@@ -64,7 +64,7 @@ from mooncake_diffusion.caches.base import StoreCache
 from mooncake_diffusion.caches.entry import Owner, named_tensors
 from mooncake_diffusion.caches.errors import CacheKeyError
 from mooncake_diffusion.caches.keys import MAX_ID, canonical_json
-from mooncake_diffusion.settings import MooncakeSettings
+from mooncake_diffusion.platform.settings import MooncakeSettings
 
 __all__ = [
     "CKPT_ROOT",

@@ -28,7 +28,7 @@ from mooncake_diffusion.caches.base import StoreCache
 from mooncake_diffusion.caches.entry import Owner, named_tensors
 from mooncake_diffusion.caches.errors import CacheKeyError, CacheMismatchError
 from mooncake_diffusion.caches.keys import embedding_key, embedding_namespace, is_embedding_key
-from mooncake_diffusion.settings import MooncakeSettings
+from mooncake_diffusion.platform.settings import MooncakeSettings
 
 __all__ = ["EmbeddingCache"]
 

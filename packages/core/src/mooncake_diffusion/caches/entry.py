@@ -47,8 +47,14 @@ from mooncake_diffusion._mooncake.codes import OBJECT_ALREADY_EXISTS
 from mooncake_diffusion._mooncake.store import StoreClient
 from mooncake_diffusion.caches.errors import CacheEntryError, CacheMismatchError
 from mooncake_diffusion.errors import MooncakeDiffusionError, MooncakeError, PayloadError
-from mooncake_diffusion.schema import MAX_TENSORS, Envelope, TensorSpec
-from mooncake_diffusion.tensors import Region, check_destination, describe, empty_buffer, view_of
+from mooncake_diffusion.memory.tensors import (
+    Region,
+    check_destination,
+    describe,
+    empty_buffer,
+    view_of,
+)
+from mooncake_diffusion.wire.schema import MAX_TENSORS, Envelope, TensorSpec
 
 __all__ = [
     "DEFAULT_NAME",

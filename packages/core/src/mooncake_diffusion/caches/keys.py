@@ -56,7 +56,7 @@ from decimal import Decimal
 from typing import Any
 
 from mooncake_diffusion.caches.errors import CacheKeyError
-from mooncake_diffusion.schema import DTYPE_SIZES
+from mooncake_diffusion.wire.schema import DTYPE_SIZES
 
 __all__ = [
     "CFG_ROOT",

@@ -26,9 +26,9 @@ from typing import Any, TextIO
 
 from mooncake_diffusion.caches.embedding import EmbeddingCache
 from mooncake_diffusion.caches.keys import canonical_json
-from mooncake_diffusion.childproc import JsonLinesChild, serve_json_lines
-from mooncake_diffusion.handoff import make_tensor
-from mooncake_diffusion.settings import MooncakeSettings
+from mooncake_diffusion.handoff.demo import make_tensor
+from mooncake_diffusion.platform.childproc import JsonLinesChild, serve_json_lines
+from mooncake_diffusion.platform.settings import MooncakeSettings
 
 __all__ = ["EncoderProcess", "fake_encode", "tensor_digest"]
 

@@ -38,21 +38,9 @@ Modules, one concern each:
     errors.py    OrchestratorError and its subclasses
 """
 
-from mooncake_diffusion.orchestrator.clock import Clock, MonotonicClock, VirtualClock
-from mooncake_diffusion.orchestrator.core import Orchestrator
-from mooncake_diffusion.orchestrator.errors import (
-    ClockError,
-    OrchestratorConfigError,
-    OrchestratorError,
-    PolicyContractError,
-)
-from mooncake_diffusion.orchestrator.journal import (
-    JOURNAL_SCHEMA_VERSION,
-    Journal,
-    JournaledOrchestrator,
-    JournalError,
-)
-from mooncake_diffusion.orchestrator.model import (
+from mooncake_diffusion.orchestrator.core.clock import Clock, MonotonicClock, VirtualClock
+from mooncake_diffusion.orchestrator.core.machine import Orchestrator
+from mooncake_diffusion.orchestrator.core.model import (
     STAGES,
     Action,
     Cancel,
@@ -86,15 +74,31 @@ from mooncake_diffusion.orchestrator.model import (
     WorkerState,
     WorkItem,
 )
-from mooncake_diffusion.orchestrator.policies import AffinityLeastLoaded, LeastLoaded, RoundRobin
-from mooncake_diffusion.orchestrator.policy import RoutingPolicy, WorkerView
-from mooncake_diffusion.orchestrator.registry import (
+from mooncake_diffusion.orchestrator.core.policies import (
+    AffinityLeastLoaded,
+    LeastLoaded,
+    RoundRobin,
+)
+from mooncake_diffusion.orchestrator.core.policy import RoutingPolicy, WorkerView
+from mooncake_diffusion.orchestrator.core.registry import (
     ENTRY_POINT_GROUP,
     PolicyRegistry,
     create_policy,
     known_policies,
     load_policy,
     register_policy,
+)
+from mooncake_diffusion.orchestrator.errors import (
+    ClockError,
+    OrchestratorConfigError,
+    OrchestratorError,
+    PolicyContractError,
+)
+from mooncake_diffusion.orchestrator.service.journal import (
+    JOURNAL_SCHEMA_VERSION,
+    Journal,
+    JournaledOrchestrator,
+    JournalError,
 )
 
 __all__ = [

@@ -94,13 +94,13 @@ def _stage_fns(stages: list[str], fns: list[str]) -> tuple[dict[str, Any], Any]:
 
 
 def _run_orchestrator(args: argparse.Namespace) -> int:
-    from mooncake_diffusion.orchestrator.api import ApiServer
+    from mooncake_diffusion.orchestrator.core.model import OrchestratorConfig
     from mooncake_diffusion.orchestrator.errors import OrchestratorConfigError, OrchestratorError
-    from mooncake_diffusion.orchestrator.front import DEFAULT_MAX_COST, FrontConfig
-    from mooncake_diffusion.orchestrator.frontproc import FrontProcess
-    from mooncake_diffusion.orchestrator.model import OrchestratorConfig
-    from mooncake_diffusion.orchestrator.runtime import settle_after_startup
-    from mooncake_diffusion.orchestrator.service import OrchestratorService, ServiceConfig
+    from mooncake_diffusion.orchestrator.http.api import ApiServer
+    from mooncake_diffusion.orchestrator.http.front import DEFAULT_MAX_COST, FrontConfig
+    from mooncake_diffusion.orchestrator.http.process import FrontProcess
+    from mooncake_diffusion.orchestrator.service.runtime import settle_after_startup
+    from mooncake_diffusion.orchestrator.service.service import OrchestratorService, ServiceConfig
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(message)s")
     token = args.token or os.environ.get(TOKEN_ENV) or None
@@ -188,7 +188,7 @@ def _run_orchestrator(args: argparse.Namespace) -> int:
 
 def _run_candidate(args: argparse.Namespace, config: Any, api_of: Any, stop: Any) -> int:
     """``orchestrator --etcd``: one of the orchestrator group (``ha_service.serve``)."""
-    from mooncake_diffusion.orchestrator.ha_service import HaOptions, serve
+    from mooncake_diffusion.orchestrator.ha.service import HaOptions, serve
 
     if args.journal:
         raise SystemExit("mooncake-diffusion: error: --journal and --etcd exclude each other")
@@ -202,9 +202,9 @@ def _run_candidate(args: argparse.Namespace, config: Any, api_of: Any, stop: Any
 
 
 def _run_worker(args: argparse.Namespace) -> int:
-    from mooncake_diffusion._mooncake import bindshim
-    from mooncake_diffusion.orchestrator.worker import StageWorker
-    from mooncake_diffusion.settings import MooncakeSettings
+    from mooncake_diffusion.orchestrator.worker.runtime import StageWorker
+    from mooncake_diffusion.platform import bindshim
+    from mooncake_diffusion.platform.settings import MooncakeSettings
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(message)s")
     # its Transfer Engine listens on the configured host only under the bind shim

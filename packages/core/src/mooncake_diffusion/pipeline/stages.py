@@ -47,13 +47,13 @@ import torch
 
 from mooncake_diffusion.caches.checkpoint import CheckpointCache
 from mooncake_diffusion.caches.embedding import EmbeddingCache
-from mooncake_diffusion.orchestrator.model import WorkItem
-from mooncake_diffusion.orchestrator.worker import StageContext
-from mooncake_diffusion.payload import StagePayload
+from mooncake_diffusion.orchestrator.core.model import WorkItem
+from mooncake_diffusion.orchestrator.worker.runtime import StageContext
 from mooncake_diffusion.pipeline.checkpointing import checkpoint_job_of, denoise_with_checkpoints
 from mooncake_diffusion.pipeline.params import GenerationParams, PipelineConfig
 from mooncake_diffusion.pipeline.reference import DenoisePreempted, ReferencePipeline
 from mooncake_diffusion.pipeline.writers import write_frames
+from mooncake_diffusion.transfer.payload import StagePayload
 
 __all__ = [
     "OUTPUTS_ENV",

@@ -28,12 +28,12 @@ from typing import Any, TextIO
 import torch
 
 from mooncake_diffusion.caches.checkpoint import CheckpointCache
-from mooncake_diffusion.childproc import JsonLinesChild, serve_json_lines
 from mooncake_diffusion.pipeline.checkpointing import checkpoint_job_of, denoise_with_checkpoints
 from mooncake_diffusion.pipeline.params import GenerationParams, PipelineConfig
 from mooncake_diffusion.pipeline.reference import ReferencePipeline
 from mooncake_diffusion.pipeline.sampler import SamplerState
-from mooncake_diffusion.settings import MooncakeSettings
+from mooncake_diffusion.platform.childproc import JsonLinesChild, serve_json_lines
+from mooncake_diffusion.platform.settings import MooncakeSettings
 
 __all__ = ["DenoiseProcess", "digest"]
 

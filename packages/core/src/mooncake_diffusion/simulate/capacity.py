@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from mooncake_diffusion.orchestrator.model import OrchestratorConfig
+from mooncake_diffusion.orchestrator.core.model import OrchestratorConfig
 from mooncake_diffusion.simulate.arrivals import Arrivals
 from mooncake_diffusion.simulate.cluster import (
     Layout,

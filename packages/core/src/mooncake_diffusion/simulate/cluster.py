@@ -82,9 +82,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-from mooncake_diffusion.orchestrator.clock import VirtualClock
-from mooncake_diffusion.orchestrator.core import Orchestrator
-from mooncake_diffusion.orchestrator.model import (
+from mooncake_diffusion.orchestrator.core.clock import VirtualClock
+from mooncake_diffusion.orchestrator.core.machine import Orchestrator
+from mooncake_diffusion.orchestrator.core.model import (
     Action,
     Dispatch,
     Event,
@@ -100,7 +100,7 @@ from mooncake_diffusion.orchestrator.model import (
     Submit,
     WorkItem,
 )
-from mooncake_diffusion.orchestrator.policy import WorkerView
+from mooncake_diffusion.orchestrator.core.policy import WorkerView
 from mooncake_diffusion.simulate.arrivals import Arrivals, Poisson
 from mooncake_diffusion.simulate.costs import (
     H100,

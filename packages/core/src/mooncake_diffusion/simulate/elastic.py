@@ -34,14 +34,14 @@ from typing import Any
 
 import msgspec
 
-from mooncake_diffusion.orchestrator.model import (
+from mooncake_diffusion.orchestrator.core.model import (
     Heartbeat,
     WorkerLost,
     WorkerSnapshot,
 )
-from mooncake_diffusion.orchestrator.planner import AddWorker, Move, Retire
-from mooncake_diffusion.orchestrator.planners import create_planner
-from mooncake_diffusion.orchestrator.planview import PlanWindow
+from mooncake_diffusion.orchestrator.elastic.contract import AddWorker, Move, Retire
+from mooncake_diffusion.orchestrator.elastic.planners import create_planner
+from mooncake_diffusion.orchestrator.elastic.view import PlanWindow
 from mooncake_diffusion.simulate.costs import LOAD_GBPS
 
 #: ``cluster.Workload``, ``cluster._Gpu`` and ``cluster._Sim``: not imported, not even

@@ -16,7 +16,7 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from mooncake_diffusion.orchestrator.clock import VirtualClock
+from mooncake_diffusion.orchestrator.core.clock import VirtualClock
 
 __all__ = ["EventQueue"]
 

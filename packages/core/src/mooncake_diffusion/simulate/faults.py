@@ -27,9 +27,9 @@ from typing import Any
 
 import msgspec
 
-from mooncake_diffusion.orchestrator.clock import VirtualClock
-from mooncake_diffusion.orchestrator.core import Orchestrator
-from mooncake_diffusion.orchestrator.model import (
+from mooncake_diffusion.orchestrator.core.clock import VirtualClock
+from mooncake_diffusion.orchestrator.core.machine import Orchestrator
+from mooncake_diffusion.orchestrator.core.model import (
     STAGES,
     Action,
     Cancel,
@@ -50,7 +50,7 @@ from mooncake_diffusion.orchestrator.model import (
     Tick,
     WorkerLost,
 )
-from mooncake_diffusion.orchestrator.policy import RoutingPolicy
+from mooncake_diffusion.orchestrator.core.policy import RoutingPolicy
 from mooncake_diffusion.simulate.events import EventQueue
 from mooncake_diffusion.simulate.metrics import quantile
 

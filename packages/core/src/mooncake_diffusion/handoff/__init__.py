@@ -1,0 +1,3 @@
+"""Key-addressed handoff for engine adapters (keyed, mailbox, direct), the store inventory, and
+the handoff demo command.
+"""

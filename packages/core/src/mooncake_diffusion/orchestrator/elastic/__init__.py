@@ -1,0 +1,3 @@
+"""Elastic pools: the planner contract, the built-in planners, the view they read, the driver
+that applies their decisions, and provisioners.
+"""

@@ -1,0 +1,3 @@
+"""The running service: the driver loop around the core, its journal, stall watch, status
+tables, metrics and the bridge to a front process.
+"""

@@ -1,0 +1,3 @@
+"""The worker runtime: StageWorker, the watch for lost inputs, and toy stage functions for
+tests.
+"""

@@ -1,0 +1,3 @@
+"""The typed, versioned wire schema (msgspec) and the classes a keyed handoff carries by type
+tag.
+"""
