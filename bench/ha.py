@@ -12,7 +12,7 @@ until etcd holds their entries, which the leader writes in the background:
 client's first successful put: what a caller waits) and how many of the objects the
 new leader still serves (``kept``). Then ``etcd_write_s``: a three-member etcd whose
 Raft leader is SIGKILLed, kill to the next accepted write. And the orchestrator
-election (``orchestrator/leader.py``, lease ``ORCH_TTL_S``): the leader stops
+election (``orchestrator/ha/election.py``, lease ``ORCH_TTL_S``): the leader stops
 renewing, ``orchestrator_failover_s`` is its last renewal to the standby leading,
 and ``fenced_actions`` counts the deposed leader's journal appends that went through
 afterwards (3 tried). And spill: bursts of soft-pinned 8 MiB objects 2x, 4x and 8x a

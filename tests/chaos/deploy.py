@@ -145,7 +145,7 @@ class Deployment:
             [
                 sys.executable,
                 "-m",
-                "mooncake_diffusion._mooncake.store_host",
+                "mooncake_diffusion.transfer.store_host",
                 f"--master={self.master}",
                 f"--admin={self.admin}",
                 f"--host={self.net.ip('store')}",

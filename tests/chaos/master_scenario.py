@@ -120,7 +120,7 @@ def scenario_master_leader_kill(d: HaDeployment) -> MasterOutcome:
             [
                 sys.executable,
                 "-m",
-                "mooncake_diffusion._mooncake.store_host",
+                "mooncake_diffusion.transfer.store_host",
                 f"--master=etcd://{etcd}",
                 f"--host={net.ip('store')}",
                 "--pool-bytes=67108864",

@@ -100,7 +100,7 @@ def scenario_spill_burst(d: HaDeployment) -> SpillOutcome:
             [
                 sys.executable,
                 "-m",
-                "mooncake_diffusion._mooncake.store_host",
+                "mooncake_diffusion.transfer.store_host",
                 f"--master={rpc}",
                 f"--admin={admin}",
                 f"--host={net.ip('store')}",

@@ -29,7 +29,7 @@ def _store_host_pid() -> int:
     for pid in descendants(os.getpid()):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"mooncake_diffusion._mooncake.store_host" in f.read():
+                if b"mooncake_diffusion.transfer.store_host" in f.read():
                     return pid
         except OSError:
             continue

@@ -1,10 +1,15 @@
-"""The tree's shape: no import cycles between our modules, no pytest plugin forced
-on environments that install the library, and module names that match commands."""
+"""The tree's shape: no import cycles between our modules, no import from a lower
+layer to a higher one, every package folder captioned in docs/layout.md, no pytest
+plugin forced on environments that install the library, and module names that
+match commands."""
 
 from __future__ import annotations
 
 import ast
 import importlib.metadata
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -46,7 +51,11 @@ def _imports(name: str, path: Path, known: set[str]) -> set[str]:
             if node.level:
                 up = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join([*up, base] if base else up)
-            targets = [f"{base}.{a.name}" for a in node.names] + [base]
+            # `from pkg import mod` reaches mod; the package's face only for a name it defines
+            subs = [f"{base}.{a.name}" for a in node.names]
+            targets = [s for s in subs if s in known]
+            if len(targets) < len(subs):
+                targets.append(base)
         else:
             continue
         for t in targets:
@@ -75,6 +84,95 @@ def test_no_module_imports_a_module_that_imports_it_back():
         and not _is_package_init(b, a)
     )
     assert pairs == []
+
+
+# The layers, bottom first. A module belongs to the longest prefix listed here; it
+# may import its own layer and the layers below it, never one above. A package's
+# face (its ``__init__``) is a layer of its own, above what it hands on.
+LAYERS = (
+    "mooncake_diffusion.errors",
+    "mooncake_diffusion.wire",
+    "mooncake_diffusion.platform",
+    "mooncake_diffusion.memory",
+    "mooncake_diffusion._mooncake",
+    "mooncake_diffusion.transfer",
+    "mooncake_diffusion.handoff",
+    "mooncake_diffusion.caches",
+    "mooncake_diffusion.orchestrator.errors",
+    "mooncake_diffusion.orchestrator.core",
+    "mooncake_diffusion.orchestrator.elastic",
+    "mooncake_diffusion.orchestrator.link",
+    "mooncake_diffusion.orchestrator.worker",
+    # the reference pipeline's stage functions run on the worker runtime; the HTTP
+    # front checks request params against the reference pipeline's
+    "mooncake_diffusion.pipeline",
+    "mooncake_diffusion.orchestrator.service",
+    "mooncake_diffusion.orchestrator.ha",
+    "mooncake_diffusion.orchestrator.http",
+    "mooncake_diffusion.orchestrator.commands",
+    "mooncake_diffusion.orchestrator",
+    "mooncake_diffusion.simulate",
+    "mooncake_diffusion.testing",
+    "mooncake_diffusion.demo",
+    "mooncake_diffusion.cli",
+    "mooncake_diffusion",
+    # adapters only translate: core never imports one, and none imports another
+    "mooncake_diffusion_vllm_omni",
+    "mooncake_diffusion_sglang",
+    "mooncake_diffusion_lightx2v",
+)
+ADAPTERS = LAYERS[-3:]
+
+
+def _layer(module: str) -> int:
+    """The layer of ``module``: the longest prefix of it that LAYERS names."""
+    return max(
+        (i for i, p in enumerate(LAYERS) if module == p or module.startswith(p + ".")),
+        key=lambda i: len(LAYERS[i]),
+    )
+
+
+def test_every_module_has_a_layer_and_no_import_runs_up_or_across_adapters():
+    mods = _modules()
+    upward = []
+    for name, path in sorted(mods.items()):
+        here = _layer(name)
+        for dep in _imports(name, path, set(mods)):
+            there = _layer(dep)
+            across = LAYERS[here] in ADAPTERS and LAYERS[there] in ADAPTERS and here != there
+            if there > here or across:
+                upward.append(f"{name} ({LAYERS[here]}) -> {dep} ({LAYERS[there]})")
+    assert upward == []
+
+
+def test_the_layer_list_names_only_what_exists():
+    mods = set(_modules())
+    assert [p for p in LAYERS if p not in mods] == []
+
+
+def test_docs_layout_lists_every_package_folder_and_only_those():
+    folders = {
+        (
+            d.parent.relative_to(ROOT / "packages/core/src")
+            if top == "mooncake_diffusion"
+            else d.parent.relative_to(ROOT)
+        ).as_posix()
+        + "/"
+        for top, path in PACKAGES.items()
+        for d in path.rglob("__init__.py")
+    }
+    text = (ROOT / "docs/layout.md").read_text()
+    listed = set(re.findall(r"^### `([\w/.]+/)`$", text, re.M))
+    assert sorted(folders - listed) == [], "package folders missing from docs/layout.md"
+    assert sorted(listed - folders) == [], "docs/layout.md lists folders that do not exist"
+
+
+def test_docs_layout_is_what_the_tree_says():
+    # tools/layout.py writes it; a caption or first line changed since says so here
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "tools/layout.py"), "--check"], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
 
 
 def test_installing_the_library_adds_no_pytest_plugin():

@@ -110,7 +110,7 @@ class LocalCluster:
             [
                 sys.executable,
                 "-m",
-                "mooncake_diffusion._mooncake.store_host",
+                "mooncake_diffusion.transfer.store_host",
                 f"--master={settings.master}",
                 *([f"--admin={settings.admin}"] if settings.admin else []),
                 f"--host={self.host}",

@@ -4,7 +4,7 @@
     print(render(summarise(entries)))    # a table by kind; render_keys(entries) per key
 
 Kinds, from the key alone (the layouts are those of ``transports/store.py``,
-``mailbox.py``, ``leases.py`` and ``caches/``):
+``mailbox.py``, ``transfer/leases.py`` and ``caches/``):
 
     payload   mcd/<request_id>/<kind>/<nonce>[@<expires_ms>]/<tensor>.<chunk>[.<part>]
     record    mcd-mbox/<name>                  a keyed handoff's record, not yet taken

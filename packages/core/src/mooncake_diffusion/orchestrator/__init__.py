@@ -1,4 +1,4 @@
-"""Queue-based multi-stage orchestration: the deterministic core.
+"""Queue-based multi-stage orchestration: the deterministic core and what runs it.
 
 Events in, actions out. A driver (a network service, the worker runtime's
 test double, the simulator) owns the I/O and the time; the core owns the
@@ -16,26 +16,22 @@ decisions. Call sequence:
     core.handle(Heartbeat("den-0"))           # every worker, well within its timeout
     core.handle(Tick())                       # at core.next_deadline() if nothing else came
 
-Modules, one concern each:
-    model.py     configuration, WorkItem, events, actions, snapshots (msgspec structs)
-    clock.py     Clock protocol, MonotonicClock, VirtualClock, StallClock (the service's)
-    queues.py    ClassQueue: priority classes, FIFO within, bounded wait
-    pools.py     live workers, credits, heartbeat deadlines
-    core.py      Orchestrator: the state machine and its rules
-    policy.py    RoutingPolicy / WorkerView: the routing contract
-    registry.py  lazy, strict policy registry (+ entry points)
-    policies.py  round_robin, least_loaded, affinity
-    indexes.py   the built-in policies' choices without a scan of the pool
-    victims.py   the running denoise jobs in preemption order
-    planner.py   the planner contract: PlannerView, Move/AddWorker/Retire, Provisioner
-    planview.py  PlanWindow: a PlannerView from a snapshot and the driver's window
-    planners.py  static, reactive, predictive, and the planner registry (+ entry points)
-    elastic.py   Elastic: a planner's decisions as core events and provisioner calls
-    provision.py LocalProvisioner: stage workers as local processes
-    sim.py       a discrete-event cluster simulator over the real core
-    journal.py   SQLite (WAL) event log; JournaledOrchestrator replays it on restart
-    stalls.py    StallWatch: notices when the service's driver could not run
+Rooms, lowest first (a room imports only the rooms before it):
     errors.py    OrchestratorError and its subclasses
+    core/        the deterministic machine: model, queues, pools, indexes, victims,
+                 routing (the policy contract, built-ins, registry), clocks
+    elastic/     the planner contract, built-in planners, their view, the driver
+                 that applies decisions, provisioners
+    link/        what the service and workers both speak: wire, leader, inbox
+    worker/      StageWorker, the lost-input watch, toy stage functions
+    service/     OrchestratorService: driver loop, worker channel, journal,
+                 stall watch, status tables, metrics, the front process's bridge
+    ha/          leader election on etcd and the leader-following service
+    http/        the FastAPI app, OpenAI routes, front process, remote service, client
+    commands.py  the ``orchestrator`` and ``worker`` commands
+
+This face hands on the core's names and the journal's; the rest is imported
+from its room.
 """
 
 from mooncake_diffusion.orchestrator.core.clock import Clock, MonotonicClock, VirtualClock

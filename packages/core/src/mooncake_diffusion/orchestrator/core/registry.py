@@ -50,7 +50,7 @@ def _installed(group: str) -> Callable[[], Iterable[importlib.metadata.EntryPoin
 class NamedRegistry(Generic[T]):
     """Names to classes with a required method, imported on first use; the shape
     every registry of this package shares (routing policies here, planners in
-    ``planners.py``). ``kind`` names the thing in errors; ``method``: the method a
+    ``elastic/planners.py``). ``kind`` names the thing in errors; ``method``: the method a
     registered class must have; ``group``: the entry-point group read on first
     use (``entry_points`` overrides the reader; tests pass their own). Not
     thread-safe: fill it before serving."""

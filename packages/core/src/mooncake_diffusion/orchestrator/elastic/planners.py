@@ -1,4 +1,4 @@
-"""Built-in planners and their registry (the contract is ``planner.py``).
+"""Built-in planners and their registry (the contract is ``contract.py``).
 
     planner = create_planner("reactive", interval=2.0)
     for d in planner.plan(view): ...           # Move / AddWorker / Retire

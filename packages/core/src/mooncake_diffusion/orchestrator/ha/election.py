@@ -17,9 +17,9 @@ under ``<prefix>/journal/<revision-ordered key>``; a standby reads them
 (``entries``) to follow. etcd 3.4 rounds a TTL below its election timeout up to
 2 s, so a crashed leader is replaced within about ``ttl_s`` plus one poll.
 
-The service runs on it in ``ha_service.py`` (``mooncake-diffusion orchestrator
+The service runs on it in ``ha/service.py`` (``mooncake-diffusion orchestrator
 --etcd``): the leader announces its addresses in the leader key's value
-(``announce``), workers and clients read them there (``follow.py``).
+(``announce``), workers and clients read them there (``link/follow.py``).
 """
 
 from __future__ import annotations

@@ -3,13 +3,13 @@
     mooncake-diffusion orchestrator --etcd 10.0.0.1:2379,10.0.0.2:2379,10.0.0.3:2379 \\
         --host 10.0.0.5 --token T          # on each orchestrator host; any number of them
 
-Each process is a ``Candidate`` (``leader.py``) on ``<prefix>/leader``. A standby
+Each process is a ``Candidate`` (``election.py``) on ``<prefix>/leader``. A standby
 campaigns and meanwhile reads the journal (``EtcdJournal.follow``), so that taking
 over reads only its tail. The winner rebuilds the core by replaying the whole
 journal (``JournaledOrchestrator.recover``: the same replay as after a restart on
 SQLite), binds its worker and API ports, then announces their addresses in the
 leader key's value (``Announcement``); workers and clients follow that
-(``follow.py``). Requests are not lost in a failover: an accepted request's
+(``link/follow.py``). Requests are not lost in a failover: an accepted request's
 ``Submit`` was committed before the client got its answer, the new leader replays
 it, re-sends what was running and dispatches what was queued; a client that got no
 answer resubmits under the same id and gets it back (``duplicate_request`` means

@@ -22,7 +22,7 @@ Routes (JSON in and out; bytes fields such as ``output`` are base64):
     GET    /readyz                    -> 200 when every stage has a live worker, else 503
     GET    /dashboard                 -> the live dashboard (``dashboard.html``; its data
                                          calls carry the token from ``#token=...``)
-    /v1/models, /v1/images/..., /v1/videos/...  OpenAI-compatible (``openai_api.py``)
+    /v1/models, /v1/images/..., /v1/videos/...  OpenAI-compatible (``openai.py``)
 
 Errors, on every route and status, are OpenAI's shape ``{"error": {"message",
 "type", "param", "code"}}``: 400 malformed or invalid input (a ``params`` key that

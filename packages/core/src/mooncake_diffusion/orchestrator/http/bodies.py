@@ -5,7 +5,7 @@ content type (``MAX_BODY``, ``BODY_TIMEOUT_S``, a Content-Length, a declared
 Content-Type) and ``parse`` validates a body against a pydantic model; all raise
 ``ApiError``. ``error_response`` is the one error shape of every route and status,
 OpenAI's: ``{"error": {"message", "type", "param", "code"}}``. Used by ``api.py``,
-``openai_api.py`` and ``limits.py``.
+``openai.py`` and ``limits.py``.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@
     client.cancel(rid); client.status(rid); client.cluster(); client.metrics_text()
 
 ``OrchestratorClient("etcd://HOST:PORT[,...][/PREFIX]")`` follows the leader of an
-orchestrator group on etcd (``follow.py``): a call that finds no service (the leader
+orchestrator group on etcd (``link/follow.py``): a call that finds no service (the leader
 died or was deposed) looks the leader up again and is resent there until ``timeout``;
 a resent ``submit`` that the old leader had accepted answers ``duplicate_request``
 there, which means accepted: it returns the id. Each try then waits at most

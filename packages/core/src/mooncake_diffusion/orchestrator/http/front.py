@@ -8,7 +8,7 @@ and params a caller may choose, and the cost of a generation per SLO class.
     check_request_id(rid)         -> ApiError 400 unless the workers' rule holds
     cfg.check_cost(params, cls)   -> ApiError 400 ``too_costly`` above the ceiling
 
-Pure functions of their input (no I/O), used by ``api.py`` and ``openai_api.py``.
+Pure functions of their input (no I/O), used by ``api.py`` and ``openai.py``.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The front's side of the bridge (``bridge.py``): ``RemoteService`` has the
-methods the HTTP API calls (``api.py``, ``openai_api.py``) with the service's
+methods the HTTP API calls (``api.py``, ``openai.py``) with the service's
 signatures and errors, carried to a ``BridgeServer`` in the service's process.
 
     remote = RemoteService(path, call_timeout_s=10.0)

@@ -1,5 +1,5 @@
 """The service's client API over a local socket, so that the HTTP front can run in
-a process of its own (``frontproc.py``): one interpreter parses HTTP, the other
+a process of its own (``http/process.py``): one interpreter parses HTTP, the other
 runs the driver, and neither waits for the other's lock. This module is the wire
 and the service's side; ``remote.RemoteService`` is the front's.
 

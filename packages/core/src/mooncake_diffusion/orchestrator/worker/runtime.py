@@ -312,7 +312,7 @@ class StageWorker:
         sock.setsockopt(zmq.LINGER, 2000)
         sock.setsockopt(zmq.ROUTING_ID, self.worker_id.encode())
         sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
-        # a tcp:// endpoint, or etcd://...: the announced leader, followed (follow.py)
+        # a tcp:// endpoint, or etcd://...: the announced leader, followed (link/follow.py)
         self._follow = Follower(self.orchestrator, wake=self._mail.wake)
         self._follow.sync(sock)
         pool = ThreadPoolExecutor(self.credits, thread_name_prefix=f"mcd-{self.worker_id}")

@@ -2,7 +2,7 @@
 
 Mooncake objects live only as long as the process that mounted their segment,
 so the pool lives here, neither producer nor consumer. Run as
-``python -m mooncake_diffusion._mooncake.store_host --master H:P --admin H:P
+``python -m mooncake_diffusion.transfer.store_host --master H:P --admin H:P
 --pool-bytes N``; it prints one JSON line ``{"ready": true, ...}`` on stdout
 once mounted, then serves until SIGTERM or SIGINT (or stdin closing, with
 ``--exit-on-stdin-eof``, so it never outlives its parent). It also runs the
