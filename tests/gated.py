@@ -50,8 +50,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from mooncake_diffusion.orchestrator.worker import reference as stages
 from mooncake_diffusion.orchestrator.worker import toy
-from mooncake_diffusion.pipeline import stages
 
 __all__ = [
     "Gate",

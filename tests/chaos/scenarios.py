@@ -418,9 +418,9 @@ _RUNS = itertools.count()
 
 def colocated(params: dict[str, Any]) -> str:
     """The digest of the same request run colocated in this process (the ground truth)."""
+    from mooncake_diffusion.orchestrator.worker.reference import frames_digest
     from mooncake_diffusion.pipeline.params import GenerationParams
     from mooncake_diffusion.pipeline.reference import ReferencePipeline
-    from mooncake_diffusion.pipeline.stages import frames_digest
 
     key = repr(sorted(params.items()))
     if key not in _COLOCATED:

@@ -21,13 +21,13 @@ from servicestack import ServiceStack
 from mooncake_diffusion.caches.checkpoint import CKPT_ROOT
 from mooncake_diffusion.caches.embedding import EmbeddingCache
 from mooncake_diffusion.caches.keys import EMB_ROOT
+from mooncake_diffusion.orchestrator.worker.reference import frames_digest
 from mooncake_diffusion.pipeline.params import GenerationParams
 from mooncake_diffusion.pipeline.reference import ReferencePipeline
-from mooncake_diffusion.pipeline.stages import frames_digest
 
 pytestmark = pytest.mark.faults
 
-STAGES = "mooncake_diffusion.pipeline.stages"
+STAGES = "mooncake_diffusion.orchestrator.worker.reference"
 
 
 def clear_embeddings(cluster) -> None:

@@ -236,7 +236,7 @@ def test_readyz_reflects_the_workers(tmp_path):
 
 
 def test_decode_saves_only_into_its_configured_folder(monkeypatch, tmp_path):
-    from mooncake_diffusion.pipeline import stages
+    from mooncake_diffusion.orchestrator.worker import reference as stages
 
     monkeypatch.delenv(stages.OUTPUTS_ENV, raising=False)
     with pytest.raises(ValueError, match="MCD_OUTPUTS"):

@@ -98,14 +98,12 @@ LAYERS = (
     "mooncake_diffusion.transfer",
     "mooncake_diffusion.handoff",
     "mooncake_diffusion.caches",
+    "mooncake_diffusion.pipeline",
     "mooncake_diffusion.orchestrator.errors",
     "mooncake_diffusion.orchestrator.core",
     "mooncake_diffusion.orchestrator.elastic",
     "mooncake_diffusion.orchestrator.link",
     "mooncake_diffusion.orchestrator.worker",
-    # the reference pipeline's stage functions run on the worker runtime; the HTTP
-    # front checks request params against the reference pipeline's
-    "mooncake_diffusion.pipeline",
     "mooncake_diffusion.orchestrator.service",
     "mooncake_diffusion.orchestrator.ha",
     "mooncake_diffusion.orchestrator.http",

@@ -2,7 +2,7 @@
 
 Starts a real Mooncake master and store host, the orchestrator (in this process,
 library mode, with its HTTP API), and Encode, Denoise and Decode worker
-processes running ``mooncake_diffusion.pipeline.stages``; submits a batch whose
+processes running ``mooncake_diffusion.orchestrator.worker.reference``; submits a batch whose
 mix shifts (interactive images, then batch short videos, then images; one
 negative prompt shared by most) under the reactive planner, which moves a worker
 to the starved stage (each ``stage change`` is printed); shows live progress;
@@ -437,9 +437,9 @@ def _report(sts: list[Any], batch: list, out: Path, wall: float, stats: dict, ve
             ttffs.append((cls, ttff))
         same = "-"
         if verify and res:
+            from mooncake_diffusion.orchestrator.worker.reference import frames_digest
             from mooncake_diffusion.pipeline.params import GenerationParams
             from mooncake_diffusion.pipeline.reference import ReferencePipeline
-            from mooncake_diffusion.pipeline.stages import frames_digest
 
             pipe = pipe or ReferencePipeline()
             p = GenerationParams(**{k: v for k, v in params.items() if k != "chunks"})

@@ -1,4 +1,4 @@
-"""A tiny but real diffusion pipeline in torch (layer 7): Encode, Denoise, Decode on CPU.
+"""A tiny but real diffusion pipeline in torch: Encode, Denoise, Decode on CPU.
 
 Random weights from a seed, bitwise deterministic across processes; it measures
 the serving system, not image quality. One concern per module:
@@ -17,7 +17,9 @@ the serving system, not image quality. One concern per module:
     checkpointing.py denoise_with_checkpoints: resume from / save to CheckpointCache
     worker.py        a JSON-lines denoise worker process with checkpoints (tests, example)
 
-Call sequence: see ``reference.py``. Importing this package does not import
+It knows nothing of the orchestrator: its stage functions for the worker runtime
+live there (``orchestrator/worker/reference.py``). Call sequence: see
+``reference.py``. Importing this package does not import
 torch; the names below load their module (and torch) on first use.
 """
 

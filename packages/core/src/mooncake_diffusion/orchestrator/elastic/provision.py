@@ -33,7 +33,7 @@ from mooncake_diffusion.orchestrator.core.model import Stage
 __all__ = ["REFERENCE_STAGES", "LocalProvisioner"]
 
 #: the reference pipeline's stage functions (``encode``, ``denoise``, ``decode``)
-REFERENCE_STAGES = "mooncake_diffusion.pipeline.stages"
+REFERENCE_STAGES = "mooncake_diffusion.orchestrator.worker.reference"
 _PREFIX = {"encode": "enc", "denoise": "den", "decode": "dec"}
 
 

@@ -1,10 +1,11 @@
 """The reference pipeline as ``StageWorker`` stage functions (what the demo runs).
 
-    mooncake-diffusion worker --stage encode  --fn mooncake_diffusion.pipeline.stages:encode
-    mooncake-diffusion worker --stage denoise --fn mooncake_diffusion.pipeline.stages:denoise
-    mooncake-diffusion worker --stage decode  --fn mooncake_diffusion.pipeline.stages:decode
+    F=mooncake_diffusion.orchestrator.worker.reference
+    mooncake-diffusion worker --stage encode  --fn $F:encode
+    mooncake-diffusion worker --stage denoise --fn $F:denoise
+    mooncake-diffusion worker --stage decode  --fn $F:decode
     # a worker that holds several stages, and may be moved to others (``load``)
-    mooncake-diffusion worker --stage encode --stage decode --fn mooncake_diffusion.pipeline.stages
+    mooncake-diffusion worker --stage encode --stage decode --fn $F
 
 Request params (JSON): the ``GenerationParams`` fields, plus ``save`` (true: decode
 writes ``<request_id>.png`` or ``.gif`` into the worker's own output folder,
