@@ -7,7 +7,7 @@ install valgrind``). For each routing policy, on the smallest and largest pools
 (``small``, 24 workers; ``xl``, 4,096) and on the largest again as the newest-first
 diagnostic runs it (the item dispatched last finishes first, so the state a decision
 touches was touched a few events before: what it leaves is the work, not the memory),
-the saturated part's run (``saturated`` in ``bench/orchestrator.py``: the same
+the saturated part's run (``saturated`` in ``bench/orch_measure.py``: the same
 workload, default seed and warm-up) is made twice in a child process under ``valgrind
 --tool=cachegrind``, once to 2,000 decisions and once to 12,000; the difference between
 the two runs' counts is the cost of the 10,000 decisions between, without the
@@ -69,7 +69,7 @@ def child(policy: str, pool: str, order: str, decisions: int) -> int:
     """The run valgrind watches: one saturated run (the orchestrator bench's default
     seed); prints its decisions and events."""
     sys.path.insert(0, str(HERE))
-    import orchestrator as bench  # this folder: the child only
+    import orch_measure as bench  # this folder: the child only (saturated, its pools)
 
     if order not in bench.PARTS or pool not in bench.POOLS:
         print(
@@ -163,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
         print("bench/misses.py needs valgrind: apt-get install valgrind", file=sys.stderr)
         return 2
     sys.path.insert(0, str(HERE))
-    import orchestrator as bench  # its pools, log and machine_info
+    import orch_load as bench  # its pools and log
+    from orch_report import machine_info
 
     started = time.monotonic()
     jobs = [(p, pool, order, n) for p in POLICIES for pool, order in CASES for n in DECISIONS]
@@ -217,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.json:
         doc = {
             "bench": "misses",
-            "machine": {**bench.machine_info(), "valgrind": valgrind_version()},
+            "machine": {**machine_info(), "valgrind": valgrind_version()},
             "config": {"quick": a.quick, "decisions": list(DECISIONS), "cache": CACHE},
             "units": {
                 "misses": "misses per decision in the simulated data cache (1 MiB, 16-way, "

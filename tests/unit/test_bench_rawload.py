@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
-import sys
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -22,9 +21,8 @@ from mooncake_diffusion.testing import assert_no_leaks, thread_names
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("bench_orch", ROOT / "bench" / "orchestrator.py")
+_spec = importlib.util.spec_from_file_location("bench_orch", ROOT / "bench" / "orch_load.py")
 bench = importlib.util.module_from_spec(_spec)
-sys.modules["bench_orch"] = bench  # its dataclasses look their module up
 _spec.loader.exec_module(bench)
 
 
