@@ -4,9 +4,13 @@
     faults.py   Simulation: worker deaths, zombies, cancels; counts lost and
                 duplicate completions (bench/orchestrator.py, the core's tests)
     costs.py    RequestKind, GpuType and the cited stage times, memory and prices
+    model.py    Workload, Layout, Mechanisms, Scheduler: what a cluster run takes;
+                RunResult, RequestRecord: what it returns
     cluster.py  simulate(): colocated vs disaggregated serving on one Scheduler,
                 Mechanisms switches
                 (bench/sim.py)
+    gpus.py     the simulated GPUs, their routing, and what an item costs on one
+                (stage times, model loads): the parts cluster.py runs
     metrics.py  summarize(): throughput, goodput under SLO, TTFF quantiles, utilisation
     arrivals.py Poisson, Bursty (two-state MMPP), Diurnal arrival processes
     capacity.py capacity_at_slo(): the highest rate at which a share of requests
@@ -27,16 +31,7 @@ from mooncake_diffusion.simulate.capacity import (
     search_capacity,
     slo_base,
 )
-from mooncake_diffusion.simulate.cluster import (
-    Layout,
-    Mechanisms,
-    RequestRecord,
-    RunResult,
-    Scheduler,
-    Workload,
-    default_aux,
-    simulate,
-)
+from mooncake_diffusion.simulate.cluster import simulate
 from mooncake_diffusion.simulate.costs import (
     FLUX_1024,
     GPUS,
@@ -56,6 +51,15 @@ from mooncake_diffusion.simulate.costs import (
 from mooncake_diffusion.simulate.events import EventQueue
 from mooncake_diffusion.simulate.faults import SimConfig, SimReport, Simulation
 from mooncake_diffusion.simulate.metrics import Summary, summarize
+from mooncake_diffusion.simulate.model import (
+    Layout,
+    Mechanisms,
+    RequestRecord,
+    RunResult,
+    Scheduler,
+    Workload,
+    default_aux,
+)
 
 __all__ = [
     "FLUX_1024",

@@ -32,16 +32,16 @@ from dataclasses import dataclass, field
 
 from mooncake_diffusion.orchestrator.core.model import OrchestratorConfig
 from mooncake_diffusion.simulate.arrivals import Arrivals
-from mooncake_diffusion.simulate.cluster import (
+from mooncake_diffusion.simulate.cluster import simulate
+from mooncake_diffusion.simulate.costs import GpuType, RequestKind
+from mooncake_diffusion.simulate.model import (
     Layout,
     Mechanisms,
     Memory,
     RunResult,
     Scheduler,
     Workload,
-    simulate,
 )
-from mooncake_diffusion.simulate.costs import GpuType, RequestKind
 
 __all__ = [
     "Capacity",

@@ -71,16 +71,19 @@ Assumptions not modelled (so no gain is claimed for them): larger denoise
 batches from the memory freed by moving the VAE off the DiT GPUs (no public
 measurement of batch scaling for these DiTs in docs/sources.md), network
 contention, sequence parallelism (every denoise worker is one GPU), failures.
+
+This module holds ``simulate()`` and ``_Sim``, the event-driven run: it builds the
+cluster, feeds the core its events and plays the core's actions on the GPUs.
+``model.py`` holds what a run takes and returns; ``gpus.py`` the GPUs, the routing
+policy and what an item costs on a GPU (``_ItemCosts``, ``_Sim``'s base class).
 """
 
 from __future__ import annotations
 
 import math
 import random
-from collections import deque
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
-from typing import Literal
+from collections.abc import Callable
+from dataclasses import replace
 
 from mooncake_diffusion.orchestrator.core.clock import VirtualClock
 from mooncake_diffusion.orchestrator.core.machine import Orchestrator
@@ -90,376 +93,38 @@ from mooncake_diffusion.orchestrator.core.model import (
     Event,
     ItemDone,
     ItemYielded,
-    OrchestratorConfig,
     Preempt,
     RegisterWorker,
     Rejected,
     RequestCompleted,
     RequestFailed,
-    SloClass,
     Submit,
     WorkItem,
 )
-from mooncake_diffusion.orchestrator.core.policy import WorkerView
 from mooncake_diffusion.simulate.arrivals import Arrivals, Poisson
-from mooncake_diffusion.simulate.costs import (
-    H100,
-    LOAD_GBPS,
-    TILE_MEMORY_DIVISOR,
-    TRANSFER_S,
-    GpuType,
-    Placement,
-    RequestKind,
-    placement_penalty,
-)
+from mooncake_diffusion.simulate.costs import TRANSFER_S, Placement
 from mooncake_diffusion.simulate.elastic import Elastic
 from mooncake_diffusion.simulate.events import EventQueue
-from mooncake_diffusion.simulate.memory import Model, ModelCache
+from mooncake_diffusion.simulate.gpus import _Cell, _Gpu, _ItemCosts, _Route, _Run, _Worker
+from mooncake_diffusion.simulate.memory import Model
+from mooncake_diffusion.simulate.model import (
+    _NEVER,
+    Layout,
+    Mechanisms,
+    Memory,
+    RequestRecord,
+    RunResult,
+    Scheduler,
+    Workload,
+    _Options,
+)
 
-__all__ = [
-    "Layout",
-    "Mechanisms",
-    "RequestRecord",
-    "RunResult",
-    "Scheduler",
-    "Workload",
-    "default_aux",
-    "simulate",
-]
+__all__ = ["simulate"]
 
-Mode = Literal["colocated", "disaggregated", "flex", "elastic"]
-Memory = Literal["resident", "swap"]
-_NEVER = 1e15  # heartbeat timeout: simulated workers do not die
-
-
-_SHIPPED = OrchestratorConfig()
 _STAGE_ORDER = ("encode", "denoise", "decode")
 
 
-@dataclass(frozen=True)
-class Scheduler:
-    """The orchestrator's settings, the same for every layout: the shipped defaults
-    (``OrchestratorConfig``) unless a field is changed here, which changes it for both
-    sides. ``priorities``: interactive before batch in every queue; ``preemption``:
-    a batch denoise job yields at a step boundary to a waiting interactive one."""
-
-    priorities: bool = True
-    preemption: bool = True
-    max_preemptions: int = _SHIPPED.max_preemptions
-
-    def config(self) -> OrchestratorConfig:
-        """The one ``OrchestratorConfig`` both layouts run under."""
-        batch_priority = 1 if self.priorities else 0
-        classes = (
-            SloClass("interactive", priority=0, deadline=1e9),
-            SloClass("batch", priority=batch_priority, deadline=1e9),
-        )
-        return OrchestratorConfig(
-            classes=classes,
-            heartbeat_timeout=_NEVER,
-            preemption=self.preemption and self.priorities,
-            max_preemptions=self.max_preemptions,
-        )
-
-    def changed(self) -> dict[str, object]:
-        """The settings that differ from the shipped core (printed with results)."""
-        cfg = self.config()
-        out: dict[str, object] = {}
-        for name in ("preemption", "max_preemptions"):
-            if getattr(cfg, name) != getattr(_SHIPPED, name):
-                out[name] = getattr(cfg, name)
-        return out
-
-
-@dataclass(frozen=True)
-class Mechanisms:
-    """Which mechanisms only disaggregation brings are on (see the module docstring).
-    ``cross_instance_cache`` may also be turned on for colocated serving."""
-
-    fit_memory: bool = True
-    decode_off_dit: bool = True
-    shared_decode: bool = True
-    cross_instance_cache: bool = True
-
-    @classmethod
-    def none(cls) -> Mechanisms:
-        return cls(False, False, False, False)
-
-    def without(self, name: str) -> Mechanisms:
-        return replace(self, **{name: False})
-
-
-@dataclass(frozen=True)
-class Workload:
-    """A request mix: ``(kind, share of arrivals)``. ``prompt_repeat``: the share of
-    requests whose positive prompt was seen before (0.25: DiffusionDB 2M has 1.5M
-    unique prompts in 2M requests, docs/sources.md). ``later``: a second mix that
-    replaces ``kinds`` from ``shift_at`` x the horizon on (a shifting mix).
-    ``cache_negative``: every instance keeps the shared negative prompt's embedding
-    (both layouts; off to reproduce an engine run without any cache)."""
-
-    name: str
-    kinds: tuple[tuple[RequestKind, float], ...]
-    prompt_repeat: float = 0.25
-    later: tuple[tuple[RequestKind, float], ...] | None = None
-    shift_at: float = 0.5
-    cache_negative: bool = True
-
-    @staticmethod
-    def _mean(kinds: tuple[tuple[RequestKind, float], ...]) -> float:
-        total = sum(s for _, s in kinds)
-        return sum(k.isolated_s * s for k, s in kinds) / total
-
-    def mean_gpu_seconds(self) -> float:
-        """Mean isolated GPU-seconds per request over the run (what a load of 1.0
-        saturates); with ``later``, weighted by the time each mix lasts."""
-        if self.later is None:
-            return self._mean(self.kinds)
-        a, b = self._mean(self.kinds), self._mean(self.later)
-        return self.shift_at * a + (1 - self.shift_at) * b
-
-    def stage_seconds(self) -> tuple[float, float, float]:
-        """Mean (encode, denoise, decode) seconds per request of the first mix (what
-        pools are sized for)."""
-        total = sum(s for _, s in self.kinds)
-        e = sum(k.encode_s * s for k, s in self.kinds) / total
-        d = sum(k.denoise_s * s for k, s in self.kinds) / total
-        v = sum(k.decode_s * s for k, s in self.kinds) / total
-        return e, d, v
-
-
-@dataclass(frozen=True)
-class Layout:
-    """The cluster: ``gpus`` in all, of type ``gpu``; for disaggregated serving
-    ``aux`` of them host the encode and decode workers and are of type ``aux_gpu``
-    (None: the same as ``gpu``); ``split_aux``: with two or more, Encode and Decode on
-    alternate aux GPUs instead of both on each (single-stage GPUs a planner may move).
-    ``planner``: the ``elastic`` layout's planner, a registry name. ``aux=0`` is the
-    fractional split: Encode and Decode
-    workers run on ``hosts`` of the denoise GPUs, sharing their time and memory (a
-    host GPU holds all three stages' weights, so it pays the colocated placement).
-    ``node_gpus``: node size when decode pools are not shared."""
-
-    mode: Mode
-    gpus: int
-    aux: int = 1
-    node_gpus: int = 8
-    gpu: GpuType = H100
-    aux_gpu: GpuType | None = None
-    hosts: int = 1
-    planner: str | None = None
-    split_aux: bool = False
-
-    def __post_init__(self) -> None:
-        if self.mode in ("flex", "elastic") and self.aux_gpu is not None:
-            raise ValueError(f"{self.mode}: every GPU is of one type (aux_gpu must be None)")
-        if self.mode == "elastic" and not self.planner:
-            raise ValueError("elastic: name a planner (Layout.planner, e.g. 'reactive')")
-        if self.split_aux and self.mode not in ("disaggregated", "elastic"):
-            raise ValueError("split_aux: Encode and Decode GPUs exist only with aux GPUs")
-
-    @property
-    def split(self) -> str:
-        """The split as ``denoise:aux`` GPUs (``denoise:0+hosts`` for fractional)."""
-        if self.mode == "colocated":
-            return f"{self.gpus}:0 colocated"
-        if self.mode == "flex":
-            return f"{self.gpus} flex"
-        if self.mode == "elastic":
-            start = replace(self, mode="disaggregated", planner=None).split
-            return f"{start} elastic ({self.planner})"
-        if self.split_aux and self.aux >= 2:
-            return f"{self.gpus - self.aux}:{self.aux} (E {(self.aux + 1) // 2}, V {self.aux // 2})"
-        aux = f"{self.aux} {self.aux_gpu.name}" if self.aux_gpu else str(self.aux)
-        if self.aux == 0:
-            return f"{self.gpus}:0 (E+V on {self.hosts} DiT GPU)"
-        return f"{self.gpus - self.aux}:{aux}"
-
-    @property
-    def aux_type(self) -> GpuType:
-        return self.aux_gpu if self.aux_gpu is not None else self.gpu
-
-    def price_per_hour(self, aux_count: int | None = None) -> float:
-        """USD per hour for the cluster's GPUs (``aux_count``: aux GPUs really placed)."""
-        if self.mode in ("colocated", "flex", "elastic"):
-            return self.gpus * self.gpu.price_per_hour
-        n = self.aux if aux_count is None else aux_count
-        return (self.gpus - n) * self.gpu.price_per_hour + n * self.aux_type.price_per_hour
-
-
-def default_aux(workload: Workload, gpus: int, headroom: float = 3.0) -> int:
-    """Aux GPUs sized by the stage-time ratio: ``headroom`` x the encode + decode share of
-    the GPU time, at least 1 (pools sized by the stage-time ratio, issue 5 §4)."""
-    e, d, v = workload.stage_seconds()
-    return max(1, math.ceil(gpus * headroom * (e + v) / (e + d + v)))
-
-
-@dataclass
-class RequestRecord:
-    """What happened to one request (times are virtual seconds)."""
-
-    rid: str
-    kind: RequestKind
-    submitted: float
-    deadline: float
-    ttff: float | None = None
-    done: float | None = None
-    preemptions: int = 0
-    encode_skipped: bool = False
-
-    @property
-    def met(self) -> bool:
-        return self.done is not None and self.done <= self.deadline
-
-
-@dataclass
-class RunResult:
-    """A run's records and accounting; ``config`` is the core's configuration and
-    ``price_per_hour`` the cluster's GPU price (USD/h). ``cannot_fit``: the
-    ``kind@role`` placements that needed weights offloaded where no measured offload
-    time exists (their stage times are then not a measurement: report, do not use).
-    ``memory``: the memory rule it ran under; ``loaded_gb``: weights loaded (model
-    swaps and stage changes, ``memory="swap"``); ``stage_changes``: ``(time, gpu,
-    from stages, to stages)`` of each move an elastic run began; ``planner``: its
-    name, options, decisions and GPU-seconds spent loading for stage changes."""
-
-    records: list[RequestRecord]
-    busy: dict[str, float]
-    pool_gpus: dict[str, int]
-    horizon: float
-    window: tuple[float, float]
-    makespan: float
-    events: int
-    rejected: int
-    failed: int
-    steps_run: int
-    config: OrchestratorConfig
-    price_per_hour: float
-    cannot_fit: list[str] = field(default_factory=list)
-    memory: Memory = "resident"
-    loaded_gb: float = 0.0
-    stage_changes: list[tuple[float, str, tuple[str, ...], tuple[str, ...]]] = field(
-        default_factory=list
-    )
-    planner: dict[str, object] | None = None
-
-
-class _Worker:
-    __slots__ = ("cell", "gpu", "stage", "wid")
-
-    def __init__(self, wid: str, stage: str, gpu: _Gpu | None, cell: _Cell) -> None:
-        self.wid, self.stage, self.gpu, self.cell = wid, stage, gpu, cell
-
-
-class _Run:
-    """An item running on a GPU."""
-
-    __slots__ = (
-        "boundary0",
-        "item",
-        "pausing",
-        "start",
-        "step_s",
-        "steps_left",
-        "token",
-        "worker",
-    )
-
-    def __init__(self, worker: _Worker, item: WorkItem, start: float, token: int) -> None:
-        self.worker, self.item, self.start, self.token = worker, item, start, token
-        self.boundary0 = 0.0
-        self.pausing = False
-        self.steps_left = 0
-        self.step_s = 0.0
-
-
-class _Gpu:
-    __slots__ = (
-        "busy",
-        "cache",
-        "changes",
-        "name",
-        "node",
-        "pool",
-        "queue",
-        "running",
-        "stages",
-        "state",
-        "target",
-        "wids",
-    )
-
-    def __init__(self, name: str, pool: str, node: str) -> None:
-        self.name, self.pool, self.node = name, pool, node
-        self.queue: deque[tuple[_Worker, WorkItem]] = deque()
-        self.running: _Run | None = None
-        self.busy = 0.0
-        self.cache: ModelCache | None = None  # memory="swap": the models it holds
-        self.stages: tuple[str, ...] = ()  # stages its workers serve
-        self.state = "serving"  # elastic: "changing" (emptying), "loading"
-        self.target: tuple[str, ...] = ()  # elastic: the stages it changes to
-        self.wids: list[str] = []  # its live workers' ids
-        self.changes = 0
-
-
-class _Route:
-    """Routing: a decode item goes to a decode worker with the producing denoise worker's
-    label ``key`` ("gpu": decode on the DiT's own GPU; "node": decode pools not shared
-    across nodes) when one has a free credit; otherwise, and for every other item, to
-    the least-loaded candidate (registration order breaks ties)."""
-
-    def __init__(self, key: str | None) -> None:
-        self.key = key
-        #: memory="swap": keeps the candidates whose GPU loads least for the item
-        self.prefer: Callable[[WorkItem, Sequence[WorkerView]], Sequence[WorkerView]] | None
-        self.prefer = None
-        self.sticky = False  # flex: every stage stays on its input's GPU when it can
-        #: flex: items on a worker's GPU (all its stages: credits shared, as a
-        #: multi-stage worker's are), the first key of least-loaded
-        self.gpu_load: Callable[[WorkerView], int] | None = None
-
-    def choose(self, item: WorkItem, candidates: Sequence[WorkerView]) -> WorkerView:
-        want = item.hint.get(self.key) if self.key is not None else None
-        if want is not None and (item.stage == "decode" or self.sticky):
-            for w in candidates:
-                if w.labels.get(self.key) == want:  # type: ignore[arg-type]
-                    return w
-        if self.prefer is not None:  # memory="swap": the GPUs that load least first
-            candidates = self.prefer(item, candidates)
-        if self.gpu_load is not None:
-            load = self.gpu_load
-            return min(candidates, key=lambda w: (load(w), w.held / max(1, w.advertised), w.seq))
-        return min(candidates, key=lambda w: (w.held / max(1, w.advertised), w.seq))
-
-
-class _Cell:
-    """One orchestrator core and the GPUs it schedules."""
-
-    def __init__(self, name: str, core: Orchestrator) -> None:
-        self.name = name
-        self.core = core
-        self.workers: dict[str, _Worker] = {}
-        self.n_denoise = 0
-        self.den_held = 0
-
-
-@dataclass
-class _Options:
-    workload: Workload
-    layout: Layout
-    mech: Mechanisms
-    sched: Scheduler
-    seed: int
-    rate: float | None
-    horizon: float
-    closed: tuple[int, int] | None  # (concurrency, total)
-    warmup: float
-    arrivals: Arrivals = field(default_factory=Poisson)
-    memory: Memory = "resident"
-    records: dict[str, RequestRecord] = field(default_factory=dict)
-
-
-class _Sim:
+class _Sim(_ItemCosts):
     def __init__(self, o: _Options) -> None:
         self.o = o
         self.clock = VirtualClock()
@@ -526,118 +191,6 @@ class _Sim:
         if stage == "denoise":
             cell.n_denoise += 1
         self._feed(cell, RegisterWorker(wid, stage, credits, labels, heartbeat_timeout=_NEVER))
-
-    # ------------------------------------------------------------ memory="swap"
-    def _all_kinds(self) -> list[RequestKind]:
-        w = self.o.workload
-        return list({k.name: k for k, _ in w.kinds + (w.later or ())}.values())
-
-    def _budget(self, gpu: _Gpu) -> float:
-        """Weights a GPU may hold: usable memory less the decode peak it keeps free."""
-        gtype = self.o.layout.aux_type if gpu.pool == "aux" else self.o.layout.gpu
-        decodes = gpu.pool in ("colocated", "host") or "decode" in gpu.stages
-        reserve = 0.0
-        if decodes:
-            role = self._role(gpu, "aux")
-            for k in self._all_kinds():
-                tile = self._placement(k, role).tile
-                reserve = max(reserve, k.vae_peak_gb / (TILE_MEMORY_DIVISOR if tile else 1.0))
-        return gtype.usable_gb - reserve
-
-    def _models(self, kind: RequestKind, stage: str, gpu: _Gpu, encode: bool = True) -> list[Model]:
-        """The models an item of ``stage`` needs on ``gpu`` (none for a kind whose
-        placement there offloads weights: its measured times price that); memoised
-        per kind, stage, pool and whether it encodes."""
-        key = (kind.name, stage, gpu.pool, encode)
-        got = self._model_memo.get(key)
-        if got is None:
-            got = self._model_memo[key] = self._models_of(kind, stage, gpu, encode)
-        return got
-
-    def _models_of(self, kind: RequestKind, stage: str, gpu: _Gpu, encode: bool) -> list[Model]:
-        # colocated, and flex's denoise item: the GPU encodes inline before the steps
-        colocated = gpu.pool == "colocated" or self.o.layout.mode == "flex"
-        role = self._role(gpu, "aux" if stage == "encode" else "denoise")
-        if self._placement(kind, role).offload:
-            return []
-        out: list[Model] = []
-        if stage == "encode" or (colocated and stage == "denoise" and encode):
-            out.append((("encoder", kind.name), kind.encoder_gb))
-        if stage == "denoise":
-            out.append((("dit", kind.name), kind.dit_gb))
-        return out
-
-    def _gpu_models(self, gpu: _Gpu, kinds: Sequence[RequestKind]) -> list[Model]:
-        """Every model ``gpu``'s stages need for ``kinds``, in that order."""
-        stages = ("denoise",) if gpu.pool == "colocated" else gpu.stages
-        out: list[Model] = []
-        for k in kinds:
-            for st in stages:
-                out.extend(m for m in self._models(k, st, gpu) if m not in out)
-        return out
-
-    def _fill_caches(self) -> None:
-        """Each GPU starts holding what fits of its stages' models for the first mix,
-        GPU i starting from kind i (so the fleet starts spread over the kinds)."""
-        kinds = [k for k, _ in self.o.workload.kinds]
-        for i, g in enumerate(self.gpus):
-            g.cache = ModelCache(self._budget(g))
-            order = kinds[i % len(kinds) :] + kinds[: i % len(kinds)]
-            for k in order:
-                g.cache.preload(self._gpu_models(g, [k]))
-
-    def _gpu_load(self, w: WorkerView) -> int:
-        gpu = self.gpu_of[w.labels["gpu"]]
-        return len(gpu.queue) + (gpu.running is not None)
-
-    def _prefer(self, item: WorkItem, candidates: Sequence[WorkerView]) -> Sequence[WorkerView]:
-        """Routing preference: the candidates whose GPU holds what ``item`` needs; if
-        none, those that load the fewest GB for it (a paused job's weights evicted
-        only where no candidate avoids it)."""
-        rec = self.o.records[item.request_id]
-        gpus = [self.gpu_of.get(w.labels.get("gpu", "")) for w in candidates]
-        needs: list[list[Model]] = [
-            []
-            if gpu is None or gpu.cache is None
-            else self._models(rec.kind, item.stage, gpu, not rec.encode_skipped)
-            for gpu in gpus
-        ]
-        warm = [
-            w
-            for w, gpu, m in zip(candidates, gpus, needs, strict=True)
-            if gpu is None or gpu.cache is None or gpu.cache.holds(m)
-        ]
-        if warm:
-            return warm
-        gb = [
-            g.cache.missing_gb(m, self._pinned(g))  # type: ignore[union-attr]
-            for g, m in zip(gpus, needs, strict=True)
-        ]
-        least = min(gb)
-        return [w for w, x in zip(candidates, gb, strict=True) if x == least]
-
-    def _pinned(self, gpu: _Gpu) -> set[tuple[str, str]]:
-        """The DiT weights of the denoise job running on a host GPU and of those paused
-        there (they resume there): an Encode or Decode item between its steps does not
-        evict them unless nothing else makes room."""
-        if gpu.pool != "host":
-            return set()
-        out = {
-            ("dit", self.o.records[it.request_id].kind.name)
-            for _, it in gpu.queue
-            if it.stage == "denoise" and it.request_id in self.paused
-        }
-        run = gpu.running
-        if run is not None and run.item.stage == "denoise":
-            out.add(("dit", self.o.records[run.item.request_id].kind.name))
-        return out
-
-    def _load_s(self, gpu: _Gpu, kind: RequestKind, stage: str, encode: bool = True) -> float:
-        """Seconds ``gpu`` spends loading what an item needs (0 when it holds it)."""
-        if gpu.cache is None:
-            return 0.0
-        models = self._models(kind, stage, gpu, encode)
-        return gpu.cache.need(models, self._pinned(gpu)) / LOAD_GBPS
 
     def _build(self) -> None:
         lay, mech = self.o.layout, self.o.mech
@@ -760,54 +313,7 @@ class _Sim:
         elif isinstance(a, Rejected):
             self.rejected += 1
 
-    # ------------------------------------------------------------ service times
-    def _placement(self, kind: RequestKind, role: str) -> Placement:
-        """The penalty a GPU in ``role`` ("colocated", "denoise", "aux") pays for ``kind``."""
-        key = (kind.name, role)
-        pl = self._placements.get(key)
-        if pl is None:
-            lay, mech = self.o.layout, self.o.mech
-            if role == "colocated" or not mech.fit_memory:
-                pl = placement_penalty(kind, lay.gpu, True, True, True)
-            elif role == "denoise":
-                pl = placement_penalty(kind, lay.gpu, False, True, not mech.decode_off_dit)
-            else:
-                pl = placement_penalty(kind, lay.aux_type, True, False, mech.decode_off_dit)
-            self._placements[key] = pl
-            if pl.offload and (kind.offload_step_s is None or kind.offload_encode_s is None):
-                self.unfit.add(f"{kind.name}@{role}")
-        return pl
-
-    def _role(self, gpu: _Gpu, stage_role: str) -> str:
-        """The placement role of ``gpu``: a colocated or fractional host GPU holds all
-        three stages; otherwise ``stage_role`` ("denoise" or "aux")."""
-        return "colocated" if gpu.pool in ("colocated", "host") else stage_role
-
-    def _encode_s(self, kind: RequestKind, gpu: _Gpu) -> float:
-        """Encode time; the shared negative prompt is always cached per instance."""
-        role = self._role(gpu, "aux")
-        pl = self._placement(kind, role)
-        t = kind.offload_encode_s if pl.offload and kind.offload_encode_s else kind.encode_s
-        if gpu.pool == "aux":
-            t *= self.o.layout.aux_type.slowdown_vs(self.o.layout.gpu)
-        if self.o.workload.cache_negative:
-            t *= 1.0 - kind.negative_share
-        return t
-
-    def _step_s(self, kind: RequestKind, gpu: _Gpu) -> float:
-        role = self._role(gpu, "denoise")
-        if self._placement(kind, role).offload and kind.offload_step_s:
-            return kind.offload_step_s
-        return kind.step_s
-
-    def _decode_s(self, kind: RequestKind, on_dit: bool, gpu: _Gpu) -> float:
-        """Whole-request decode time on the DiT's GPU (``on_dit``) or on an aux GPU."""
-        pl = self._placement(kind, self._role(gpu, "denoise" if on_dit else "aux"))
-        t = kind.decode_s * (kind.decode_tile_factor if pl.tile else 1.0)
-        if gpu.pool == "aux":
-            t *= self.o.layout.aux_type.slowdown_vs(self.o.layout.gpu)
-        return t
-
+    # ------------------------------------------------------------ running items
     def _next(self, gpu: _Gpu) -> tuple[_Worker, WorkItem]:
         """The GPU's next item: FIFO, or with priorities the oldest interactive one first."""
         if self.o.sched.priorities:

@@ -44,8 +44,8 @@ from mooncake_diffusion.orchestrator.elastic.planners import create_planner
 from mooncake_diffusion.orchestrator.elastic.view import PlanWindow
 from mooncake_diffusion.simulate.costs import LOAD_GBPS
 
-#: ``cluster.Workload``, ``cluster._Gpu`` and ``cluster._Sim``: not imported, not even
-#: for typing, since ``cluster`` imports this module (tests/unit/test_layout.py)
+#: ``model.Workload``, ``gpus._Gpu`` and ``cluster._Sim``: not imported, not even for
+#: typing (``cluster`` imports this module: tests/unit/test_layout.py forbids the cycle)
 Workload = Any
 _Gpu = Any
 _Sim = Any

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from mooncake_diffusion.simulate.cluster import RunResult
+from mooncake_diffusion.simulate.model import RunResult
 
 __all__ = ["Summary", "quantile", "summarize"]
 
