@@ -11,9 +11,9 @@ import pytest
 
 from helpers import make_tensor, same_bytes
 from mooncake_diffusion import DiffusionConnector, StagePayload
-from mooncake_diffusion._mooncake import store_host
 from mooncake_diffusion._mooncake.cluster import LocalCluster
 from mooncake_diffusion.testing import assert_no_leaks, thread_names
+from mooncake_diffusion.transfer import store_host
 
 pytestmark = pytest.mark.integration
 

@@ -75,7 +75,6 @@ from mooncake_diffusion.orchestrator.core.policies import (
     LeastLoaded,
     RoundRobin,
 )
-from mooncake_diffusion.orchestrator.core.policy import RoutingPolicy, WorkerView
 from mooncake_diffusion.orchestrator.core.registry import (
     ENTRY_POINT_GROUP,
     PolicyRegistry,
@@ -84,6 +83,7 @@ from mooncake_diffusion.orchestrator.core.registry import (
     load_policy,
     register_policy,
 )
+from mooncake_diffusion.orchestrator.core.routing import RoutingPolicy, WorkerView
 from mooncake_diffusion.orchestrator.errors import (
     ClockError,
     OrchestratorConfigError,

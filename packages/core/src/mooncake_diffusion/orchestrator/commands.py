@@ -99,7 +99,7 @@ def _run_orchestrator(args: argparse.Namespace) -> int:
     from mooncake_diffusion.orchestrator.http.api import ApiServer
     from mooncake_diffusion.orchestrator.http.front import DEFAULT_MAX_COST, FrontConfig
     from mooncake_diffusion.orchestrator.http.process import FrontProcess
-    from mooncake_diffusion.orchestrator.service.runtime import settle_after_startup
+    from mooncake_diffusion.orchestrator.service.collector import settle_after_startup
     from mooncake_diffusion.orchestrator.service.service import OrchestratorService, ServiceConfig
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(message)s")
@@ -162,7 +162,7 @@ def _run_orchestrator(args: argparse.Namespace) -> int:
         service.close()
         raise
     try:
-        settle_after_startup()  # this process is the service's own (runtime.py)
+        settle_after_startup()  # this process is the service's own (service/collector.py)
         journal = args.journal or "off (accepted requests are lost on restart; --journal PATH)"
         print(
             f"orchestrator ready: api {api.url} workers {service.worker_address} "

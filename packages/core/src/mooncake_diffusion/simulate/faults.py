@@ -50,7 +50,7 @@ from mooncake_diffusion.orchestrator.core.model import (
     Tick,
     WorkerLost,
 )
-from mooncake_diffusion.orchestrator.core.policy import RoutingPolicy
+from mooncake_diffusion.orchestrator.core.routing import RoutingPolicy
 from mooncake_diffusion.simulate.events import EventQueue
 from mooncake_diffusion.simulate.metrics import quantile
 

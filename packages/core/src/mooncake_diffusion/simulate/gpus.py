@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 
 from mooncake_diffusion.orchestrator.core.machine import Orchestrator
 from mooncake_diffusion.orchestrator.core.model import WorkItem
-from mooncake_diffusion.orchestrator.core.policy import WorkerView
+from mooncake_diffusion.orchestrator.core.routing import WorkerView
 from mooncake_diffusion.simulate.costs import (
     LOAD_GBPS,
     TILE_MEMORY_DIVISOR,

@@ -1,6 +1,6 @@
 """Routing indexes: the built-in policies' choices without scanning the pool.
 
-A policy's ``choose(item, candidates)`` (``policy.py``) reads every worker
+A policy's ``choose(item, candidates)`` (``routing.py``) reads every worker
 with a free credit, so a decision costs O(workers). A policy that also has an
 ``index()`` method hands the core a ``RoutingIndex``; the core's ``Pools``
 then tells it about every change of a worker (``update``: registered, or its
@@ -49,7 +49,7 @@ from typing import Any, Protocol
 
 from mooncake_diffusion.orchestrator.core.interned import Interned
 from mooncake_diffusion.orchestrator.core.model import WorkItem
-from mooncake_diffusion.orchestrator.core.policy import WorkerView
+from mooncake_diffusion.orchestrator.core.routing import WorkerView
 
 __all__ = ["AffinityIndex", "LeastLoadedIndex", "RoundRobinIndex", "RoutingIndex"]
 

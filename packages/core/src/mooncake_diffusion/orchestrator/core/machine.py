@@ -129,10 +129,10 @@ from mooncake_diffusion.orchestrator.core.model import (
     WorkerState,
     WorkItem,
 )
-from mooncake_diffusion.orchestrator.core.policy import RoutingPolicy
 from mooncake_diffusion.orchestrator.core.pools import Pools, Worker
 from mooncake_diffusion.orchestrator.core.queues import ClassQueue
 from mooncake_diffusion.orchestrator.core.registry import create_policy
+from mooncake_diffusion.orchestrator.core.routing import RoutingPolicy
 from mooncake_diffusion.orchestrator.core.victims import Victims
 from mooncake_diffusion.orchestrator.errors import ClockError, PolicyContractError
 

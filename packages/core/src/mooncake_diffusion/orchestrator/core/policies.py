@@ -1,6 +1,6 @@
 """Built-in routing policies (registered as ``round_robin``, ``least_loaded``, ``affinity``).
 
-Each is a few lines over the ``RoutingPolicy`` contract in ``policy.py``: pure
+Each is a few lines over the ``RoutingPolicy`` contract in ``routing.py``: pure
 functions of the candidates plus, for round robin, a cursor per stage. Ties
 always break by registration order, so runs are reproducible. ``choose`` is the
 reference; ``index()`` gives the core the same choices without a scan of the
@@ -17,7 +17,7 @@ from mooncake_diffusion.orchestrator.core.indexes import (
     RoundRobinIndex,
 )
 from mooncake_diffusion.orchestrator.core.model import WorkItem
-from mooncake_diffusion.orchestrator.core.policy import WorkerView
+from mooncake_diffusion.orchestrator.core.routing import WorkerView
 from mooncake_diffusion.orchestrator.errors import OrchestratorConfigError
 
 __all__ = ["AffinityLeastLoaded", "LeastLoaded", "RoundRobin"]

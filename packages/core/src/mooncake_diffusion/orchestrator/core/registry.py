@@ -20,7 +20,7 @@ import importlib.metadata
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Generic, TypeVar
 
-from mooncake_diffusion.orchestrator.core.policy import RoutingPolicy
+from mooncake_diffusion.orchestrator.core.routing import RoutingPolicy
 from mooncake_diffusion.orchestrator.errors import OrchestratorConfigError
 
 __all__ = [

@@ -353,8 +353,8 @@ class LeaderService(OrchestratorService):
             return
         self._met.add(ident)
         now = time.monotonic()
-        for ref in self._outstanding_of.get(ident.decode(errors="replace"), ()):
-            out = self._outstanding[ref]
+        for ref in self._sent.by_worker.get(ident.decode(errors="replace"), ()):
+            out = self._sent.items[ref]
             out.sent_at = now
             self._send_frame(ident, out.frame)
 

@@ -154,7 +154,7 @@ def main() -> int:
     """The front's process: serve the API until stdin closes (module docstring)."""
     import socket
 
-    from mooncake_diffusion.orchestrator.service.runtime import settle_after_startup
+    from mooncake_diffusion.orchestrator.service.collector import settle_after_startup
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level="WARNING", format="%(asctime)s front %(message)s")

@@ -95,7 +95,7 @@ from mooncake_diffusion.orchestrator.core.model import (
     ReleasePayloads,
     Tick,
 )
-from mooncake_diffusion.orchestrator.core.policy import RoutingPolicy
+from mooncake_diffusion.orchestrator.core.routing import RoutingPolicy
 from mooncake_diffusion.orchestrator.errors import (
     ClockError,
     OrchestratorError,

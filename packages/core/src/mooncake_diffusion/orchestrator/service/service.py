@@ -25,7 +25,7 @@ second Python thread contends for the interpreter lock. With a journal, every ac
 committed before its actions take effect (``JournaledOrchestrator``), and a
 restarted service replays it: statuses are rebuilt, running items are re-sent.
 Group commit: each turn of the driver loop (every worker frame and API call
-ready at one poll, up to ``_TURN_FRAMES`` frames) is one journal transaction; the
+ready at one poll, up to ``driver._TURN_FRAMES`` frames) is one journal transaction; the
 frames it sends, the API answers and the stream events it produces are held until
 that commit, then go out in order. One write per turn instead of one per event is
 what lets 1,024 workers' heartbeats and 1,000 submissions/s share one thread. A
@@ -42,7 +42,7 @@ answer a copy of what they finished with their ``Done`` again, so resending is
 safe. A ``Done`` lost the other way is recovered the same way. A ``Release``
 (drop a finished request's outputs) can be lost too: the service died between
 committing the request's end and the frame leaving. A restarted service sends the
-releases of the last ``_REDELIVER`` requests that ended before it went down again,
+releases of the last ``releases._REDELIVER`` requests that ended before it went down again,
 each to its producer once that worker speaks to the new service (only then can it
 be routed to); a producer that is gone hands its share to whichever worker speaks
 next (in store mode any worker's cleanup removes a request's objects).
@@ -65,20 +65,28 @@ Errors raised to API callers: ``RequestRejected`` (``code`` as the core's
 ``Rejected``: ``duplicate_request``, ``unknown_class``, ``bad_value``,
 ``unknown_request``, ``already_finished``) and ``ServiceUnavailable`` (closed or
 not answering). Bad worker frames are logged and answered with ``Refused``.
+
+Where the code is: this module is the lifecycle and the client API (``start``,
+``run_on_loop``, ``close``, ``submit`` and the rest, each posted to the driver), and
+the views the API reads (``cluster``, ``metrics_text``). ``OrchestratorService``'s
+other methods come from its bases, one per seam, each docstring saying who calls
+what: ``driver.DriverMixin`` (the loop, its turns, group commit, stall accounting),
+``actions.ActionsMixin`` (an event through the core, its actions executed, the
+journal's replay, the planner's round) and ``channel.ChannelMixin`` (the socket and
+the worker frames). The state one seam alone keeps is a collaborator of its own:
+``releases.Outstanding`` (the Work owed), ``releases.Releases`` (the releases owed)
+and ``channel.Sessions`` (the token sessions).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
-import logging
 import queue
-import secrets
 import threading
 import time
 import uuid
-from collections import Counter, OrderedDict, deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -91,71 +99,36 @@ import zmq
 from mooncake_diffusion.orchestrator.core.clock import Clock, StallClock
 from mooncake_diffusion.orchestrator.core.machine import Orchestrator
 from mooncake_diffusion.orchestrator.core.model import (
-    Action,
     Cancel,
-    Dispatch,
     Drain,
-    Event,
     Heartbeat,
-    ItemDone,
-    ItemFailed,
-    ItemYielded,
-    LoadStages,
     OrchestratorConfig,
-    Preempt,
     Reassign,
-    RegisterWorker,
-    Rejected,
-    ReleasePayloads,
-    RequestCancelled,
-    RequestCompleted,
-    RequestFailed,
-    Requeued,
-    Rerun,
-    Revoke,
     Submit,
-    Tick,
-    WorkerLost,
-    WorkerRemoved,
-    WorkItem,
 )
-from mooncake_diffusion.orchestrator.core.policy import RoutingPolicy
+from mooncake_diffusion.orchestrator.core.routing import RoutingPolicy
 from mooncake_diffusion.orchestrator.elastic.contract import Decision, Planner, Provisioner
 from mooncake_diffusion.orchestrator.elastic.driver import Elastic, pool_sizes
 from mooncake_diffusion.orchestrator.elastic.planners import create_planner
 from mooncake_diffusion.orchestrator.errors import OrchestratorError
 from mooncake_diffusion.orchestrator.link.inbox import Inbox
-from mooncake_diffusion.orchestrator.link.wire import (
-    Beat,
-    Bye,
-    Done,
-    Drop,
-    Failed,
-    Hello,
-    ItemRef,
-    Leave,
-    Load,
-    Memory,
-    Progress,
-    Refused,
-    Release,
-    Retire,
-    Welcome,
-    WireError,
-    Work,
-    Yield,
-    Yielded,
-    decode_from_worker,
-    encode,
+from mooncake_diffusion.orchestrator.link.wire import Memory
+from mooncake_diffusion.orchestrator.service.actions import ActionsMixin
+from mooncake_diffusion.orchestrator.service.channel import ChannelMixin, Sessions
+from mooncake_diffusion.orchestrator.service.driver import (
+    DriverMixin,
+    RequestRejected,
+    ServiceUnavailable,
+    take_frames,
 )
 from mooncake_diffusion.orchestrator.service.journal import (
     EventLog,
     Journal,
     JournaledOrchestrator,
-    JournalError,
 )
 from mooncake_diffusion.orchestrator.service.metrics import ServiceMetrics
-from mooncake_diffusion.orchestrator.service.stalls import STALL_S, StallWatch
+from mooncake_diffusion.orchestrator.service.releases import Outstanding, Releases
+from mooncake_diffusion.orchestrator.service.stalls import StallWatch
 from mooncake_diffusion.orchestrator.service.status import (
     TERMINAL,
     RequestEvent,
@@ -169,41 +142,13 @@ __all__ = [
     "RequestRejected",
     "ServiceConfig",
     "ServiceUnavailable",
+    "take_frames",
 ]
-
-log = logging.getLogger("mooncake_diffusion.orchestrator")
 
 MAX_PARAMS_BYTES = 64 * 1024
 
-
-class RequestRejected(OrchestratorError):
-    """The request was not accepted (or does not exist); nothing changed. ``code``
-    is the core's reject code."""
-
-    def __init__(self, code: str, reason: str) -> None:
-        super().__init__(reason)
-        self.code = code
-        self.reason = reason
-
-
-class ServiceUnavailable(OrchestratorError):
-    """The service is closed, or its driver did not answer in time. Retryable."""
-
-    retryable = True
-
-
-#: worker frames handled in one driver turn (one journal commit) at most: it bounds
-#: the most worker frames one turn (one commit) takes when no API call waits; 1,024
-#: beats a second are still only 16 commits
-_TURN_FRAMES = 64
-#: the same on a shared asyncio loop, where HTTP requests are read only between turns
-_LOOP_TURN_FRAMES = 16
-#: the longest a loop-driven driver sleeps with nothing due (it then looks again)
-_LOOP_IDLE_S = 1.0
 #: Finished request ids ``cluster()`` lists (newest last), for dashboards.
 _RECENT = 50
-#: releases of the requests that ended last before a restart, sent again (module doc)
-_REDELIVER = 64
 
 
 @dataclass(frozen=True)
@@ -238,13 +183,7 @@ class ServiceConfig:
             )
 
 
-class _Outstanding(msgspec.Struct):
-    worker_id: str
-    frame: bytes
-    sent_at: float
-
-
-class OrchestratorService:
+class OrchestratorService(DriverMixin, ActionsMixin, ChannelMixin):
     """See the module docstring. ``clock``: default a ``StallClock`` (monotonic time
     less the driver's own stalls, which a ``StallWatch`` notices); ``policy``: a
     routing policy instance (default: ``config.orchestrator.policy``); ``planner``: a
@@ -284,17 +223,10 @@ class OrchestratorService:
         self._stopping = False
         self._closed = False
         self._core: Orchestrator | JournaledOrchestrator | None = None
-        self._outstanding: dict[ItemRef, _Outstanding] = {}
-        self._outstanding_of: dict[str, set[ItemRef]] = {}  # the same, by worker
-        self._producers: dict[str, set[str]] = {}
-        #: live request -> (worker, item) of its last denoise dispatch (``_resumable_of``)
-        self._resumable: dict[str, tuple[str, WorkItem]] = {}
-        #: releases that may have been lost in a restart (filled by the journal's replay):
-        #: request -> its producers still owed one
-        self._redeliver: OrderedDict[str, set[str]] = OrderedDict()
-        #: with a token: each worker connection that said Hello with it -> the session
-        #: key its later frames must carry (a routing id alone can be taken over)
-        self._authed: OrderedDict[bytes, str] = OrderedDict()
+        #: the Work frames sent and not answered yet (resent when a Beat misses them)
+        self._sent = Outstanding()
+        #: with a token: the session key of each worker connection that proved it
+        self._sessions = Sessions()
         #: workers sent ``Load`` and not registered again: worker -> (stages, reason, t)
         self._loading: dict[str, tuple[tuple[str, ...], str, float]] = {}
         #: workers whose Drain the core accepted and has not removed yet
@@ -307,6 +239,8 @@ class OrchestratorService:
         self._frames: list[tuple[bytes, bytes]] | None = None
         self._answers: list[tuple[Future, Any, BaseException | None]] = []
         self._counters: Counter[str] = Counter()
+        #: who must drop which outputs and checkpoints; releases a restart may have lost
+        self._releases = Releases(self.table, self._send, self._counters)
         self.metrics = ServiceMetrics()
         self.worker_address = ""
         #: set when the driver thread has ended (closed, or stopped by ``failure``)
@@ -376,31 +310,6 @@ class OrchestratorService:
             if not fut.done():
                 fut.set_exception(self._stopped_error())
         self._driver_ended(self._watch)
-
-    def _bind(self) -> zmq.Socket:
-        """The worker channel's ROUTER socket, bound to ``config.worker_bind``."""
-        self._ctx = zmq.Context()
-        router = self._ctx.socket(zmq.ROUTER)
-        router.setsockopt(zmq.LINGER, 0)
-        router.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted worker takes its id back
-        router.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
-        try:
-            router.bind(self.config.worker_bind)
-        except zmq.ZMQError as e:
-            router.close()
-            self._ctx.term()
-            raise OrchestratorError(f"cannot bind {self.config.worker_bind}: {e}") from e
-        self._router = router
-        self.worker_address = router.getsockopt_string(zmq.LAST_ENDPOINT)
-        return router
-
-    def _unbind(self, router: zmq.Socket) -> None:
-        """After a start that failed: nothing of it stays open."""
-        self._closed = True
-        router.close()
-        assert self._ctx is not None
-        self._ctx.term()
-        self._mail.close()
 
     def _open_core(self) -> None:
         """In the driver thread (SQLite objects stay in the thread that made them)."""
@@ -619,6 +528,22 @@ class OrchestratorService:
         """Prometheus text exposition (format 0.0.4)."""
         return self._call(self._metrics)
 
+    # ------------------------------------------------------------------ the planner
+    def plan_now(self) -> list[Decision]:
+        """Run the planner once now (on the driver thread) and apply its decisions;
+        returns them. The driver also runs it every ``planner.interval``."""
+        return self._call(self._plan)
+
+    def use_planner(self, planner: Planner, provisioner: Provisioner | None = None) -> None:
+        """Run ``planner`` from now on (its first call one ``planner.interval`` from
+        now), with ``provisioner`` (``None``: keep the current one). The window of
+        history carries over."""
+
+        def use() -> None:
+            self._elastic.use(planner, provisioner, self._now())
+
+        self._call(use)
+
     # ------------------------------------------------------------------ driver plumbing
     def _post(self, fn: Callable[[], Any]) -> Future:
         """Hand ``fn`` to the driver (its mailbox wakes the loop at once); the future
@@ -671,654 +596,7 @@ class OrchestratorService:
         except TimeoutError:
             raise self._late() from None
 
-    def _now(self) -> float:
-        assert self._core is not None
-        if isinstance(self._core, JournaledOrchestrator):
-            return self._core.now()
-        return self._clock.now()
-
-    def _run(self, opened: Future) -> None:
-        try:
-            self._open_core()
-        except BaseException as e:
-            if isinstance(self._core, JournaledOrchestrator):
-                self._core.close()  # recovered, then failed: release the journal
-            opened.set_exception(e)
-            return
-        opened.set_result(None)
-        watch = self._open_watch()
-        try:
-            self._loop(watch)
-        finally:
-            self._driver_ended(watch)
-
-    def _open_watch(self) -> StallWatch | None:
-        """A started stall watch attached to the clock; only a clock that stalls can
-        be told of stalls (a VirtualClock is the caller's): None for another."""
-        if not isinstance(self._clock, StallClock):
-            return None
-        watch = StallWatch(clock=self._clock.source).start()
-        self._clock.attach(watch)
-        return watch
-
-    def _driver_ended(self, watch: StallWatch | None) -> None:
-        """On the driver, once it turns no more: release the watch and the journal,
-        set ``stopped``, fail the calls nobody will answer now."""
-        try:
-            if watch is not None:
-                assert isinstance(self._clock, StallClock)
-                self._clock.detach()
-                watch.close()
-            if isinstance(self._core, JournaledOrchestrator):
-                self._core.close()
-        finally:
-            self.stopped.set()
-            for _, fut in self._mail.drain():
-                fut.set_exception(self._stopped_error())
-
-    def _stopped_error(self) -> ServiceUnavailable:
-        return ServiceUnavailable(f"the orchestrator stopped: {self.failure}")
-
-    def _loop(self, watch: StallWatch | None) -> None:
-        """Turns until stopped. With a ``watch`` (attached to the clock), a stall of
-        the driver (``stalls.py``) is out of the core's time before the next event
-        it handles, so the frames queued meanwhile find their senders still live:
-        a freeze at the clock's next reading, a long turn as soon as it ends."""
-        router = self._router
-        assert router is not None and self._core is not None
-        poller = zmq.Poller()
-        poller.register(router, zmq.POLLIN)
-        poller.register(self._mail.fileno(), zmq.POLLIN)
-        while not self._stopping:
-            deadline = self._core.next_deadline()
-            wake = min(
-                (t for t in (deadline, self._elastic.next_at()) if t is not None), default=None
-            )
-            # (capped: zmq takes an int of milliseconds; a far wake-up is just a long wait)
-            timeout = None if wake is None else min(max(0.0, wake - self._now()), 3600.0) * 1000 + 1
-            try:
-                ready = dict(poller.poll(timeout))
-            except zmq.ZMQError:
-                break
-            frozen = 0.0 if watch is None else watch.frozen()
-            started = time.monotonic()
-            with self._turn():
-                if router in ready:
-                    take_frames(router, self._on_worker_frame, self._mail.waiting, _TURN_FRAMES)
-                self._turn_rest(deadline)
-            if watch is not None:
-                self._count_stalls(watch, time.monotonic() - started, frozen)
-
-    def _turn_rest(self, deadline: float | None) -> None:
-        """Inside a turn, after its worker frames: the API calls posted (and, on a
-        loop, made on it), a tick if the heartbeat ``deadline`` has come, the
-        planner if it is due."""
-        for fn, fut in self._mail.drain():
-            if fut.set_running_or_notify_cancel():
-                self._answer(fn, fut)
-        if self._local:
-            local, self._local = self._local, []
-            for fn, afut in local:
-                if not afut.done():  # not cancelled by its caller's timeout
-                    self._answer(fn, afut)
-        if deadline is not None and self._now() >= deadline:
-            self._guard(self._feed, Tick(), None)
-        if self._elastic.due(self._now()):
-            self._guard(self._plan)
-
-    def _answer(self, fn: Callable[[], Any], fut: Future | asyncio.Future) -> None:
-        try:
-            self._answers.append((fut, fn(), None))
-        except JournalError as e:
-            self._journal_failed(e)
-            self._answers.append((fut, None, e))
-        except BaseException as e:
-            self._answers.append((fut, None, e))
-
-    # ------------------------------------------------------------------ on a loop
-    def _kick(self) -> None:
-        """Have the loop run a turn soon (once, however often it is asked)."""
-        if not self._kicked and self._aloop is not None:
-            self._kicked = True
-            self._aloop.call_soon(self._loop_turn)
-
-    def _loop_turn(self) -> None:
-        """One turn on the loop (``_loop``'s body, with ``_LOOP_TURN_FRAMES``), then
-        what brings the next: frames still queued (at once), the next heartbeat
-        deadline or planner round (a timer); a call made on the loop kicks it itself."""
-        self._kicked = False
-        if self._stopping or self.stopped.is_set():
-            return
-        router, core, watch = self._router, self._core, self._watch
-        assert router is not None and core is not None
-        frozen = 0.0 if watch is None else watch.frozen()
-        started = time.monotonic()
-        with self._turn():
-            # the FD only says that something changed: the socket's events tell what
-            if router.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                take_frames(router, self._on_worker_frame, self._mail.waiting, _LOOP_TURN_FRAMES)
-            self._turn_rest(core.next_deadline())
-        if watch is not None:
-            self._count_stalls(watch, time.monotonic() - started, frozen)
-        if self._stopping:  # the journal failed
-            self.leave_loop()
-            return
-        if router.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # calls on the loop come after a turn
-            self._kick()
-        self._arm(core.next_deadline())
-
-    def _arm(self, deadline: float | None) -> None:
-        """The timer for the next turn nothing else brings."""
-        assert self._aloop is not None
-        now = self._now()
-        due = [t for t in (deadline, self._elastic.next_at()) if t is not None]
-        wake = min([*due, now + _LOOP_IDLE_S])
-        timer, at = self._timer, self._wake_at
-        if timer is not None and not timer.cancelled() and at is not None and now < at <= wake:
-            return  # the timer set already comes first
-        if timer is not None:
-            timer.cancel()
-        self._wake_at = wake
-        self._timer = self._aloop.call_later(max(0.0, wake - now) + 0.001, self._kick)
-
-    def _count_stalls(self, watch: StallWatch, turn_s: float, frozen_before: float) -> None:
-        """After a turn: a turn that ran long past ``STALL_S`` (less the freezes in
-        it, which the clock took out already) is taken out of the clock's time;
-        ``driver_stall_ms`` is all the clock has taken out."""
-        assert isinstance(self._clock, StallClock)
-        ran_s = turn_s - (watch.frozen() - frozen_before)
-        if ran_s > STALL_S:
-            self._clock.stalled(ran_s)
-        self._counters["driver_stall_ms"] = round(self._clock.stalls_s() * 1000)
-
-    @contextlib.contextmanager
-    def _turn(self) -> Iterator[None]:
-        """One turn of the driver loop, under one group commit of the journal: the
-        events it handles are written together, then their effects (frames to
-        workers, answers to API calls, stream events) go out, in order. If the
-        commit fails, none goes out: API calls get ``ServiceUnavailable`` and the
-        driver stops (a supervisor restarts it; the journal has what was durable)."""
-        assert self._core is not None
-        self._frames = []
-        self._answers = []
-        self.table.hold()
-        ok = False
-        group = contextlib.ExitStack()
-        try:
-            try:
-                if isinstance(self._core, JournaledOrchestrator):
-                    group.enter_context(self._core.group())
-            except JournalError as e:  # the body still runs: every event is refused
-                self._journal_failed(e)
-            try:
-                yield
-            finally:
-                group.close()  # the commit
-            ok = self.failure is None
-        except JournalError as e:
-            self._journal_failed(e)
-        finally:
-            frames, answers, self._frames = self._frames, self._answers, None
-            self.table.release(deliver=ok)
-            if ok:
-                for ident, frame in frames:
-                    self._push_frame(ident, frame)
-            for fut, result, exc in answers:
-                if ok and exc is None:
-                    fut.set_result(result)
-                elif isinstance(exc, JournalError) or (exc is None and not ok):
-                    fut.set_exception(ServiceUnavailable(f"journal failed: {self.failure}"))
-                else:
-                    fut.set_exception(exc)
-
-    def _journal_failed(self, e: JournalError) -> None:
-        log.critical("orchestrator: stopping, the journal failed: %s", e)
-        self.failure, self._stopping = e, True
-
-    def _guard(self, fn: Callable[..., Any], *args: Any) -> None:
-        """Worker traffic must never stop the driver: log and count what fails. A
-        journal that cannot be written does stop it: acting on events that are not
-        durable would break the promise; a supervisor restarts the service."""
-        try:
-            fn(*args)
-        except JournalError as e:
-            self._journal_failed(e)
-        except Exception:
-            self._counters["driver_errors"] += 1
-            log.exception("orchestrator: error while handling %s", fn.__name__)
-
-    # ------------------------------------------------------------------ events
-    def _feed(
-        self, event: Event, ident: bytes | None, accepted: Callable[[], None] | None = None
-    ) -> list[Action]:
-        """Run one event through the core and execute its actions. An API event that
-        is rejected raises ``RequestRejected``; a worker's gets ``Refused``.
-        ``accepted`` runs only if the core took the event, before its actions run (so
-        a client sees a stage done before the dispatch or completion that follows)."""
-        assert self._core is not None
-        actions = self._core.handle(event)
-        self._elastic.observe(self._now(), event, actions)
-        name = type(event).__name__
-        rejected = next((a for a in actions if isinstance(a, Rejected) and a.event == name), None)
-        if rejected is None and isinstance(event, Submit):
-            self._counters["submitted"] += 1
-            self._table_submitted(event)
-        if rejected is None and accepted is not None:
-            accepted()
-        if rejected is None and isinstance(event, Drain):
-            self._draining.add(event.worker_id)
-        for a in actions:
-            self._execute(a, ident)
-        if rejected is not None and ident is None:
-            raise RequestRejected(rejected.code, rejected.reason)
-        return actions
-
-    # ------------------------------------------------------------------ the planner
-    def plan_now(self) -> list[Decision]:
-        """Run the planner once now (on the driver thread) and apply its decisions;
-        returns them. The driver also runs it every ``planner.interval``."""
-        return self._call(self._plan)
-
-    def use_planner(self, planner: Planner, provisioner: Provisioner | None = None) -> None:
-        """Run ``planner`` from now on (its first call one ``planner.interval`` from
-        now), with ``provisioner`` (``None``: keep the current one). The window of
-        history carries over."""
-
-        def use() -> None:
-            self._elastic.use(planner, provisioner, self._now())
-
-        self._call(use)
-
-    def _plan(self) -> list[Decision]:
-        assert self._core is not None
-        return self._elastic.step(self._core.snapshot(), self._now(), self._planner_feed)
-
-    def _planner_feed(self, ev: Event) -> list[Action]:
-        try:
-            return self._feed(ev, None)
-        except RequestRejected as e:  # the actions ran; only the refusal matters here
-            return [Rejected(e.code, e.reason, type(ev).__name__)]  # type: ignore[arg-type]
-
-    def _table_submitted(self, ev: Submit) -> None:
-        self.table.submitted(ev.request_id, ev.slo_class or self.config.orchestrator.default_class)
-
-    def _replayed(self, event: Event, actions: list[Action]) -> None:
-        """Journal recovery: rebuild statuses and who produced what (nothing is sent)."""
-        if isinstance(event, Submit) and not any(isinstance(a, Rejected) for a in actions):
-            self._table_submitted(event)
-        if isinstance(event, ItemDone) and event.output:
-            self._producers.setdefault(event.request_id, set()).add(event.worker_id)
-        if isinstance(event, RegisterWorker):
-            self._loading.pop(event.worker_id, None)
-        elif isinstance(event, Drain) and not any(isinstance(a, Rejected) for a in actions):
-            self._draining.add(event.worker_id)
-        for a in actions:
-            if isinstance(a, LoadStages):
-                self._loading[a.worker_id] = (a.stages, a.reason, time.monotonic())
-            elif isinstance(a, WorkerRemoved):
-                self._loading.pop(a.worker_id, None)
-                self._draining.discard(a.worker_id)
-            self.table.apply(a)
-            self._resumable_of(a)
-            if isinstance(a, ReleasePayloads):
-                producers = self._producers.pop(a.request_id, None)
-                if producers:  # sent before the restart; maybe lost with it
-                    self._redeliver[a.request_id] = producers
-                    while len(self._redeliver) > _REDELIVER:
-                        self._redeliver.popitem(last=False)
-
-    def _execute(self, a: Action, ident: bytes | None) -> None:
-        self.table.apply(a)
-        resumable = self._resumable_of(a)
-        if resumable is not None:
-            self._forget_resumable(*resumable)
-        if isinstance(a, Dispatch):
-            self._counters[f"dispatched:{a.item.stage}"] += 1
-            self._observe_dispatch(a.item.request_id, a.item.stage)
-            self._send_work(a)
-        elif isinstance(a, Revoke):
-            ref = ItemRef(a.request_id, a.stage, a.attempt)
-            self._forget(ref)
-            self._send(a.worker_id.encode(), Drop(ref, a.reason))
-        elif isinstance(a, Preempt):
-            ref = ItemRef(a.request_id, a.stage, a.attempt)
-            self._counters["preemptions"] += 1
-            self.table.preempted(ref, a.worker_id, a.reason)
-            self._send(a.worker_id.encode(), Yield(ref, a.reason))
-        elif isinstance(a, Requeued):
-            self._counters[f"requeued:{a.stage}"] += 1
-            self._forget(ItemRef(a.request_id, a.stage, a.attempt))
-        elif isinstance(a, Rerun):
-            self._counters[f"rerun:{a.stage}"] += 1
-            log.warning("orchestrator: %s: %s runs again: %s", a.request_id, a.stage, a.reason)
-        elif isinstance(a, ReleasePayloads):
-            self._release(a.request_id)
-        elif isinstance(a, RequestCompleted):
-            self._counters["completed"] += 1
-            self.metrics.request_seconds.observe(a.finished_at - a.submitted_at)
-        elif isinstance(a, RequestFailed):
-            self._counters["failed"] += 1
-        elif isinstance(a, RequestCancelled):
-            self._counters["cancelled"] += 1
-        elif isinstance(a, LoadStages):
-            self._counters["stage_changes"] += 1
-            self._loading[a.worker_id] = (a.stages, a.reason, time.monotonic())
-            assert self._core is not None  # rare: a snapshot is cheap enough here
-            held = (w for w in self._core.snapshot().workers if w.worker_id == a.worker_id)
-            self._before[a.worker_id] = next((w.stages for w in held), ())
-            log.warning(
-                "orchestrator: stage change: worker %s loads %s (%s)",
-                a.worker_id,
-                "+".join(a.stages),
-                a.reason,
-            )
-            self._send(a.worker_id.encode(), Load(a.stages, a.reason))
-        elif isinstance(a, WorkerRemoved):
-            for ref in list(self._outstanding_of.get(a.worker_id, ())):
-                self._forget(ref)  # re-queued (a new attempt) or failed: nothing to resend
-            self._loading.pop(a.worker_id, None)
-            self._memory.pop(a.worker_id, None)
-            self._before.pop(a.worker_id, None)
-            self._counters["workers_removed"] += 1
-            if a.worker_id in self._draining:  # drained: it holds nothing and may exit
-                self._draining.discard(a.worker_id)
-                self._counters["drained"] += 1
-                self._send(a.worker_id.encode(), Retire(a.reason))
-                log.warning("orchestrator: worker %s drained: %s", a.worker_id, a.reason)
-            else:
-                log.warning("orchestrator: worker %s removed: %s", a.worker_id, a.reason)
-        elif isinstance(a, Rejected):
-            self._counters[f"rejected:{a.code}"] += 1
-            log.info("orchestrator: rejected %s: %s", a.event, a.reason)
-            if ident is not None:
-                self._send(ident, Refused(a.code, a.reason, a.event))
-
-    def _orphaned(self, rid: str, wid: str) -> None:
-        """``wid`` published an output whose result was refused (a stale attempt, or a
-        worker the service had given up on): nobody will consume it. Have it dropped
-        when the request ends, or now if it already has."""
-        st = self.table.status(rid)
-        if st is not None and st.state not in TERMINAL:
-            self._producers.setdefault(rid, set()).add(wid)
-        else:
-            self._send(wid.encode(), Release(rid))
-
-    def _release(self, rid: str) -> None:
-        """Ask the producers of ``rid``'s outputs to drop them. If none is alive, any
-        live worker will do: in store mode its ``cleanup`` removes the request's
-        objects whoever stored them (p2p payloads died with their producer)."""
-        producers = self._producers.pop(rid, set())
-        if not producers:
-            return
-        assert self._core is not None
-        is_live = self._core.is_live
-        targets = {w for w in producers if is_live(w)}
-        if not targets:  # rare: O(workers) only here, not per request
-            targets = set(sorted(self._core.live_workers())[:1])
-        for wid in targets:
-            self._send(wid.encode(), Release(rid))
-
-    def _resumable_of(self, a: Action) -> tuple[str, WorkItem] | None:
-        """Track each live request's last denoise dispatch; when the request ends
-        failed or cancelled, forget it and return it (completed: its checkpoints are
-        gone already)."""
-        if isinstance(a, Dispatch) and a.item.stage == "denoise":
-            self._resumable[a.item.request_id] = (a.worker_id, a.item)
-        elif isinstance(a, RequestCompleted | RequestFailed | RequestCancelled):
-            last = self._resumable.pop(a.request_id, None)
-            return None if isinstance(a, RequestCompleted) else last
-        return None
-
-    def _forget_resumable(self, wid: str, item: WorkItem) -> None:
-        """Have ``item``'s worker, or another live worker of its stage, drop what would
-        resume it (a ``Release`` carrying the item)."""
-        assert self._core is not None
-        live = [w.worker_id for w in self._core.snapshot().workers if item.stage in w.stages]
-        target = wid if wid in live else next(iter(live), None)
-        if target is None:
-            log.info(
-                "orchestrator: %s: no %s worker to drop its checkpoints",
-                item.request_id,
-                item.stage,
-            )
-            return
-        self._send(target.encode(), Release(item.request_id, item))
-
-    def _send_work(self, d: Dispatch) -> None:
-        it = d.item
-        frame = encode(Work(it))
-        ref = ItemRef(it.request_id, it.stage, it.attempt)
-        self._forget(ref)
-        self._outstanding[ref] = _Outstanding(d.worker_id, frame, time.monotonic())
-        self._outstanding_of.setdefault(d.worker_id, set()).add(ref)
-        self._send_frame(d.worker_id.encode(), frame)
-
-    def _forget(self, ref: ItemRef) -> None:
-        out = self._outstanding.pop(ref, None)
-        if out is not None:
-            refs = self._outstanding_of[out.worker_id]
-            refs.discard(ref)
-            if not refs:
-                del self._outstanding_of[out.worker_id]
-
-    def _send(self, ident: bytes, msg: Any) -> None:
-        self._send_frame(ident, encode(msg))
-
-    def _send_frame(self, ident: bytes, frame: bytes) -> None:
-        if self._frames is not None:  # inside a turn: sent once its events are durable
-            self._frames.append((ident, frame))
-        else:
-            self._push_frame(ident, frame)
-
-    def _push_frame(self, ident: bytes, frame: bytes) -> None:
-        assert self._router is not None
-        try:
-            self._router.send_multipart([ident, frame], zmq.NOBLOCK)
-        except zmq.ZMQError:  # not connected (yet), or its queue is full: Beat recovers
-            self._counters["send_failures"] += 1
-
-    # ------------------------------------------------------------------ worker frames
-    def _on_worker_frame(self, msg: list[bytes]) -> None:
-        """One message off the ROUTER socket: a worker's frame, or a foreign peer's
-        message of another shape (counted, dropped)."""
-        if len(msg) != 2:
-            self._counters["wire_errors"] += 1
-            return
-        self._guard(self._on_frame, msg[0], msg[1])
-
-    def _on_frame(self, ident: bytes, frame: bytes) -> None:
-        try:
-            msg = decode_from_worker(frame)
-        except WireError as e:
-            self._counters["wire_errors"] += 1
-            log.warning("orchestrator: bad frame from %r: %s", ident[:64], e)
-            self._send(ident, Refused("bad_message", str(e), "frame"))
-            return
-        if msg.worker_id.encode() != ident:
-            self._send(ident, Refused("bad_value", "worker_id must be the routing id", "frame"))
-            return
-        if isinstance(msg, Hello):
-            self._on_hello(ident, msg)
-            if self._redeliver and (not self.config.token or ident in self._authed):
-                self._redeliver_to(msg.worker_id)
-            return
-        if self.config.token:
-            key = self._authed.get(ident)
-            if key is None or not hmac.compare_digest(msg.session.encode(), key.encode()):
-                self._counters["unauthorized"] += 1
-                self._send(
-                    ident, Refused("unauthorized", "say Hello with the token first", "frame")
-                )
-                return
-            self._authed.move_to_end(ident)  # the least recently heard go first when many
-        wid = msg.worker_id
-        if self._redeliver:
-            self._redeliver_to(wid)
-        if isinstance(msg, Beat):
-            acts = self._feed(Heartbeat(wid, msg.credits), ident)
-            if msg.memory is not None and not _rejected(acts, "Heartbeat"):
-                self._memory[wid] = msg.memory  # a live worker's: dropped when it is removed
-            self._resend_missing(wid, set(msg.running))
-        elif isinstance(msg, Done):
-            r, info = msg.item, msg.info
-
-            def tell() -> None:  # only a result the core took reaches the client
-                self.table.done(r, wid, info)
-                self._observe_done(r.request_id, r.stage, info)
-
-            ev = ItemDone(wid, r.request_id, r.stage, r.attempt, msg.output)
-            acts = self._feed(ev, ident, accepted=tell)
-            refused = _rejected_code(acts, "ItemDone")
-            if refused in _ORPHANING and msg.output:
-                self._orphaned(r.request_id, wid)
-            if refused is None:
-                self._forget(r)
-                st = self.table.status(r.request_id)
-                if msg.output and st is not None and st.state not in TERMINAL:
-                    # an intermediate output: its producer drops it when the request ends
-                    self._producers.setdefault(r.request_id, set()).add(wid)
-        elif isinstance(msg, Failed):
-            r = msg.item
-            ev = ItemFailed(
-                wid, r.request_id, r.stage, r.attempt, msg.reason, msg.retryable, msg.input_lost
-            )
-            if not _rejected(self._feed(ev, ident), "ItemFailed"):
-                self._forget(r)
-        elif isinstance(msg, Yielded):
-            r = msg.item
-            ev = ItemYielded(wid, r.request_id, r.stage, r.attempt)
-            if not _rejected(self._feed(ev, ident), "ItemYielded"):
-                self._forget(r)
-                self.table.yielded(r, wid)
-        elif isinstance(msg, Progress):
-            self.table.progress(msg.item, wid, msg.step, msg.total)
-        elif isinstance(msg, Leave):
-            self._feed(Drain(wid, msg.reason), ident)
-        elif isinstance(msg, Bye):
-            self._authed.pop(ident, None)
-            assert self._core is not None
-            if self._core.is_live(wid):  # else drained and removed already
-                self._feed(WorkerLost(wid, msg.reason), ident)
-
-    def _on_hello(self, ident: bytes, msg: Hello) -> None:
-        token = self.config.token
-        if token and not hmac.compare_digest(msg.token.encode(), token.encode()):
-            self._counters["unauthorized"] += 1
-            self._send(ident, Refused("unauthorized", "wrong or missing token", "Hello"))
-            return
-        # a key per connection that proved the token, kept across its Hellos (a stage
-        # change says Hello again while its beats with the key are under way)
-        session = self._authed.setdefault(ident, secrets.token_hex(16)) if token else ""
-        if token:  # kept until its Bye (a removed worker's late Done is answered, not
-            self._authed.move_to_end(ident)  # refused); the least recently heard go
-            while len(self._authed) > _MAX_SESSIONS:
-                self._authed.popitem(last=False)
-        assert self._core is not None
-        wid = msg.worker_id
-        known = self._core.is_live(wid)
-        # only the Hello a Load asked for says how long loading took: another (a re-Hello
-        # after a refusal or a new leader, while still loading) must not register the
-        # stages it still holds as the new ones
-        loaded = self._loading.get(wid) if known and msg.load_s is not None else None
-        if known and msg.fresh and loaded is None:  # a new process under an old id:
-            self._feed(WorkerLost(wid, "worker restarted"), ident)  # its items go back
-            known = False
-        if known and loaded is None:  # re-authenticating after a service restart
-            acts = self._feed(Heartbeat(wid, msg.credits), ident)
-        else:  # a new worker, or one that loaded the stages of a Load (LoadStages)
-            stages = tuple(msg.stages)
-            reg = RegisterWorker(
-                wid, msg.stage, msg.credits, dict(msg.labels), msg.heartbeat_timeout, stages
-            )
-            acts = self._feed(reg, ident)
-        if _rejected(acts, "RegisterWorker") or _rejected(acts, "Heartbeat"):
-            return
-        if loaded is not None:
-            self._stage_changed(wid, tuple(msg.stages) or (msg.stage,), loaded, msg.load_s)
-        timeout = msg.heartbeat_timeout or self.config.orchestrator.heartbeat_timeout
-        self._send(ident, Welcome(msg.worker_id, timeout / 4, session))
-
-    def _stage_changed(
-        self,
-        wid: str,
-        stages: tuple[str, ...],
-        asked: tuple[tuple[str, ...], str, float],
-        load_s: float | None,
-    ) -> None:
-        """``wid`` registered again after a ``Load``: log and keep the change."""
-        self._loading.pop(wid, None)
-        want, reason, since = asked
-        before = self._before.pop(wid, ())
-        took = time.monotonic() - since
-        change = {
-            "worker_id": wid,
-            "stages": list(stages),
-            "before": list(before),
-            "asked": list(want),
-            "reason": reason,
-            "load_s": load_s,
-            "s": round(took, 3),  # Load sent -> registered again
-            "line": f"{wid} {'+'.join(before) or '?'} -> {'+'.join(stages)} in {took:.2f} s"
-            + ("" if load_s is None else f", model load {load_s:.2f} s")
-            + f" ({reason})",
-        }
-        self.stage_changes.append(change)
-        self.metrics.stage_change_seconds.observe(took)
-        if load_s is not None:
-            self.metrics.stage_load_seconds.observe(load_s)
-        load = "?" if load_s is None else f"{load_s:.3f}"
-        log.warning(
-            "orchestrator: stage change done: worker %s serves %s (loaded in %s s)",
-            wid,
-            "+".join(stages),
-            load,
-        )
-
-    def _redeliver_to(self, wid: str) -> None:
-        """Send ``wid`` the releases a restart may have lost that it is owed, and those
-        whose producers are all gone (as ``_release`` picks any live worker then): it
-        just spoke, so it can be routed to."""
-        assert self._core is not None
-        is_live = self._core.is_live
-        for rid, owed in list(self._redeliver.items()):
-            if wid not in owed and any(map(is_live, owed)):
-                continue  # a live producer of its own will take it
-            self._counters["releases_resent"] += 1
-            self._send(wid.encode(), Release(rid))
-            owed.discard(wid)
-            if not any(map(is_live, owed)):
-                del self._redeliver[rid]
-
-    def _resend_missing(self, wid: str, running: set[ItemRef]) -> None:
-        now = time.monotonic()
-        for ref in self._outstanding_of.get(wid, ()):
-            out = self._outstanding[ref]
-            if ref not in running and now - out.sent_at >= self.config.resend_after_s:
-                out.sent_at = now
-                self._counters["resent"] += 1
-                self._send_frame(wid.encode(), out.frame)
-
     # ------------------------------------------------------------------ views
-    def _observe_dispatch(self, rid: str, stage: str) -> None:
-        """Queue wait: from the request's previous event (submitted, the previous
-        stage's done, requeued or yielded) to this dispatch."""
-        st = self.table.status(rid)
-        if st is not None and len(st.events) >= 2 and st.events[-1].kind == "dispatched":
-            wait = st.events[-1].t - st.events[-2].t
-            self.metrics.queue_wait.labels(stage=stage).observe(max(0.0, wait))
-
-    def _observe_done(self, rid: str, stage: str, info: Any) -> None:
-        st = self.table.status(rid)
-        if st is None:
-            return
-        run_s = sent = None
-        for ev in reversed(st.events):
-            if run_s is None and ev.kind == "dispatched" and ev.stage == stage:
-                run_s = st.events[-1].t - ev.t
-            elif sent is None and ev.kind == "done" and ev.stage != stage:
-                sent = ev.info.get("bytes")
-        self.metrics.stage_done(stage, run_s, info, sent if isinstance(sent, int) else 0)
-
     def _cluster_view(self) -> dict[str, Any]:
         assert self._core is not None
         snap = self._core.snapshot()
@@ -1384,40 +662,3 @@ class OrchestratorService:
             for wid, m in self._memory.items()
         )
         return self.metrics.text()
-
-
-def take_frames(
-    socket: zmq.Socket,
-    handle: Callable[[list[bytes]], None],
-    waiting: Callable[[], bool],
-    limit: int,
-) -> int:
-    """Receive and ``handle`` up to ``limit`` messages from ``socket`` without
-    blocking, stopping early when none is left or once ``waiting()`` is true after
-    a message (an API call is posted: the turn takes it now and leaves the rest of
-    the messages to the next turn). Returns how many were handled."""
-    for n in range(limit):
-        try:
-            msg = socket.recv_multipart(zmq.NOBLOCK)
-        except zmq.Again:
-            return n
-        handle(msg)
-        if waiting():
-            return n + 1
-    return limit
-
-
-def _rejected(actions: list[Action], event: str) -> bool:
-    return _rejected_code(actions, event) is not None
-
-
-def _rejected_code(actions: list[Action], event: str) -> str | None:
-    return next((a.code for a in actions if isinstance(a, Rejected) and a.event == event), None)
-
-
-#: session keys kept (with a token); past it the least recently heard worker's goes
-#: (a live one so dropped is refused once and says Hello again)
-_MAX_SESSIONS = 65_536
-
-#: refusals of a Done that leave its published output without a consumer
-_ORPHANING = frozenset({"stale_attempt", "unknown_worker"})
