@@ -187,7 +187,7 @@ def _run_orchestrator(args: argparse.Namespace) -> int:
 
 
 def _run_candidate(args: argparse.Namespace, config: Any, api_of: Any, stop: Any) -> int:
-    """``orchestrator --etcd``: one of the orchestrator group (``ha_service.serve``)."""
+    """``orchestrator --etcd``: one of the orchestrator group (``ha.service.serve``)."""
     from mooncake_diffusion.orchestrator.ha.service import HaOptions, serve
 
     if args.journal:

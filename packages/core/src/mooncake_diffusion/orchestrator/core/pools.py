@@ -44,7 +44,7 @@ __all__ = ["Pools", "Worker"]
 
 
 class Worker:
-    """A live worker's record (satisfies ``policy.WorkerView``). Mutated only by ``Pools``."""
+    """A live worker's record (satisfies ``routing.WorkerView``). Mutated only by ``Pools``."""
 
     __slots__ = (
         "advertised",

@@ -6,7 +6,7 @@
     prov.check()                        # raises if a worker exited that nobody removed
     prov.close()                        # stops every worker and waits for it
 
-It implements ``planner.Provisioner``: the planner's ``AddWorker`` starts one more
+It implements ``contract.Provisioner``: the planner's ``AddWorker`` starts one more
 process (it registers with the orchestrator itself), ``Retire`` ends in
 ``remove`` once the orchestrator has drained the worker. Each worker runs the
 reference pipeline's stage functions by default (``fn``: a module whose

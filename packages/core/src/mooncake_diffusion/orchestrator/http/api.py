@@ -66,7 +66,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from mooncake_diffusion.orchestrator.errors import OrchestratorError
-from mooncake_diffusion.orchestrator.http import openai as openai_api
+from mooncake_diffusion.orchestrator.http import openai
 from mooncake_diffusion.orchestrator.http.bodies import (
     BODY_TIMEOUT_S,
     MAX_BODY,
@@ -467,7 +467,7 @@ def build_app(
 
         return StreamingResponse(lines(), media_type="application/x-ndjson")
 
-    app.include_router(openai_api.router(service, outputs, front, threads["wait"]), tags=["openai"])
+    app.include_router(openai.router(service, outputs, front, threads["wait"]), tags=["openai"])
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:

@@ -5,7 +5,7 @@
     follow = Follower("etcd://...")   # in a StageWorker: keeps its socket on the leader
     follow.sync(sock)      # (re)connects the DEALER socket when the leader moved
 
-A leader (``ha_service``) announces where it serves in the value of
+A leader (``ha.service``) announces where it serves in the value of
 ``<prefix>/leader`` once it has recovered the journal and bound its sockets; the
 key goes with the leader's lease, so a dead leader's address disappears within
 the lease. An address that is not ``etcd://`` is a fixed endpoint (the

@@ -197,7 +197,7 @@ class _Checkpointer:
 
 class EventLog(Protocol):
     """What ``JournaledOrchestrator`` needs of a journal (``Journal`` below is the
-    SQLite one; ``ha_service.EtcdJournal`` the replicated one). ``append`` between
+    SQLite one; ``ha.service.EtcdJournal`` the replicated one). ``append`` between
     ``begin`` and ``commit`` joins that transaction; ``commit`` raises
     ``JournalError`` when the events are not durable (act on none of them)."""
 
@@ -421,7 +421,7 @@ class JournaledOrchestrator:
         observer: Callable[[Event, list[Action]], None] | None = None,
     ) -> JournaledOrchestrator:
         """``open`` on a journal object already opened (the SQLite ``Journal``, or
-        another ``EventLog`` such as ``ha_service.EtcdJournal``); it is closed if
+        another ``EventLog`` such as ``ha.service.EtcdJournal``); it is closed if
         recovery fails."""
         config = config if config is not None else OrchestratorConfig()
         try:

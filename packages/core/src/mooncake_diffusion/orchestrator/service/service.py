@@ -1,7 +1,7 @@
 """The orchestrator as a running service: the core, a ZeroMQ worker channel and a client API.
 
 Library mode (in-process, what engines embed) and the standalone command
-(``mooncake-diffusion orchestrator``, which adds ``api.py``'s HTTP API) are the
+(``mooncake-diffusion orchestrator``, which adds ``http/api.py``'s HTTP API) are the
 same object:
 
     svc = OrchestratorService(ServiceConfig(journal="orch.db")).start()
@@ -158,9 +158,9 @@ class ServiceConfig:
     set, workers must present it in ``Hello`` (the HTTP API checks it too); it is
     required when ``worker_bind`` is not loopback. ``resend_after_s``: see the
     module docstring. ``max_finished``: finished statuses kept for the API.
-    ``planner``: the planner's registry name (``planners.py``; ``static`` changes
+    ``planner``: the planner's registry name (``elastic/planners.py``; ``static`` changes
     nothing), built with ``planner_options``; ``planner_window``: seconds of
-    history its views cover (``planview.PlanWindow``)."""
+    history its views cover (``elastic.view.PlanWindow``)."""
 
     orchestrator: OrchestratorConfig = field(default_factory=OrchestratorConfig)
     worker_bind: str = "tcp://127.0.0.1:7422"
@@ -188,7 +188,7 @@ class OrchestratorService(DriverMixin, ActionsMixin, ChannelMixin):
     less the driver's own stalls, which a ``StallWatch`` notices); ``policy``: a
     routing policy instance (default: ``config.orchestrator.policy``); ``planner``: a
     planner instance (default: ``config.planner``), run on the driver thread every
-    ``planner.interval`` (``elastic.Elastic``); ``provisioner``: where its
+    ``planner.interval`` (``elastic.driver.Elastic``); ``provisioner``: where its
     ``AddWorker`` / ``Retire`` decisions go (none: they are counted, not acted on)."""
 
     def __init__(
@@ -341,7 +341,7 @@ class OrchestratorService(DriverMixin, ActionsMixin, ChannelMixin):
 
     def _journal(self) -> EventLog | None:
         """The journal to recover from, opened in the driver thread: the SQLite file
-        ``config.journal`` names, or None (``ha_service`` gives its etcd journal)."""
+        ``config.journal`` names, or None (``ha.service`` gives its etcd journal)."""
         return Journal(self.config.journal) if self.config.journal else None
 
     def close(self) -> None:
