@@ -47,8 +47,11 @@ TAIL = """\
   and the contract suite. Test tiers are pytest markers: `unit`, `integration`,
   `faults`, `engines`; `./dev test -m unit` runs the fast tier alone, `./dev engines
   sglang` one adapter.
-- `bench/`: the benches; each writes JSON under `docs/results/`, from which
-  `bench/report.py` writes [benchmarks.md](benchmarks.md).
+- `bench/`: the benches, each a command (`python bench/NAME.py --help`) that writes
+  JSON under `docs/results/`, from which `bench/report.py` writes
+  [benchmarks.md](benchmarks.md); the two largest keep their parts beside them
+  (`sim_model`, `sim_search`, `sim_report` for `sim.py`; `orch_load`,
+  `orch_measure`, `orch_report` for `orchestrator.py`), and `_common.py` serves all.
 - `tools/`: this generator.
 """
 
@@ -79,26 +82,41 @@ def caption(init: Path) -> str:
 
 def render() -> str:
     order = layers()
-    folders = sorted(
-        {p.parent for p in CORE.rglob("__init__.py")} | {p.parent for p in ADAPTERS},
-        key=lambda d: str(d),
-    )
+    folders = {p.parent for p in CORE.rglob("__init__.py")} | {p.parent for p in ADAPTERS}
 
     def name(d: Path) -> str:
-        base = CORE if d.is_relative_to(CORE) else d.parent
-        return ".".join(d.relative_to(base).parts)
+        return ".".join(d.relative_to(CORE if d.is_relative_to(CORE) else d.parents[1]).parts)
 
-    def rank(d: Path) -> tuple[int, str]:
-        n = name(d)
+    def layer(n: str) -> int:
         hits = [i for i, p in enumerate(order) if n == p or n.startswith(p + ".")]
-        if n == "mooncake_diffusion":
-            return (-1, n)  # a package's root first: where a reader starts
-        return (max(hits, key=lambda i: len(order[i])) if hits else len(order), n)
+        return max(hits, key=lambda i: len(order[i])) if hits else len(order)
+
+    def lowest(d: Path) -> int:
+        """The lowest layer of anything in ``d``: where it stands among its siblings."""
+        n = name(d)
+        inside = [layer(p) for p in order if p == n or p.startswith(n + ".")]
+        return min(inside, default=layer(n))
+
+    def key(d: Path) -> tuple[int, ...]:
+        """A folder, then its subfolders; siblings bottom layer first. The core's root
+        comes first (where a reader starts), the adapters after it all."""
+        chain = [a for a in reversed(d.parents) if a in folders] + [d]
+        return tuple(-1 if name(a) == "mooncake_diffusion" else lowest(a) for a in chain)
+
+    def described(n: str) -> str:
+        """A layer's one line: its folder's caption, or its module's first sentence."""
+        path = CORE / n.replace(".", "/")
+        if (path / "__init__.py").is_file():
+            return caption(path / "__init__.py").split(". ")[0].rstrip(".")
+        if path.with_suffix(".py").is_file():
+            return first_sentence(path.with_suffix(".py")).rstrip(".")
+        init = next((a for a in ADAPTERS if a.parent.name == n), None)
+        return caption(init).split(". ")[0].rstrip(".") if init else ""
 
     out = [HEAD]
-    out += [f"{i + 1}. `{p}`\n" for i, p in enumerate(order)]
+    out += [f"{i + 1}. `{p}`: {described(p)}\n" for i, p in enumerate(order)]
     out.append("\n## Package folders\n")
-    for d in sorted(folders, key=rank):
+    for d in sorted(folders, key=lambda d: (key(d), str(d))):
         rel = (d.relative_to(CORE) if d.is_relative_to(CORE) else d.relative_to(ROOT)).as_posix()
         out.append(f"\n### `{rel}/`\n\n{caption(d / '__init__.py')}\n\n")
         mods = sorted(p for p in d.iterdir() if p.suffix == ".py" and p.name != "__init__.py")

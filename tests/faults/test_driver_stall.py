@@ -1,5 +1,5 @@
 """An orchestrator that could not run for longer than its workers' heartbeat
-timeout keeps them (``orchestrator/stalls.py``). Its process is stopped
+timeout keeps them (``orchestrator/service/stalls.py``). Its process is stopped
 (SIGSTOP) with four live worker processes beating every half second: when it
 runs again, their beats sent meanwhile are queued behind one another, and the
 core applies expiry before each event, so without the stall taken out of its

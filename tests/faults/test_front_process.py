@@ -27,12 +27,12 @@ GATED = "gated:toy_denoise"
 
 
 def fronts_of(pid: int) -> list[int]:
-    """The live ``frontproc`` processes below ``pid``."""
+    """The live front (``orchestrator.http.process``) processes below ``pid``."""
     found = []
     for p in descendants(pid) - {pid}:
         try:
             with open(f"/proc/{p}/cmdline", "rb") as f:
-                if b"orchestrator.frontproc" in f.read():  # a zombie's is empty
+                if b"orchestrator.http.process" in f.read():  # a zombie's is empty
                     found.append(p)
         except OSError:
             continue  # gone meanwhile

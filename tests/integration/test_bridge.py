@@ -1,4 +1,4 @@
-"""The service's client API over the bridge (``orchestrator/bridge.py``), which the
+"""The service's client API over the bridge (``orchestrator/service/bridge.py``), which the
 HTTP front in its own process (``--front-process``) serves: the same answers and
 errors as the in-process API, a driver that does not answer in time or a bridge
 that went away is ``ServiceUnavailable`` (and the next call connects again), a

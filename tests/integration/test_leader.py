@@ -1,4 +1,4 @@
-"""Orchestrator leader election on a real etcd (``orchestrator/leader.py``): the
+"""Orchestrator leader election on a real etcd (``orchestrator/ha/election.py``): the
 leader is a separate process, SIGKILLed; the standby takes over with a higher
 fencing token and finds the journal the dead leader committed. A leader that kept
 running but lost its lease (it stopped renewing, as behind a partition) can

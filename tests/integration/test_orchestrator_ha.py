@@ -1,4 +1,4 @@
-"""The orchestrator group on a real etcd (``orchestrator --etcd``, ``ha_service.py``):
+"""The orchestrator group on a real etcd (``orchestrator --etcd``, ``ha/service.py``):
 two orchestrator processes, StageWorkers and a client that follow the leader through
 etcd (``etcd://...``).
 

@@ -1,5 +1,5 @@
 """A service whose process froze in the middle of a driver turn keeps its live
-workers (``orchestrator/stalls.py``). The fault is held where it must land: the
+workers (``orchestrator/service/stalls.py``). The fault is held where it must land: the
 driver's handling of a worker's heartbeat stands for the turn, and at its start
 the time the service reads jumps 30 s, past the 10 s heartbeat timeout, as it
 would across a SIGSTOP there (the watch and the clock read the same jumping

@@ -1,4 +1,4 @@
-"""The bind shim's rule (``_mooncake/bindshim.c``), in a child process it is preloaded
+"""The bind shim's rule (``platform/bindshim.c``), in a child process it is preloaded
 into: any-address stream binds go to the configured host, everything else is left as
 asked."""
 

@@ -1,4 +1,4 @@
-"""Caches in Mooncake Store (layer 5): condition embeddings and CFG-branch features.
+"""Caches in Mooncake Store: condition embeddings and CFG-branch features.
 
     EmbeddingCache   prompt embeddings of one encoder id + version, shared by every
                      process of the cluster; get_or_compute() encodes on a miss

@@ -119,7 +119,7 @@ _LEDGER_MAX = 65536
 _RECYCLE_MIN = 1 << 20  # host receive buffers from here up come from RecycledBuffers
 _FULL_BACKOFF_S = (0.005, 0.5)  # first and longest wait between puts into a full pool
 _LEASE_MARGIN_S = 5.0  # a receive's lease: its transfer's timeout_s plus this
-_log = logging.getLogger("mooncake_diffusion.handoff.keyed")
+_log = logging.getLogger("mooncake_diffusion.keyed")
 
 
 class KeyedRecord(msgspec.Struct, frozen=True, array_like=True):

@@ -108,7 +108,7 @@ _LEASE = struct.Struct("<Q16s")
 _REPLACE_TRIES = 8
 _READ_BACK_S = 5.0  # how long a post's read back waits for another's put in flight
 _FULL_LEASE_S = 1.0  # how long a claim retries its lease's post into a full pool
-_log = logging.getLogger("mooncake_diffusion.handoff.mailbox")
+_log = logging.getLogger("mooncake_diffusion.mailbox")
 T = TypeVar("T")
 
 

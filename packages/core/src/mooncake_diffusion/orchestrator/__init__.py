@@ -22,8 +22,10 @@ Rooms, lowest first (a room imports only the rooms before it):
                  routing (the policy contract, built-ins, registry), clocks
     elastic/     the planner contract, built-in planners, their view, the driver
                  that applies decisions, provisioners
-    link/        what the service and workers both speak: wire, leader, inbox
-    worker/      StageWorker, the lost-input watch, toy stage functions
+    link/        what the service and workers both speak: the wire, following
+                 the leader's address, the inbox that wakes a loop
+    worker/      StageWorker, the lost-input watch, the reference pipeline's and
+                 toy stage functions
     service/     OrchestratorService: driver loop, worker channel, journal,
                  stall watch, status tables, metrics, the front process's bridge
     ha/          leader election on etcd and the leader-following service

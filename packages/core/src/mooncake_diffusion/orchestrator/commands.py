@@ -99,7 +99,7 @@ def _run_orchestrator(args: argparse.Namespace) -> int:
     from mooncake_diffusion.orchestrator.http.api import ApiServer
     from mooncake_diffusion.orchestrator.http.front import DEFAULT_MAX_COST, FrontConfig
     from mooncake_diffusion.orchestrator.http.process import FrontProcess
-    from mooncake_diffusion.orchestrator.service.collector import settle_after_startup
+    from mooncake_diffusion.orchestrator.service.gc_tuning import settle_after_startup
     from mooncake_diffusion.orchestrator.service.service import OrchestratorService, ServiceConfig
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(message)s")
@@ -162,7 +162,7 @@ def _run_orchestrator(args: argparse.Namespace) -> int:
         service.close()
         raise
     try:
-        settle_after_startup()  # this process is the service's own (service/collector.py)
+        settle_after_startup()  # this process is the service's own (service/gc_tuning.py)
         journal = args.journal or "off (accepted requests are lost on restart; --journal PATH)"
         print(
             f"orchestrator ready: api {api.url} workers {service.worker_address} "
@@ -210,7 +210,7 @@ def _run_worker(args: argparse.Namespace) -> int:
     # its Transfer Engine listens on the configured host only under the bind shim
     bindshim.check(MooncakeSettings.from_env(master=args.master).local_hostname)
     fns, loader = _stage_fns(args.stage, args.fn)
-    if args.outputs:  # where the stage function writes files (pipeline.stages: MCD_OUTPUTS)
+    if args.outputs:  # where the stage function writes files (worker.reference: MCD_OUTPUTS)
         os.environ["MCD_OUTPUTS"] = args.outputs
     # a long-lived worker recycles its store clients when a store host goes away
     # (settings.store_watch_s), unless the environment says otherwise; set in the

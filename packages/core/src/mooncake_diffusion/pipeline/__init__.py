@@ -18,8 +18,8 @@ the serving system, not image quality. One concern per module:
     worker.py        a JSON-lines denoise worker process with checkpoints (tests, example)
 
 It knows nothing of the orchestrator: its stage functions for the worker runtime
-live there (``orchestrator/worker/reference.py``). Call sequence: see
-``reference.py``. Importing this package does not import
+live there (``mooncake_diffusion.orchestrator.worker.reference``). Call sequence:
+see this package's ``reference.py``. Importing this package does not import
 torch; the names below load their module (and torch) on first use.
 """
 

@@ -4,9 +4,9 @@
 
 The run starts as its static split (``Layout(mode="disaggregated", ...)`` with the
 same ``aux`` / ``hosts``). Every ``planner.interval`` virtual seconds the driver
-builds a ``PlannerView`` (``orchestrator.planview.PlanWindow``, which observes
+builds a ``PlannerView`` (``orchestrator.elastic.view.PlanWindow``, which observes
 every event the core handles) and applies the planner's ``Move`` decisions; the
-planner is one of the registry's (``orchestrator.planners.create_planner``), by
+planner is one of the registry's (``orchestrator.elastic.planners.create_planner``), by
 name, with its time constants scaled to the workload (``planner_options``). The
 fleet is fixed: ``AddWorker`` and ``Retire`` are counted and not applied.
 
@@ -44,8 +44,8 @@ from mooncake_diffusion.orchestrator.elastic.planners import create_planner
 from mooncake_diffusion.orchestrator.elastic.view import PlanWindow
 from mooncake_diffusion.simulate.costs import LOAD_GBPS
 
-#: ``model.Workload``, ``gpus._Gpu`` and ``cluster._Sim``: not imported, not even for
-#: typing (``cluster`` imports this module: tests/unit/test_layout.py forbids the cycle)
+#: ``model.Workload`` and ``gpus._Gpu`` are typed loosely, as ``cluster._Sim`` must be
+#: (``cluster`` imports this module: tests/unit/test_layout.py forbids the cycle)
 Workload = Any
 _Gpu = Any
 _Sim = Any

@@ -31,7 +31,7 @@ from mooncake_diffusion._mooncake.master import admin_get
 from mooncake_diffusion._mooncake.store import StoreClient
 from mooncake_diffusion.platform.settings import MooncakeSettings
 
-_log = logging.getLogger("mooncake_diffusion.transfer.leases")
+_log = logging.getLogger("mooncake_diffusion.leases")
 
 __all__ = ["TTL_ROOT", "Reaper", "expired_keys", "expiry_of", "ttl_marker"]
 

@@ -51,7 +51,7 @@ from mooncake_diffusion.orchestrator.elastic.view import PlanWindow, stages_of
 
 __all__ = ["Elastic", "StageChange", "pool_sizes"]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("mooncake_diffusion.orchestrator.elastic")  # its name before the move
 
 #: finished stage changes kept for people
 RECENT_CHANGES = 32

@@ -352,11 +352,9 @@ class LeaderService(OrchestratorService):
         if ident in self._met:
             return
         self._met.add(ident)
-        now = time.monotonic()
-        for ref in self._sent.by_worker.get(ident.decode(errors="replace"), ()):
-            out = self._sent.items[ref]
-            out.sent_at = now
-            self._send_frame(ident, out.frame)
+        # everything owed to it, whatever it runs and however recently sent
+        for frame in self._sent.due(ident.decode(errors="replace"), set(), time.monotonic(), 0.0):
+            self._send_frame(ident, frame)
 
     def _push_frame(self, ident: bytes, frame: bytes) -> None:
         if not self.lease.valid() and not self.lease.wait_valid(self.lease.ttl):

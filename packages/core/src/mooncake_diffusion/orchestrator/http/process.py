@@ -37,7 +37,7 @@ from mooncake_diffusion.orchestrator.service.service import OrchestratorService
 
 __all__ = ["FrontProcess", "FrontSpec"]
 
-log = logging.getLogger("mooncake_diffusion.orchestrator.http.front")
+log = logging.getLogger("mooncake_diffusion.orchestrator.front")
 
 READY = "front ready"
 START_TIMEOUT_S = 60.0
@@ -154,7 +154,7 @@ def main() -> int:
     """The front's process: serve the API until stdin closes (module docstring)."""
     import socket
 
-    from mooncake_diffusion.orchestrator.service.collector import settle_after_startup
+    from mooncake_diffusion.orchestrator.service.gc_tuning import settle_after_startup
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level="WARNING", format="%(asctime)s front %(message)s")

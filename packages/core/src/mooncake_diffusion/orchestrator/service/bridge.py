@@ -59,7 +59,7 @@ __all__ = [
     "read_reply",
 ]
 
-log = logging.getLogger("mooncake_diffusion.orchestrator.service.bridge")
+log = logging.getLogger("mooncake_diffusion.orchestrator.bridge")
 
 BRIDGE_VERSION = 1
 #: the largest message either side reads (a status can carry a generated image)

@@ -113,7 +113,7 @@ __all__ = [
 #: Version of the tables below. 1: meta(key, value); events(seq, now, event msgpack).
 JOURNAL_SCHEMA_VERSION = 1
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("mooncake_diffusion.orchestrator.journal")  # its name before the move
 
 #: Seconds between the checkpointer's passes while the journal is being written.
 CHECKPOINT_EVERY = 0.2

@@ -253,7 +253,7 @@ class ServiceMetrics:
             self.worker_memory.labels(worker_id=wid, kind="late_write").set(late)
 
     def pool_workers_set(self, pools: Mapping[str, int]) -> None:
-        """Set ``pool_workers`` from serving workers per stage (``elastic.pool_sizes``)."""
+        """Set ``pool_workers`` from serving workers per stage (``elastic.driver.pool_sizes``)."""
         for s in _STAGES:
             self.pool_workers.labels(stage=s).set(pools.get(s, 0))
 

@@ -1,9 +1,8 @@
 """What the service still owes its workers: Work not answered yet, and Releases to send.
 
 Two collaborators, each owned by one ``OrchestratorService`` and holding state no
-other part of it keeps (``LeaderService`` reads ``Outstanding`` too, as the
-service's ``_sent``, to resend a worker's items when it first reaches a new
-leader). Both run on the driver's thread
+other part of it keeps (``LeaderService`` also asks the service's ``Outstanding``
+for all of a worker's items when it first reaches a new leader). Both run on the driver's thread
 only and never block; ``Releases`` sends through the service's ``_send``, which
 holds a frame until the turn's commit. The calls:
 

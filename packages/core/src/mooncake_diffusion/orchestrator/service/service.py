@@ -49,7 +49,7 @@ next (in store mode any worker's cleanup removes a request's objects).
 Releasing twice is safe: nothing is left to drop. A request that ends failed or
 cancelled after a denoise attempt also has its step checkpoints dropped (nobody will
 resume it): its last denoise item goes in a ``Release`` to the worker that ran it,
-or to another live denoise worker (``worker.Resumable``); with none alive, they
+or to another live denoise worker (``worker.runtime.Resumable``); with none alive, they
 stay (soft-pinned: evictable).
 
 Stage changes and drains: ``reassign`` and ``drain`` feed the core's

@@ -188,7 +188,7 @@ def denoise(item: WorkItem, ctx: StageContext) -> StagePayload | None:
 
 def forget_denoise(item: WorkItem, ctx: StageContext) -> None:
     """Remove the step checkpoints of ``item``'s denoise job: its request is cancelled
-    or failed, nobody resumes it (``denoise.forget``, see ``worker.Resumable``)."""
+    or failed, nobody resumes it (``denoise.forget``, see ``worker.runtime.Resumable``)."""
     params = generation_params(ctx.params)
     pipe = pipeline()
     cache = _cache("ckpt", ctx)

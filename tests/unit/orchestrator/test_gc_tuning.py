@@ -1,4 +1,4 @@
-"""The standalone orchestrator's process settings (``service/collector.py``), in a child
+"""The standalone orchestrator's process settings (``service/gc_tuning.py``), in a child
 interpreter: freezing is process-wide, so the test process keeps its own collector."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import sys
 
 CHECK = """
 import gc
-from mooncake_diffusion.orchestrator.service.collector import settle_after_startup
+from mooncake_diffusion.orchestrator.service.gc_tuning import settle_after_startup
 import mooncake_diffusion.orchestrator.http.api  # the web stack: what startup makes
 assert gc.get_freeze_count() == 0
 seen = len(gc.get_objects())
