@@ -1,3 +1,1 @@
-"""Key-addressed handoff for engine adapters (keyed, mailbox, direct), the store inventory, and
-the handoff demo command.
-"""
+"""Key-addressed handoff for engine adapters (keyed, mailbox, direct), inventory, handoff demo."""

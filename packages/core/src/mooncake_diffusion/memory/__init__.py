@@ -1,3 +1,1 @@
-"""Tensors as (pointer, length, layout), register-once bookkeeping, device memory, receive
-pools, recycled buffers and same-host copies.
-"""
+"""Tensors as pointers, registration, device memory, receive pools, recycling, same-host copy."""

@@ -1,3 +1,1 @@
-"""The process and host around the library: settings, deployment checks, ELF probes, etcd,
-child processes and the bind shim.
-"""
+"""The host around the library: settings, deployment, ELF, etcd, child processes, bind shim."""

@@ -1,3 +1,1 @@
-"""Moving a stage's outputs: the connector over its transports (p2p, store, in-process), chunk
-plans, staging, the p2p side channel, payloads and leases.
-"""
+"""A stage's outputs moved: the connector, its transports, chunks, staging, side channel, leases."""

@@ -1,3 +1,1 @@
-"""The typed, versioned wire schema (msgspec) and the classes a keyed handoff carries by type
-tag.
-"""
+"""The wire schema (typed, versioned msgspec) and the classes a handoff carries by type tag."""

@@ -1,3 +1,1 @@
-"""The deterministic machine: requests, queues, pools, credits, priorities and routing, fed
-events and answering actions; no I/O, no clock of its own.
-"""
+"""The deterministic machine, events in and actions out: queues, pools, credits, routing."""

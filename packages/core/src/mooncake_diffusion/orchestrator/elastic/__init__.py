@@ -1,3 +1,1 @@
-"""Elastic pools: the planner contract, the built-in planners, the view they read, the driver
-that applies their decisions, and provisioners.
-"""
+"""Elastic pools: the planner contract, built-in planners, their view, driver, provisioners."""

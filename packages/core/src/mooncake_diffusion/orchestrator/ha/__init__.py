@@ -1,3 +1,1 @@
-"""High availability on etcd: the leader election and the service that follows the leader with
-an etcd journal.
-"""
+"""High availability on etcd: leader election and the service that follows the leader."""

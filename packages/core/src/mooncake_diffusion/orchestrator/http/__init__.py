@@ -1,3 +1,1 @@
-"""The HTTP front: the FastAPI app and dashboard, the OpenAI routes, limits and bodies, the
-front process, the remote service and the client.
-"""
+"""The HTTP front: FastAPI app, OpenAI routes, limits, front process, remote service, client."""

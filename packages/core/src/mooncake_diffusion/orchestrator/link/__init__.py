@@ -1,3 +1,1 @@
-"""What the service and its workers both speak: the wire schema, finding the leader, and the
-inbox that wakes a loop.
-"""
+"""What the service and its workers both speak: the wire, the leader's address, the inbox."""

@@ -1,3 +1,1 @@
-"""The running service: the driver loop around the core, its journal, stall watch, status
-tables, metrics and the bridge to a front process.
-"""
+"""The running service: driver, worker channel, journal, stalls, status, metrics, bridge."""
