@@ -67,17 +67,17 @@ def layers() -> list[str]:
     raise SystemExit("tests/unit/test_layout.py defines no LAYERS")
 
 
-def first_sentence(path: Path) -> str:
-    """The first sentence of the module docstring (up to its first blank line)."""
+def caption(path: Path) -> str:
+    """The first paragraph of ``path``'s module docstring, on one line."""
     doc = ast.get_docstring(ast.parse(path.read_text())) or ""
-    para = " ".join(doc.split("\n\n", 1)[0].split())
-    cut = para.find(". ")
-    return para if cut < 0 else para[: cut + 1]
-
-
-def caption(init: Path) -> str:
-    doc = ast.get_docstring(ast.parse(init.read_text())) or ""
     return " ".join(doc.split("\n\n", 1)[0].split())
+
+
+def first_sentence(path: Path) -> str:
+    """The caption's first sentence, without its full stop."""
+    para = caption(path)
+    cut = para.find(". ")
+    return (para if cut < 0 else para[:cut]).rstrip(".")
 
 
 def render() -> str:
@@ -106,12 +106,10 @@ def render() -> str:
     def described(n: str) -> str:
         """A layer's one line: its folder's caption, or its module's first sentence."""
         path = CORE / n.replace(".", "/")
-        if (path / "__init__.py").is_file():
-            return caption(path / "__init__.py").split(". ")[0].rstrip(".")
-        if path.with_suffix(".py").is_file():
-            return first_sentence(path.with_suffix(".py")).rstrip(".")
-        init = next((a for a in ADAPTERS if a.parent.name == n), None)
-        return caption(init).split(". ")[0].rstrip(".") if init else ""
+        for f in (path / "__init__.py", path.with_suffix(".py")):
+            if f.is_file():
+                return first_sentence(f)
+        return next((first_sentence(a) for a in ADAPTERS if a.parent.name == n), "")
 
     out = [HEAD]
     out += [f"{i + 1}. `{p}`: {described(p)}\n" for i, p in enumerate(order)]
@@ -129,7 +127,7 @@ def render() -> str:
         if mods or subs or others:
             out.append("| file | what it is |\n|---|---|\n")
         out += [f"| `{m.name}` | {first_sentence(m).replace('|', '/')} |\n" for m in mods]
-        out += [f"| `{s.name}/` | {caption(s / '__init__.py').split('. ')[0]} |\n" for s in subs]
+        out += [f"| `{s.name}/` | {first_sentence(s / '__init__.py')} |\n" for s in subs]
         out += [f"| `{o.name}` | {KINDS.get(o.suffix, 'data')} |\n" for o in others]
     out.append("\n" + TAIL)
     return "".join(out)
