@@ -220,10 +220,15 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--quick", action="store_true", help="each row once (else 3 times)")
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="that it runs, not a measurement: --quick with the smallest spill burst only",
+    )
     p.add_argument("--objects", type=int, default=8)
     p.add_argument("--json", help="write the result here")
     a = p.parse_args(argv)
-    repeats = 1 if a.quick else 3
+    repeats = 1 if a.quick or a.smoke else 3
     rows: list[dict[str, Any]] = []
     # one etcd for every master row: Mooncake's client keeps one etcd per process
     with EtcdCluster(1) as etcd:
@@ -236,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(repeats):
         rows.append(etcd_row())
         print(json.dumps(rows[-1]), flush=True)
-    for multiple in SPILL_MULTIPLES:
+    for multiple in SPILL_MULTIPLES[:1] if a.smoke else SPILL_MULTIPLES:
         for spill in (True, False):
             rows.append(spill_row(spill, multiple))
             print(json.dumps(rows[-1]), flush=True)
@@ -273,7 +278,12 @@ def main(argv: list[str] | None = None) -> int:
     if a.json:
         doc = {
             "bench": "ha",
-            "config": {"quick": a.quick, "objects": a.objects, "repeats": repeats},
+            "config": {
+                "quick": a.quick,
+                "smoke": a.smoke,
+                "objects": a.objects,
+                "repeats": repeats,
+            },
             "machine": {"python": platform.python_version(), "cpus": os.cpu_count()},
             "rows": rows,
             "summary": summary,

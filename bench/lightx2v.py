@@ -32,6 +32,12 @@ receiver holding LightX2V's dict / latent tensor, checked:
     lightx2v_nohash    LightX2V's scheme with the SHA-256 left out on both sides (no
                        integrity check, like adapter_p2p)
 
+``sender ms`` runs until the send call returned. The adapter's sends return once the
+payload is safe without the sender (p2p: once the receiver pulled it; store: once it is
+in the store host), as LightX2V's own sends do, so the peer runs them on a thread and
+the receiver starts meanwhile; a p2p sender's time therefore includes the receiver's
+pull. LightX2V's scheme (reimplemented) returns once its writes are done.
+
 Both processes run torch with one thread (see ``main``). The handle travels through the
 Mailbox (Mooncake Store) in every adapter row, so its cost is in the numbers. Rows run
 round-robin (order flipped every other repeat); medians.
@@ -54,6 +60,7 @@ import platform
 import statistics
 import sys
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -296,11 +303,18 @@ def lx_receive_phase2(ep: LxEndpoint, hashed: bool = True) -> torch.Tensor:
 
 # --------------------------------------------------------------------------- the adapter
 class BenchRunner:
-    """What the adapter's methods need of a LightX2V runner: ``config`` (and ``input_info``)."""
+    """What the adapter's methods need of a LightX2V runner: ``config`` (and
+    ``input_info``), and ``set_config``, which ``init_disagg`` wraps so a request's
+    settings end with it (``request_config.RoleConfig``)."""
 
     def __init__(self, config: dict[str, Any]) -> None:
         self.config = config
         self.input_info = None
+
+    def set_config(self, config_modify: dict[str, Any]) -> None:
+        """LightX2V's ``DefaultRunner.set_config`` at f8aee98b: the request's settings
+        over the runner's config (its ``LockableDict`` unlocked for it; a dict here)."""
+        self.config.update(config_modify)
 
 
 def adapter_runner(settings: MooncakeSettings, scheme: str, phase: str, side: str) -> BenchRunner:
@@ -333,6 +347,8 @@ class Peer:
         self.latents = make_phase2(wan_config("phase2"))
         self.lx: dict[str, LxEndpoint] = {}
         self.runners: dict[tuple[str, str], BenchRunner] = {}
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="bench-send")
+        self.sending: Future[float] | None = None
 
     def setup(self) -> dict[str, Any]:
         for phase in GEOMETRY:
@@ -354,15 +370,33 @@ class Peer:
             else:
                 lx_send_phase2(ep, self.latents, hashed=hashed)
             ep.push(session, ptrs or [])
-        elif phase == "phase1":
-            runner.send_encoder_outputs(self.runners[scheme, phase], *self.phase1)
-        else:
-            runner.send_transformer_outputs(self.runners[scheme, phase], self.latents)
-        return {"t0": t0, "sent": time.perf_counter()}
+            return {"t0": t0, "sent": time.perf_counter()}
+
+        # The adapter's sends return once the payload is safe without the sender (p2p:
+        # once the receiver pulled it), as LightX2V's own do: run on a thread, answered
+        # at once, so the bench can receive; ``sent`` collects when it returned.
+        def send() -> float:
+            if phase == "phase1":
+                runner.send_encoder_outputs(self.runners[scheme, phase], *self.phase1)
+            else:
+                runner.send_transformer_outputs(self.runners[scheme, phase], self.latents)
+            return time.perf_counter()
+
+        self.sending = self.pool.submit(send)
+        return {"t0": t0}
+
+    def sent(self) -> dict:
+        """When the adapter send started by ``send`` returned (its error, if it failed)."""
+        sending, self.sending = self.sending, None
+        assert sending is not None, "no adapter send in flight"
+        return {"sent": sending.result()}
 
     def close(self) -> dict:
         from mooncake_diffusion_lightx2v import runner
 
+        if self.sending is not None:
+            self.sending.cancel()
+        self.pool.shutdown(wait=True)
         for r in self.runners.values():
             runner.release_disagg(r)
         for ep in self.lx.values():
@@ -422,6 +456,9 @@ def run(
                     if phase == "phase1"
                     else runner.receive_transformer_outputs(r)
                 )
+                t_end = time.perf_counter()
+                sent |= peer.call("sent")
+                return t_end - sent["t0"], sent["sent"] - sent["t0"], t_end - t1, got
             t_end = time.perf_counter()
             return t_end - sent["t0"], sent["sent"] - sent["t0"], t_end - t1, got
 
@@ -541,7 +578,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     if a.peer:
         peer = Peer(MooncakeSettings(master=a.master, admin=a.admin))
-        return serve_peer({"setup": peer.setup, "send": peer.send, "close": peer.close})
+        return serve_peer(
+            {"setup": peer.setup, "send": peer.send, "sent": peer.sent, "close": peer.close}
+        )
     repeats = a.repeats or (3 if a.quick else 10)
     schemes = ["lightx2v", *[s for s in a.schemes.split(",") if s]]
     unknown = set(schemes) - set(SCHEMES)

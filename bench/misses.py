@@ -23,7 +23,9 @@ same on both pools); read the misses as a count of cold reads, not as a time. Wi
 instructions within about 2 % (objects hashed by address still move), so two cores
 compare without the noise that timing them on a shared machine has: a 4,096-worker
 timing moves 15-20 % with the host's other jobs. ``--quick`` runs the same (there are
-no repeats to drop). About six minutes, two children at a time.
+no repeats to drop). About six minutes, two children at a time. ``--smoke`` only
+checks that it runs (the test suite's bench smoke): one policy on the smallest pool,
+200 and 400 decisions, no figures across pools.
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ POLICIES = ("round_robin", "least_loaded", "affinity")
 #: state a decision touches was touched a few events before: what is left is work)
 CASES = (("small", "oldest"), ("xl", "oldest"), ("xl", "newest"))
 DECISIONS = (2_000, 12_000)  # the two runs; the counts of the decisions between are kept
+#: ``--smoke``: the two runs of a check that the bench runs (its counts mean little)
+SMOKE_DECISIONS = (200, 400)
 SEED = 0  # bench/orchestrator.py's default --seed
 CACHE = "1048576,16,64"  # the simulated data cache: 1 MiB, 16-way, 64-byte lines
 COUNTS = {"I": "instructions", "D": "data_refs", "D1": "misses"}
@@ -154,6 +158,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", metavar="PATH", help="write the results here")
     ap.add_argument("--quick", action="store_true", help="the same runs (counts do not vary)")
     ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help=f"that it runs, not a measurement: {POLICIES[0]} on the {CASES[0][0]} pool only, "
+        f"{SMOKE_DECISIONS} decisions (no summary across pools)",
+    )
+    ap.add_argument(
         "--child", nargs=4, metavar=("POLICY", "POOL", "ORDER", "N"), help=argparse.SUPPRESS
     )
     a = ap.parse_args(argv)
@@ -167,7 +177,10 @@ def main(argv: list[str] | None = None) -> int:
     from orch_report import machine_info
 
     started = time.monotonic()
-    jobs = [(p, pool, order, n) for p in POLICIES for pool, order in CASES for n in DECISIONS]
+    policies = POLICIES[:1] if a.smoke else POLICIES
+    decisions = SMOKE_DECISIONS if a.smoke else DECISIONS
+    cases = CASES[:1] if a.smoke else CASES
+    jobs = [(p, pool, order, n) for p in policies for pool, order in cases for n in decisions]
     results: dict[tuple[str, str, str, int], dict[str, Any]] = {}
     with concurrent.futures.ThreadPoolExecutor(max(1, min(2, os.cpu_count() or 1))) as ex:
         futures = {ex.submit(counted, *job): job for job in jobs}
@@ -181,9 +194,9 @@ def main(argv: list[str] | None = None) -> int:
             ex.shutdown(wait=False, cancel_futures=True)  # the children not started yet
             raise
     rows = []
-    for policy in POLICIES:
-        for pool, order in CASES:
-            short, long = (results[(policy, pool, order, n)] for n in DECISIONS)
+    for policy in policies:
+        for pool, order in cases:
+            short, long = (results[(policy, pool, order, n)] for n in decisions)
             rows.append(
                 {
                     "policy": policy,
@@ -197,21 +210,26 @@ def main(argv: list[str] | None = None) -> int:
     by = {(r["policy"], r["pool"], r["order"]): r for r in rows}
     small, large, hot = CASES
     summary: dict[str, float] = {}
-    for policy in POLICIES:
-        for pool, order in CASES:
+    for policy in policies:
+        for pool, order in cases:
             name = pool if order == "oldest" else f"{pool}_newest_first"
             summary[f"misses_per_decision_{name}_{policy}"] = round(
                 by[(policy, pool, order)]["misses"], 2
             )
-    summary["misses_per_decision_largest_minus_smallest_max"] = round(
-        max(by[(p, *large)]["misses"] - by[(p, *small)]["misses"] for p in POLICIES), 2
-    )
-    summary["instructions_ratio_largest_to_smallest_max"] = round(
-        max(by[(p, *large)]["instructions"] / by[(p, *small)]["instructions"] for p in POLICIES), 3
-    )
-    summary["instructions_ratio_newest_to_oldest_first_largest_max"] = round(
-        max(by[(p, *hot)]["instructions"] / by[(p, *large)]["instructions"] for p in POLICIES), 3
-    )
+    if cases == CASES:  # the figures across pools (not in a --smoke run)
+        summary["misses_per_decision_largest_minus_smallest_max"] = round(
+            max(by[(p, *large)]["misses"] - by[(p, *small)]["misses"] for p in policies), 2
+        )
+        summary["instructions_ratio_largest_to_smallest_max"] = round(
+            max(
+                by[(p, *large)]["instructions"] / by[(p, *small)]["instructions"] for p in policies
+            ),
+            3,
+        )
+        summary["instructions_ratio_newest_to_oldest_first_largest_max"] = round(
+            max(by[(p, *hot)]["instructions"] / by[(p, *large)]["instructions"] for p in policies),
+            3,
+        )
     print(markdown(rows))
     for k, v in summary.items():
         print(f"{k}: {v}")
@@ -219,7 +237,12 @@ def main(argv: list[str] | None = None) -> int:
         doc = {
             "bench": "misses",
             "machine": {**machine_info(), "valgrind": valgrind_version()},
-            "config": {"quick": a.quick, "decisions": list(DECISIONS), "cache": CACHE},
+            "config": {
+                "quick": a.quick,
+                "smoke": a.smoke,
+                "decisions": list(decisions),
+                "cache": CACHE,
+            },
             "units": {
                 "misses": "misses per decision in the simulated data cache (1 MiB, 16-way, "
                 "64-byte lines, LRU, no prefetch), over the decisions between the two runs",

@@ -106,6 +106,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--quick", action="store_true", help="fewer decisions and repeats, one chaos run (~50 s)"
     )
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="that it runs, not a measurement: --quick's parts with 1,000 decisions, one "
+        "repeat and 1 s service runs",
+    )
     p.add_argument("--json", metavar="PATH", help="also write results as JSON here")
     p.add_argument("--seed", type=int, default=0, help="seed of the workloads")
     p.add_argument("--fleet-agent", nargs=3, help=argparse.SUPPRESS)
@@ -121,16 +127,17 @@ def main(argv: list[str] | None = None) -> int:
         return wake_probe()
     t0 = time.perf_counter()
     load_start = os.getloadavg()
-    decisions, repeats = (10_000, 3) if a.quick else (40_000, 5)
+    quick = a.quick or a.smoke
+    decisions, repeats = (1_000, 1) if a.smoke else (10_000, 3) if quick else (40_000, 5)
     sat, ratios = saturated_all(decisions, repeats, a.seed)
     newest, newest_ratios = saturated_all(decisions, repeats, a.seed, "newest")
     ch = []
-    for policy in ("affinity",) if a.quick else POLICIES:
+    for policy in ("affinity",) if quick else POLICIES:
         log(f"chaos: {CHAOS_REQUESTS} requests, {policy}")
         ch.append(chaos(policy, a.seed))
     svc = []
     with tempfile.TemporaryDirectory() as tmp:
-        seconds = 3.0 if a.quick else 10.0
+        seconds = 1.0 if a.smoke else 3.0 if quick else 10.0
         for journal, client, fp in (
             (True, "raw", False),
             (True, "raw", True),
@@ -145,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
             n = int(SERVICE_RATE * seconds)
             svc.append(service_rtt(SERVICE_RATE, n, journal, tmp, client, fp))
         log("service: one submission at a time, journal on, raw client")
-        svc.append(service_rtt(None, 300 if a.quick else 2000, True, tmp))
+        svc.append(service_rtt(None, 50 if a.smoke else 300 if quick else 2000, True, tmp))
         log("service: the first row again, beside a probe of the machine's wake-ups")
         svc.append(service_rtt(SERVICE_RATE, n, True, tmp, probe=True))
     total = time.perf_counter() - t0
@@ -156,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.json:
         config = {
             "quick": a.quick,
+            "smoke": a.smoke,
             "seed": a.seed,
             "decisions_per_run": decisions,
             "repeats": repeats,

@@ -32,9 +32,10 @@ def test_verification_script_passes_on_the_real_checkout():
     assert "ok    lightx2v.utils.input_info.init_empty_input_info(" in out.stdout
     assert "ok    lightx2v.utils.input_info.update_input_info_from_dict(" in out.stdout
     assert "FAIL" not in out.stdout
-    line = next(x for x in out.stdout.splitlines() if "checkout commit:" in x)
-    # the source's own commit (a git checkout of it) or none (an unpacked archive)
-    assert line.endswith(("(the targeted commit)", "(the source is not a git checkout)")), line
+    line = next(x for x in out.stdout.splitlines() if "source commit:" in x)
+    # the source's own commit: a git checkout's, or an unpacked archive's by its name
+    # (./dev installs it from either); never "unknown"
+    assert "source commit: f8aee98b" in line and "(the targeted commit), from " in line, line
 
 
 def test_a_role_selecting_the_adapter_fails_at_start_when_the_adapter_cannot_load(
@@ -133,3 +134,36 @@ def test_the_check_reports_the_lightx2v_sources_own_commit_never_its_surrounding
     git(checkout, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "src")
     assert source_commit(unpacked) == git(checkout, "rev-parse", "HEAD")
     assert source_commit(unpacked) != git(outer, "rev-parse", "HEAD")
+
+
+def test_the_check_reports_an_unpacked_archives_commit_from_its_name(tmp_path):
+    """A source unpacked from ``lightx2v-<commit>.tar.gz`` (into ``lightx2v-<commit>/``)
+    has no git checkout of its own: the check printed its commit as unknown. It says
+    the commit the archive's name gives, with the sha256 ``./dev`` checked when its
+    stamp is there; a folder of any other name stays unknown."""
+    from mooncake_diffusion_lightx2v import check
+
+    top = tmp_path / "lightx2v-f8aee98b"
+    package = top / "lightx2v"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    assert check.source_commit(package) is None
+    got = check.archive_commit(package)
+    assert got == ("f8aee98b", "the folder lightx2v-f8aee98b/ (an unpacked archive)")
+    sha = "b10249290c0a763008cffc93cd16390e2ee9a6815d14c28626634f390fe994c2"
+    (top / check.ARCHIVE_STAMP).write_text(f"lightx2v-f8aee98b.tar.gz {sha}\n")
+    commit, where = check.archive_commit(package)
+    assert commit == "f8aee98b"
+    assert where == "the archive lightx2v-f8aee98b.tar.gz (sha256 b10249290c0a7630...)"
+    line = check._commit_line(package)
+    assert line == f"source commit: f8aee98b (the targeted commit), from {where}", line
+
+    other = tmp_path / "lightx2v-0123abcd" / "lightx2v"
+    other.mkdir(parents=True)
+    assert check._commit_line(other).startswith("source commit: 0123abcd (differs from f8aee98b)")
+    plain = tmp_path / "LightX2V" / "lightx2v"
+    plain.mkdir(parents=True)
+    assert check.archive_commit(plain) is None
+    assert check._commit_line(plain) == (
+        "source commit: unknown (neither a git checkout nor an unpacked archive)"
+    )

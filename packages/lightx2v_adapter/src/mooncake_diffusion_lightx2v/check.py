@@ -9,10 +9,12 @@ the Wan and Qwen runners inherit them; for queue mode, that the runners have
 ``set_config`` and ``run_pipeline(input_info)`` and that
 ``lightx2v.utils.input_info`` has ``init_empty_input_info(task, ...)`` and
 ``update_input_info_from_dict(input_info, data)`` (how LightX2V's server builds
-a request's input info); LightX2V's version and source folder, and which git
-commit that source is at when it is a git checkout of its own (``f8aee98b`` is
-the one the adapter targets; an unpacked archive has none). Prints one line per check and
-exits 1 if any failed.
+a request's input info); LightX2V's version and source folder, and which commit
+that source is at (``f8aee98b`` is the one the adapter targets): a git checkout
+of its own says it; an unpacked archive says it by its name
+(``lightx2v-<commit>.tar.gz``, unpacked into ``lightx2v-<commit>/``; ``./dev``
+leaves the archive's name and verified sha256 in ``ARCHIVE_STAMP`` there).
+Prints one line per check and exits 1 if any failed.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import importlib
 import importlib.metadata
 import inspect
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -28,7 +31,21 @@ from pathlib import Path
 from mooncake_diffusion_lightx2v import TARGET_COMMIT
 from mooncake_diffusion_lightx2v.plugin import MIXIN_MODULE, PATCHED, patched
 
-__all__ = ["EXPECTED_PARAMS", "main", "run_checks", "source_commit"]
+__all__ = [
+    "ARCHIVE_STAMP",
+    "EXPECTED_PARAMS",
+    "archive_commit",
+    "main",
+    "run_checks",
+    "source_commit",
+]
+
+#: The file ``./dev`` writes in an unpacked source archive's top folder: one line,
+#: ``<archive name> <its sha256>`` (checked against ``engine/source.txt`` before
+#: unpacking).
+ARCHIVE_STAMP = ".mcd-archive"
+#: An archive's top folder (and, less ``.tar.gz``, its name): ``lightx2v-<commit>``.
+_ARCHIVE_TOP = re.compile(r"lightx2v-([0-9a-f]{7,40})")
 
 #: The parameters of each routed method at f8aee98b (``self`` first).
 EXPECTED_PARAMS = {
@@ -66,6 +83,41 @@ def source_commit(package_dir: Path) -> str | None:
     if top is None or Path(top).resolve() != root:
         return None
     return _git(root, "rev-parse", "HEAD")
+
+
+def archive_commit(package_dir: Path) -> tuple[str, str] | None:
+    """``(commit, where it was read)`` for a LightX2V source unpacked from an archive
+    (``package_dir``'s parent named ``lightx2v-<commit>``, as the archive's top
+    folder is): ``where`` names the archive and its sha256 when ``./dev`` left its
+    ``ARCHIVE_STAMP`` there, else the folder. ``None`` for any other folder. The
+    commit is as long as the name has it (``f8aee98b``)."""
+    root = package_dir.resolve().parent
+    m = _ARCHIVE_TOP.fullmatch(root.name)
+    if m is None:
+        return None
+    try:
+        name, sha256 = (root / ARCHIVE_STAMP).read_text().split()[:2]
+    except (OSError, ValueError):
+        return m.group(1), f"the folder {root.name}/ (an unpacked archive)"
+    named = _ARCHIVE_TOP.fullmatch(name.removesuffix(".tar.gz"))
+    if named is None:  # a stamp for an archive of another name: the folder says it
+        return m.group(1), f"the folder {root.name}/ (an unpacked archive)"
+    return named.group(1), f"the archive {name} (sha256 {sha256[:16]}...)"
+
+
+def _commit_line(package_dir: Path) -> str:
+    """The check's line for the source's commit (never fails: unknown says why)."""
+    commit = source_commit(package_dir)
+    if commit is not None:
+        where = "its git checkout"
+    else:
+        found = archive_commit(package_dir)
+        if found is None:
+            return "source commit: unknown (neither a git checkout nor an unpacked archive)"
+        commit, where = found
+    same = commit.startswith(TARGET_COMMIT[:8]) or TARGET_COMMIT.startswith(commit)
+    note = "the targeted commit" if same else f"differs from {TARGET_COMMIT[:8]}"
+    return f"source commit: {commit[:12]} ({note}), from {where}"
 
 
 def _version() -> str:
@@ -153,13 +205,7 @@ def run_checks() -> list[tuple[bool, str]]:
     results.extend(_input_info_checks())
     package_dir = Path(lightx2v.__file__).resolve().parent
     results.append((True, f"lightx2v version {_version()}, source {package_dir.parent}"))
-    commit = source_commit(package_dir)
-    if commit is None:
-        results.append((True, "checkout commit: unknown (the source is not a git checkout)"))
-    else:
-        same = commit.startswith(TARGET_COMMIT[:8]) or TARGET_COMMIT.startswith(commit)
-        note = "the targeted commit" if same else f"differs from {TARGET_COMMIT[:8]}"
-        results.append((True, f"checkout commit: {commit[:12]} ({note})"))
+    results.append((True, _commit_line(package_dir)))
     return results
 
 

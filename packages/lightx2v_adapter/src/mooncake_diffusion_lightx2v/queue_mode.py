@@ -136,15 +136,31 @@ def _input_info(task: TaskData) -> Any:
     return info
 
 
+#: The wire carries whole steps; LightX2V reports a percentage as a float
+#: (``progress_callback(33.33.., 100)``). A report with a float in it is sent scaled
+#: by this, rounded (``3333`` of ``10000``), so its fraction survives to a hundredth
+#: of a percent and every report of a runner has the same total; whole reports (a
+#: runner that counts clips, ``(2, 5)``) go as they are.
+PROGRESS_SCALE = 100
+
+
+def progress_steps(step: float, total: float) -> tuple[int, int]:
+    """``(step, total)`` as LightX2V reported them, in whole numbers (see ``PROGRESS_SCALE``)."""
+    if isinstance(step, float) or isinstance(total, float):
+        return round(step * PROGRESS_SCALE), round(total * PROGRESS_SCALE)
+    return int(step), int(total)
+
+
 def _progress(ctx: StageContext, runner: Any) -> Any:
     """LightX2V's ``progress_callback(percent, 100)`` (``percent`` a float, after each
-    denoising step) as the orchestrator's progress; when the orchestrator asked the
+    denoising step) as the orchestrator's progress (``progress_steps``: the fraction
+    kept); when the orchestrator asked the
     item to yield (preemption) or dropped it, raises LightX2V's own ``stop_signal``,
     which ``run_segment`` checks before the next step (``check_stop``: it ends the
     run and raises), so the item stops at that step boundary."""
 
     def report(step: float, total: float) -> None:
-        ctx.progress(step, total)
+        ctx.progress(*progress_steps(step, total))
         if ctx.should_yield or ctx.cancelled:
             runner.stop_signal = True
 

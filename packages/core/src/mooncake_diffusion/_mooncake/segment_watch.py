@@ -32,11 +32,17 @@ Calls, in order:
   A master without that metric is watched by its names alone.
 - ``unwatch(client)``: from ``StoreClient.close``; the last one stops and joins the
   thread (so leak checks see no thread left over).
+- At interpreter exit (an ``atexit`` hook, while every module is still whole) each
+  watch still running is stopped and joined: a client left open to a finalizer is
+  closed later, during teardown, when a daemon thread can no longer be joined (it
+  never runs again) and this module's globals may read ``None``. Its clients stay
+  open; ``unwatch`` finds nothing left.
 A master that does not answer is skipped for that tick, never an error.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import re
 import threading
@@ -179,6 +185,20 @@ def watch(client: Recyclable, admin: str, interval_s: float) -> None:
             w.thread.start()
         w.clients[id(client)] = client
     w.primed.wait(2 * w.get_timeout_s + 1.0)  # the first tick: two bounded GETs
+
+
+def _stop_all() -> None:
+    """Stop and join every watch (``atexit``: before the interpreter tears down)."""
+    with _lock:
+        stopped = list(_watches.values())
+        _watches.clear()
+    for w in stopped:
+        w.stop.set()
+    for w in stopped:
+        w.thread.join()
+
+
+atexit.register(_stop_all)
 
 
 def unwatch(client: Recyclable) -> None:

@@ -57,6 +57,7 @@ import dataclasses
 import errno
 import logging
 import re
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -410,6 +411,41 @@ class StoreClient:
             key, code = failed[0]
             raise error_for(code, f"store put of {key!r}")
 
+    def put_each(
+        self,
+        keys: Sequence[str],
+        ptrs: Sequence[Sequence[int]],
+        sizes: Sequence[Sequence[int]],
+        *,
+        pin: str,
+    ) -> list[int]:
+        """``put_many`` that answers each key's code instead of raising, and removes
+        nothing when one fails (a key that was already there answers 0 or
+        OBJECT_ALREADY_EXISTS and is left as it is: it may be another writer's).
+        Transient faults are retried within the client's retry window."""
+        if not keys:
+            return []
+        cfg = self._config(pin)
+
+        def put(idx: list[int]) -> Sequence[int]:
+            return self._call(
+                "batch_put_from_multi_buffers",
+                [keys[i] for i in idx],
+                [list(ptrs[i]) for i in idx],
+                [list(sizes[i]) for i in idx],
+                cfg,
+            )
+
+        return self._retrying(len(keys), put, None)
+
+    def remove_each(self, keys: Sequence[str]) -> list[int]:
+        """One ``batch_remove`` with force and no retry: each key's code (0: this call
+        removed it, OBJECT_NOT_FOUND: it was not there). A transient code means the
+        outcome is unknown (the master may have removed it): the caller decides."""
+        if not keys:
+            return []
+        return list(self._call("batch_remove", list(keys), True))
+
     def get_many(
         self,
         keys: Sequence[str],
@@ -615,9 +651,27 @@ class StoreClient:
         one scan of the master's keys); returns how many."""
         return max(self._call("remove_by_regex", pattern, True), 0)
 
-    def close(self) -> None:
-        """Unregister buffers and disconnect (about 1 s inside Mooncake). Idempotent."""
+    def close(self, *, _exiting: Callable[[], bool] = sys.is_finalizing) -> None:
+        """Unregister buffers and disconnect (about 1 s inside Mooncake). Idempotent.
+
+        Safe from a finalizer at interpreter exit (an owner left to ``__del__``):
+        once the interpreter is tearing down (``sys.is_finalizing()``, after the
+        ``atexit`` hooks) the modules' globals may already read ``None``, so only the
+        native clients this object holds are closed, by their own methods; the watch
+        thread was stopped by then (``segment_watch``'s ``atexit`` hook), and buffer
+        registrations end with the native client."""
         if self._closed:
+            return
+        if _exiting():
+            self._closed = True
+            natives = [self._native, *(n for n, _ in self._retired.values())]
+            self._retired = {}
+            for native in natives:
+                # not contextlib.suppress: this module's globals may read None by now
+                try:  # noqa: SIM105
+                    native.store.close()
+                except Exception:
+                    pass
             return
         segment_watch.unwatch(self)  # first: a recycle in progress finishes
         with self._recycling:
