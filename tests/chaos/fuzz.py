@@ -189,9 +189,11 @@ def check_skeleton(data: bytes) -> None:
 
 def check_mailbox_name(name: str) -> None:
     from mooncake_diffusion.handoff.mailbox import Mailbox
+    from mooncake_diffusion.handoff.protocol import Keys
 
     box = Mailbox.__new__(Mailbox)  # key_of needs no store
     box.namespace = "mcd-mbox/"
+    box.keys = Keys(box.namespace)
     try:
         key = box.key_of(name)
     except PayloadError:

@@ -35,7 +35,7 @@ def main() -> None:
 
             keyed._destinations = destinations
         else:
-            kh._settle = gate
+            kh._commit = gate
         threading.Thread(target=kh.receive, args=(cmd["key"],), daemon=True).start()
         if not reached.wait(120):
             raise RuntimeError(f"the receive never reached the gate {cmd['at']!r}")

@@ -43,6 +43,12 @@ def pair(mooncake_cluster):
     assert_no_leaks(mooncake_cluster, baseline)
 
 
+def records(cluster) -> list[str]:
+    """The store's keys less the mailbox's anchors and expiry markers (one anchor
+    beside each record: ``handoff.protocol``)."""
+    return sorted(k for k in cluster.keys() if not k.startswith(("mcd-mbox-anchor/", TTL_ROOT)))  # noqa: SIM118
+
+
 def payload():
     return {
         "latent": torch.randn(1, 16, 4, 32, 32).to(torch.bfloat16),
@@ -66,7 +72,7 @@ def test_found_by_key_alone_and_consumed_once(pair, mooncake_cluster):
 def test_small_objects_travel_in_the_record_alone(pair, mooncake_cluster):
     producer, consumer = pair(), pair()
     producer.send("tiny", {"a": [1, 2], "b": torch.arange(4)})
-    assert mooncake_cluster.keys() == ["mcd-mbox/tiny"]  # no payload objects at all
+    assert records(mooncake_cluster) == ["mcd-mbox/tiny"]  # no payload objects at all
     obj, _ = consumer.receive("tiny")
     assert obj["a"] == [1, 2] and torch.equal(obj["b"], torch.arange(4))
 
@@ -161,7 +167,7 @@ def test_p2p_mode_producer_holds_bytes_until_taken(pair, mooncake_cluster):
     producer, consumer = pair(transfer_mode="p2p"), pair(transfer_mode="p2p")
     sent = payload()
     producer.send("p", sent)
-    assert mooncake_cluster.keys() == ["mcd-mbox/p"]  # only the record is in the store
+    assert records(mooncake_cluster) == ["mcd-mbox/p"]  # only the record is in the store
     obj, _ = consumer.receive("p")
     assert torch.equal(obj["latent"], sent["latent"])
 
@@ -188,8 +194,10 @@ def test_mailbox_records_round_trip(mooncake_cluster):
         assert box.take("n1") is None
         box.post("n2", b"x" * 4096, expires_at=time.time() + 600)
         keys = mooncake_cluster.keys()
-        assert sorted(keys) == ["mcd-mbox/n2", next(k for k in keys if k.startswith(TTL_ROOT))]
-        assert box.take("n2") == b"x" * 4096  # the marker goes with the record
+        assert records(mooncake_cluster) == ["mcd-mbox/n2"]
+        # the record, its anchor, and an expiry marker for each
+        assert len(keys) == 4 and sum(k.startswith(TTL_ROOT) for k in keys) == 2
+        assert box.take("n2") == b"x" * 4096  # the markers go with the record
     assert mooncake_cluster.keys() == []
 
 
@@ -400,27 +408,25 @@ def test_two_producers_putting_one_key_at_once_leave_one_payload_and_no_orphan(
         b.reap()
 
 
-def test_a_post_into_a_record_put_meanwhile_fails_and_leaves_nothing(
+def test_a_post_that_finds_another_record_raises_or_replaces_and_leaves_nothing_of_its_own(
     mooncake_cluster,
 ):
-    """The concurrent-post window held open: a poster whose existence check said
-    "absent" while another's record was already there. With or without ``replace``
-    it raises DuplicatePublishError, the other record stands, and no marker of the
-    failed post is left."""
+    """A poster whose put met another's record there: without ``replace`` it raises
+    DuplicatePublishError and leaves no key of its own (anchor, markers); with
+    ``replace`` it commits the other record (returned, so the caller frees what it
+    named) and its own stands."""
     with (
         Mailbox(mooncake_cluster.settings, max_record=4096) as first,
         Mailbox(mooncake_cluster.settings, max_record=4096) as late,
     ):
-        real = late._client.exists_many
-        for replace in (True, False):
-            first.post("spot", b"first", expires_at=time.time() + 600)
-            calls = iter([[False]])
-            late._client.exists_many = lambda keys, calls=calls: next(calls, None) or real(keys)
-            with pytest.raises(DuplicatePublishError, match="at the same time"):
-                late.post("spot", b"late", expires_at=time.time() + 900, replace=replace)
-            assert first.take("spot") == b"first"
-            late._client.exists_many = real
-            assert mooncake_cluster.keys() == [], (replace, mooncake_cluster.keys())
+        first.post("spot", b"first", expires_at=time.time() + 600)
+        before = sorted(mooncake_cluster.keys())
+        with pytest.raises(DuplicatePublishError, match="already holds"):
+            late.post("spot", b"late", expires_at=time.time() + 900)
+        assert sorted(mooncake_cluster.keys()) == before
+        assert late.post("spot", b"late", expires_at=time.time() + 900, replace=True) == b"first"
+        assert first.take("spot") == b"late"
+        assert mooncake_cluster.keys() == []
 
 
 @pytest.mark.parametrize("inline_bytes", [1 << 20, 1])
@@ -502,7 +508,7 @@ def test_mailbox_claims_hold_lapse_and_are_discarded(mooncake_cluster):
 
 class FillablePool:
     """A 64 MiB store pool that ``fill()`` fills with hard-pinned objects (halving in
-    size until not even 256 bytes fit) and ``free()`` empties again: a full pool
+    size until not even one byte fits) and ``free()`` empties again: a full pool
     held exactly where a test needs it."""
 
     def __init__(self, cluster) -> None:
@@ -519,7 +525,7 @@ class FillablePool:
 
     def fill(self) -> None:
         size = len(self.blob)
-        while size >= 256:
+        while size >= 1:
             try:
                 key = f"filler/{len(self.keys)}"
                 self.client.put_many([key], [[self.blob.ctypes.data]], [[size]], pin="hard")
@@ -555,79 +561,32 @@ def fillable():
         assert_no_leaks(cluster, baseline)
 
 
-def held_lease_puts(box, monkeypatch, at_first, at_second=None):
-    """Run ``at_first()`` just before the first put under ``box``'s lease keys and
-    ``at_second()`` before the second; returns the list of lease keys put."""
-    real_put, tries = box._put, []
-
-    def held_put(key, expires_ms, body):
-        if key.startswith(box.lease_namespace):
-            tries.append(key)
-            hook = {1: at_first, 2: at_second}.get(len(tries))
-            if hook is not None:
-                hook()
-        return real_put(key, expires_ms, body)
-
-    monkeypatch.setattr(box, "_put", held_put)
-    return tries
-
-
-def test_a_claim_whose_lease_meets_a_full_pool_retries_then_goes_on_without_a_lease(
+def test_a_claim_that_meets_a_full_pool_goes_on_without_a_lease_and_delivers_once(
     fillable, monkeypatch
 ):
-    """The lease's post meets a pool filled between the take and that post (the window
-    a waiting producer's put took in CI), held there by filling the pool at the first
-    try. Room back at the second try: the claim is leased. Still full: after a second
-    the claimer gets the record without a lease. The record is never lost, and
-    nothing is left."""
+    """The pool filled just before a claim puts its lease slot (held there: the
+    filling runs inside the claim's put): the claim goes on without a lease at once
+    (counted), a second claimer may fetch too, and the commit delivers it to exactly
+    one of them; nothing is left."""
     cluster = fillable.cluster
     with Mailbox(cluster.settings, max_record=4096) as box:
         record = b"r" * 2048
-        tries = held_lease_puts(box, monkeypatch, fillable.fill, fillable.free)
-        box.post("room", record, expires_at=time.time() + 600)
-        claim = box.claim("room", 600)
-        assert claim is not None and claim.record == record
-        assert len(tries) == 2 and box.unleased_claims == 0
-        assert box.claim("room", 600) is None  # leased: nobody else's
-        assert claim.confirm() is True
-
-        tries = held_lease_puts(box, monkeypatch, fillable.fill)
         box.post("full", record, expires_at=time.time() + 600)
-        claim = box.claim("full", 600)
-        assert claim is not None and claim.record == record
-        assert len(tries) > 2 and box.unleased_claims == 1
-        assert not any(k.startswith(box.lease_namespace) for k in cluster.keys())  # noqa: SIM118
-        assert box.claim("full", 600) is None
-        assert claim.confirm() is True
+        real_put, filled = box._put, []
+
+        def put(items):
+            if not filled and any(k.startswith(box.keys.slot_root) for k, _ in items):
+                fillable.fill()
+                filled.append(True)
+            return real_put(items)
+
+        monkeypatch.setattr(box, "_put", put)
+        first = box.claim("full", 600)
+        assert first is not None and first.record == record and not first.leased
+        assert box.unleased_claims == 1
+        second = box.claim("full", 600)
+        assert second is not None and not second.leased
+        assert first.confirm() is True and second.confirm() is False
+        monkeypatch.undo()
         fillable.free()
         assert cluster.keys() == []
-
-
-def test_putting_back_a_takeovers_lease_into_a_full_pool_is_retried_and_never_raises(
-    fillable, monkeypatch
-):
-    """A first claimer stalls past its lease, a second takes the record over; the
-    first's confirm takes the second's lease and must put it back, into a pool filled
-    at that moment. Room back at the second try: the second's lease stands. Still
-    full: the first's confirm still answers False (no error), and so does the
-    second's; the record is in both their hands."""
-    cluster = fillable.cluster
-    with Mailbox(cluster.settings, max_record=4096) as box:
-        for free_again, second_confirms in ((True, True), (False, False)):
-            name = f"lapse-{free_again}"
-            box.post(name, b"two", expires_at=time.time() + 600)
-            first = box.claim(name, 0.05)
-            hang_guard = time.monotonic() + 60
-            while (second := box.claim(name, 600)) is None:
-                assert time.monotonic() < hang_guard, "the lapsed lease was never taken over"
-                time.sleep(0.01)
-            assert first is not None and second.record == first.record == b"two"
-            tries = held_lease_puts(
-                box, monkeypatch, fillable.fill, fillable.free if free_again else None
-            )
-            assert first.confirm() is False
-            assert len(tries) == 2 if free_again else len(tries) > 2
-            fillable.free()
-            assert second.confirm() is second_confirms
-            monkeypatch.undo()
-            assert [k for k in cluster.keys() if name in k] == []  # noqa: SIM118

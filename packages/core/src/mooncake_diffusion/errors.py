@@ -11,7 +11,8 @@ boundary, so no caller above them ever sees a raw code such as ``-706``.
     │   └── DuplicatePublishError     (request_id, kind) already published and live
     ├── HandleError   (ValueError)  a corrupt, foreign or unknown-version handle
     ├── PayloadGoneError            the payload is not there (any more)       [cache miss]
-    │   └── AlreadyConsumedError      a delete-on-consume payload was consumed before
+    │   ├── AlreadyConsumedError      a delete-on-consume payload was consumed before
+    │   └── LeaseLapsedError          a reader's lease lapsed before it confirmed   [retryable]
     ├── MasterUnavailableError      no healthy mooncake_master at the address  [retryable]
     ├── TransferError               bytes did not move                          [retryable]
     │   ├── PeerGoneError             the producer or store host is unreachable  [retryable]
@@ -44,6 +45,7 @@ __all__ = [
     "DestinationMismatchError",
     "DuplicatePublishError",
     "HandleError",
+    "LeaseLapsedError",
     "LeasedError",
     "MasterUnavailableError",
     "MooncakeDiffusionError",
@@ -89,6 +91,13 @@ class PayloadGoneError(MooncakeDiffusionError):
 
 class AlreadyConsumedError(PayloadGoneError):
     """A delete-on-consume payload was already consumed once."""
+
+
+class LeaseLapsedError(PayloadGoneError):
+    """A keyed receive fetched the bytes but its lease lapsed before it could confirm:
+    nothing was delivered to it, and the record stays for the next receive."""
+
+    retryable = True
 
 
 class MasterUnavailableError(MooncakeDiffusionError):

@@ -8,8 +8,9 @@ Kinds, from the key alone (the layouts are those of ``transports/store.py``,
 
     payload   mcd/<request_id>/<kind>/<nonce>[@<expires_ms>]/<tensor>.<chunk>[.<part>]
     record    mcd-mbox/<name>                  a keyed handoff's record, not yet taken
-    claimed   mcd-mbox-lease/<name>            a record a consumer is reading (lease)
-    marker    mcd-ttl/<expires_ms>/<key>       one byte: <key> expires then
+    anchor    mcd-mbox-anchor/<name>/<nonce>   one byte beside each record (its commit)
+    claimed   mcd-mbox-lease/<name>/<nonce>/<g>  a consumer's lease on a record
+    marker    mcd-ttl/<expires_ms>[.<tag>]/<key>  one byte: <key> expires then
     cache     mcd-cache/...                    condition-embedding, CFG, checkpoints
     other     anything else (not ours)
 
@@ -34,10 +35,12 @@ from mooncake_diffusion.transfer.transports.store import KEY_ROOT
 
 __all__ = ["KINDS", "Entry", "inventory", "kind_of", "render", "render_keys", "summarise"]
 
-KINDS = ("payload", "record", "claimed", "marker", "cache", "other")
+KINDS = ("payload", "record", "anchor", "claimed", "marker", "cache", "other")
 _LEASE_ROOT = MAILBOX_ROOT.rstrip("/") + "-lease/"
+_ANCHOR_ROOT = MAILBOX_ROOT.rstrip("/") + "-anchor/"
 _ROOTS = (
     (_LEASE_ROOT, "claimed"),
+    (_ANCHOR_ROOT, "anchor"),
     (MAILBOX_ROOT, "record"),
     (TTL_ROOT, "marker"),
     ("mcd-cache/", "cache"),

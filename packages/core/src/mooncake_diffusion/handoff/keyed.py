@@ -38,16 +38,22 @@ classes as Ext type 2 holding ``(tag, state)``) rides in the record when it is a
 most half of ``Mailbox.max_record``, else as one more tensor. Top-level raw bytes
 that moved are received into a bytearray and returned as ``bytes`` (one copy).
 
-Lifecycle. A record is taken once, under a lease (``Mailbox.claim``): the
-consumer confirms it once the bytes landed and then removes the payload (store
-payloads are written ``retained``, so a read alone removes nothing); a consumer
-that dies or stalls past ``lease_s`` before confirming leaves the record to the
-next ``receive``, which takes it over (exactly once to a live reader, at least
-once across a reader's death). A second ``send`` to a key whose record nobody
-took yet replaces it (the old payload is removed), as the built-in shared-memory
-connector overwrites a segment; of two sends at the same instant one stands and
-the other may raise ``DuplicatePublishError``, nothing of it left in the store
-(``Mailbox`` "Concurrent posts"). A payload
+Lifecycle. A record is delivered once, under the mailbox's delivery rule
+(``Mailbox``; ``handoff.protocol`` states it and the tests' explorer checks it
+through every interleaving and crash point): the consumer claims it under a
+lease of ``lease_s``, fetches the bytes (store payloads are written
+``retained``, so a read alone removes nothing), then confirms, and the confirm
+removes the payload's store keys in the same round trip as the commit. A
+consumer that dies or stalls past its lease before confirming delivers
+nothing (a stalled one's ``receive`` raises ``LeaseLapsedError``) and leaves
+the record to the next ``receive``, which takes the lease over: exactly once
+to a consumer that confirms within its lease, and no record lost to a
+consumer's death. A second ``send`` to a key whose record no consumer holds
+replaces it (the old payload removed with the replace's commit), as the
+built-in shared-memory connector overwrites a segment; of several sends racing
+on one key each either stands (possibly replaced at once by a later one, whose
+caller then frees it) or raises ``DuplicatePublishError`` with nothing of it
+left in the store. A payload
 larger than the store's whole pool fails at once (``StoreFullError``).
 With ``ttl_s`` set, the payload's store keys carry the expiry and the record an
 expiry marker (``leases``), so whatever nobody took is removed once ``ttl_s``
@@ -84,6 +90,7 @@ from mooncake_diffusion._mooncake.master import pool_capacity
 from mooncake_diffusion._mooncake.store import StoreClient
 from mooncake_diffusion.errors import (
     HandleError,
+    LeaseLapsedError,
     MooncakeDiffusionError,
     PayloadError,
     StoreFullError,
@@ -430,6 +437,8 @@ class KeyedHandoff:
         self.expired = 0
         #: sends that found the store pool full and waited for room (once per retry)
         self.full_waits = 0
+        #: receives whose bytes landed after their lease lapsed (nothing delivered)
+        self.lapsed = 0
         self._lock = threading.Lock()
         # key -> request id of its payload ("" when inline): sent, not yet seen taken.
         # Holds no tensors: store payloads left them behind, p2p holds live in core.
@@ -536,7 +545,9 @@ class KeyedHandoff:
             handle = pub.encode() if pub is not None else b""
             record = KeyedRecord(handle, skeleton, nbytes, expires_at)
             env = _encoder.encode(Envelope(RECORD_MAGIC, RECORD_VERSION, _raw(record)))
-            old = box.post(key, env, expires_at=expires_at, replace=True)
+            old = box.post(
+                key, env, expires_at=expires_at, replace=True, also_of=self._payload_keys_of
+            )
         except BaseException:
             if pub is not None:
                 pub.release()
@@ -545,11 +556,25 @@ class KeyedHandoff:
             self._drop_payload_of(old, key)
         return pub.handle.request_id if pub is not None else ""
 
+    def _payload_keys_of(self, raw: bytes) -> tuple[str, ...]:
+        """The store keys of the payload a record names (none for a foreign one)."""
+        try:
+            record = _decode_record(raw, "")
+            if not record.handle:
+                return ()
+            return self._open()[1].payload_keys(decode_handle(record.handle))
+        except MooncakeDiffusionError:
+            return ()
+
     def _drop_payload_of(self, raw: bytes, key: str) -> None:
+        """Free what a record taken out of the mailbox names, beyond its store keys
+        (those went with the commit): a p2p hold of this side's."""
         try:
             record = _decode_record(raw, key)
             if record.handle:
-                self._open()[1].drop(decode_handle(record.handle))
+                handle = decode_handle(record.handle)
+                if handle.transport != "store":
+                    self._open()[1].drop(handle)
         except MooncakeDiffusionError as e:  # foreign record: nothing of ours to free
             _log.warning("replaced record under %r: %s", key, e)
 
@@ -557,17 +582,17 @@ class KeyedHandoff:
     def receive(self, key: str, *, deadline: float | None = None) -> tuple[Any, int] | None:
         """Take ``key``'s object: ``(obj, nbytes)``, or ``None`` at once when nothing is
         posted under ``key`` (or what is there expired). The record is claimed under a
-        lease of ``lease_s`` and confirmed once the bytes have landed: once taken, a key
-        is gone for every other live consumer; a consumer that dies (or stalls past the
-        lease) before its bytes landed leaves the key to the next ``receive`` after the
-        lease lapses (at-least-once across a reader's death; not for a record taken
-        while the pool stayed full, see ``Mailbox``'s "A full pool"). Raises
+        lease of ``lease_s`` and confirmed once the bytes have landed: a key is delivered
+        to exactly one consumer that confirms within its lease; a consumer that dies (or
+        stalls past the lease) before confirming leaves the key to the next ``receive``,
+        which takes the lease over. Raises ``LeaseLapsedError`` when this receive's
+        bytes landed after its lease lapsed (nothing delivered; the record stays),
         ``PayloadGoneError`` when the record was there but its bytes were not (producer
         died in p2p, removed meanwhile), ``HandleError`` for a foreign or corrupt
         record, and the connector's transfer errors. After a retryable error of a store
         payload (e.g. ``TransferError`` for a read lease that expired under load) the
-        record is posted back, so a later receive retries; after any other error the
-        payload is removed. ``deadline``: wait for the record until then
+        lease is given back, so a later receive retries at once; after any other error
+        the record and its payload are removed. ``deadline``: wait for the record until then
         (``time.monotonic()``) instead of answering ``None`` at once."""
         box, conn = self._open()
         if deadline is None:
@@ -582,8 +607,8 @@ class KeyedHandoff:
             claim.confirm()
             raise
         if record.expires_at is not None and time.time() >= record.expires_at:
-            if claim.confirm() and record.handle:
-                conn.drop(decode_handle(record.handle))
+            keys = conn.payload_keys(decode_handle(record.handle)) if record.handle else ()
+            claim.confirm(also=keys)
             self.expired += 1
             _log.warning("%r expired before anyone took it: dropped", key)
             return None
@@ -601,27 +626,31 @@ class KeyedHandoff:
                 got.wait()
         except MooncakeDiffusionError as e:
             if e.retryable and handle.transport == "store" and claim.give_back():
-                raise  # the record is back: a later receive tries again
-            self._settle(claim, handle, key)  # whatever of it is still in the store
+                raise  # the record is claimable again: a later receive tries again
+            self._commit(claim, handle)  # whatever of it is still in the store goes
             raise
         except BaseException:
-            self._settle(claim, handle, key)
+            self._commit(claim, handle)
             raise
-        self._settle(claim, handle, key)
+        if not self._commit(claim, handle):
+            self.lapsed += 1
+            raise LeaseLapsedError(
+                f"{key!r}: the bytes landed here but the lease ({self.lease_s}s) lapsed "
+                "before the confirm, or a replace or discard ended the record first: "
+                "nothing delivered here; the record stays for the next receive"
+            )
         moved, skeleton = finish()
         return unpack(record.skeleton or skeleton, moved), record.nbytes
 
-    def _settle(self, claim: Claim, handle: PayloadHandle, key: str) -> None:
-        """Confirm ``claim`` and remove its payload; a claim whose lease lapsed meanwhile
-        (another consumer took it over) leaves the payload to that consumer."""
-        if claim.confirm():
-            self._open()[1].drop(handle)
-        else:
-            _log.warning(
-                "the lease on %r lapsed before its bytes landed here; another consumer "
-                "took it over (delivered more than once)",
-                key,
-            )
+    def _commit(self, claim: Claim, handle: PayloadHandle) -> bool:
+        """Confirm ``claim``, removing its payload's store keys in the same round trip;
+        ``False`` when it was not delivered here (the payload is then left alone)."""
+        conn = self._open()[1]
+        if not claim.confirm(also=conn.payload_keys(handle)):
+            return False
+        if handle.transport != "store":
+            conn.drop(handle)
+        return True
 
     def receive_until(self, key: str, deadline: float) -> tuple[Any, int] | None:
         """``receive`` polled with bounded backoff until ``deadline`` (``time.monotonic``);
@@ -639,11 +668,11 @@ class KeyedHandoff:
             rid = self._sent.pop(key, None)
         if rid:
             conn.cleanup(rid)
-        for raw in (box.take(key), box.take_claimed(key)):  # a reader's lease too
-            if raw is not None:
-                record = _decode_record(raw, key)
-                if record.handle:
-                    conn.drop(decode_handle(record.handle))
+        raw = box.discard(key)  # commits it: a reader holding it then fails its confirm
+        if raw is not None:
+            record = _decode_record(raw, key)
+            if record.handle:
+                conn.drop(decode_handle(record.handle))
 
     def discard_matching(self, pattern: str) -> int:
         """Remove every record whose key matches the regex ``pattern`` (anchored at the

@@ -12,61 +12,50 @@ Call sequence:
     old = box.post(name, record, expires_at=t, replace=True)  # producer
     record = box.take(name)                  # consumer: the bytes, or None at once
     record = box.take_until(name, deadline)  # the same, waiting until deadline (monotonic)
+    claim = box.claim(name, lease_s)         # consumer with work to do first
+    claim.confirm(also=keys)                 # ... delivered (or False: not delivered)
     box.discard(name); box.discard_prefix(p) # cleanup from either side
     box.close()
 
-``take`` reads the record in one round trip (no size query: the record lands
-in a registered scratch) and then claims it by removing it with force: the
-master removes an object once, so of any number of takers racing on one name,
-in any processes, exactly one gets the record and the others get ``None`` (as
-if they had come after). ``post`` of a name whose record is still there
-raises ``DuplicatePublishError``, or with ``replace=True`` takes the old
-record first and returns it (the caller frees what it referred to), as a
-shared-memory segment written again under its name.
+What happens in the store is ``handoff.protocol``: this class only answers its
+operations from Mooncake Store (the tests' explorer answers the same code
+from a model of the store, through every interleaving and crash point). The
+delivery rule, stated in full there:
 
-Expiry. A record posted with ``expires_at`` (unix seconds) is stored with an
-8-byte header holding that time in ms, and beside it, in the same batch, a
-one-byte marker ``leases.ttl_marker(expires_ms, key)`` whose name carries the
-expiry: any process listing the store's keys (``leases.Reaper``: the store
-host's, or one a ``KeyedHandoff`` runs) removes the record and its marker once
-the time has passed, without reading either, so records of a producer that
-crashed are reclaimed too. ``take`` removes the marker with the record in the
-same round trip; a taker gets the record whether or not it expired (the
-caller decides; ``expires_at_of`` reads the header).
+- **Exactly once to a reader that confirms within its lease.** Every posting is
+  an incarnation with its own random nonce; a record is delivered by the one
+  party whose removal of the incarnation's anchor key succeeds (the store
+  removes a key once). ``take`` does that at once; ``claim`` first holds a
+  lease (a slot key of that incarnation holding the claimer's token), and
+  ``Claim.confirm`` commits only while the lease holds: a reader whose lease
+  lapsed gets ``False`` (it drops what it fetched) and the record stays for the
+  next claim, which takes the lease over by winning the *next* slot, never by
+  removing one.
+- **Nothing lost.** Until some party commits, the record stays under its name:
+  a reader killed at any step before its commit leaves it to the next claim.
+- **No orphans.** A post that fails leaves nothing of its own; a replace takes
+  only a record whose commit it won; a confirm removes the caller's payload
+  keys (``also``) in the commit's own round trip. The one stated window: a
+  committer killed between its commit and its cleanup leaves the record (not
+  its payload) until its expiry or a ``discard``.
 
-Claims under a lease. ``claim(name, lease_s)`` is ``take`` for a record whose
-taker still has work to do before the record may go (a transfer of the bytes
-it names): it takes the record as ``take`` does (exactly one taker wins) and
-then posts it under ``lease_namespace + name`` with the time the lease lapses.
-``Claim.confirm()`` (the work is done) removes the lease; ``Claim.give_back()``
-posts the record under its name again. A lease that lapsed (its taker died or
-stalled) is taken over by the next ``claim`` of that name: of any number of
-claimers exactly one wins it, gets the record and leases it anew. So a record
-goes to exactly one live taker, and to at least one across takers' deaths. The
-one window left is the round trip between the take and the lease's post: a
-taker dying there loses the record (its expiry still reclaims what it named).
-A claim of an absent name costs one round trip (one existence check of the
-record and its lease), as a ``take`` does.
+Expiry. A record posted with ``expires_at`` (unix seconds) carries that time,
+and beside it expiry markers (``leases.ttl_marker``) for the record and its
+anchor: any process listing the store's keys (``leases.Reaper``) removes them
+once the time has passed, so records of a producer that crashed are reclaimed
+too. Lease slots carry markers at their lapse plus ``protocol.SLOT_GRACE_MS``.
+A taker gets the record whether or not it expired (the caller decides).
 
-A full pool. The lease's post needs room the take has just freed, and another
-put (a producer filling the pool) may have had it meanwhile. The post is then
-retried for up to a second; a pool still full after that gets the record
-without a lease (``unleased_claims`` counts these, and a warning says so): the
-taker has it in hand and consuming what it names frees room, where waiting on
-the pool could wait forever and a give-back into a full pool would drop it. For
-that one record a taker dying before it is done loses it (its expiry still
-reclaims what it named).
+A full pool. A claim whose lease slot does not fit goes on without a lease
+(``unleased_claims`` counts these): it is still delivered at most once (the
+commit decides), but another reader may fetch the same bytes meanwhile.
 
-Concurrent posts. A put of an existing key may report success without writing,
-so every ``post`` reads its record back: one that finds another poster's
-record there (two producers posting one name at the same instant) raises
-``DuplicatePublishError``, also with ``replace`` (the caller frees what its
-record named), and the other post stands. So of two posts racing on one name
-one succeeds and at most one fails, and nothing of the failed one stays in the
-store. ``replace`` takes only a record that was there before the post began.
-
-Thread-safe: posts and takes each serialise on their own scratch; a take costs
-~0.1 ms when the name is absent and one small read plus a remove when present.
+Costs (round trips): a post 2 (put, read back); a take 3 (read the record,
+read its first lease slot, commit) plus the record's cleanup (sent after the
+caller has gone on with ``async_cleanup``); a claim of a record that needs no
+lease 2 plus the cleanup; a leased claim 4 (read, put the slot, read it back,
+check the anchor) and its confirm 1 plus the cleanup.
+Thread-safe: puts and reads each serialise on their own registered scratch.
 """
 
 from __future__ import annotations
@@ -75,26 +64,27 @@ import dataclasses
 import logging
 import os
 import re
-import struct
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
-from mooncake_diffusion._mooncake.codes import OBJECT_ALREADY_EXISTS
-from mooncake_diffusion._mooncake.store import StoreClient
-from mooncake_diffusion.errors import (
-    DuplicatePublishError,
-    MooncakeDiffusionError,
-    MooncakeError,
-    PayloadError,
-    StoreFullError,
+from mooncake_diffusion._mooncake.codes import (
+    NO_AVAILABLE_HANDLE,
+    OBJECT_ALREADY_EXISTS,
+    OBJECT_NOT_FOUND,
+    error_for,
 )
+from mooncake_diffusion._mooncake.store import StoreClient
+from mooncake_diffusion.errors import MooncakeDiffusionError, PayloadError
+from mooncake_diffusion.handoff import protocol
+from mooncake_diffusion.handoff.protocol import FULL, OK, Exists, Get, Held, Now, Pause, Put, Remove
 from mooncake_diffusion.memory.tensors import describe
 from mooncake_diffusion.platform.settings import MooncakeSettings
-from mooncake_diffusion.transfer.leases import TTL_ROOT, ttl_marker
+from mooncake_diffusion.transfer.leases import TTL_ROOT
 
 __all__ = ["DEFAULT_MAX_RECORD", "MAILBOX_ROOT", "Claim", "Mailbox"]
 
@@ -102,12 +92,9 @@ __all__ = ["DEFAULT_MAX_RECORD", "MAILBOX_ROOT", "Claim", "Mailbox"]
 MAILBOX_ROOT = "mcd-mbox/"
 DEFAULT_MAX_RECORD = 1 << 20
 _MAX_NAME = 1024
-_HEADER = struct.Struct("<Q")  # expires_ms, 0: never
-# a lease record's body starts with the ms its lease lapses at and its claimer's token
-_LEASE = struct.Struct("<Q16s")
-_REPLACE_TRIES = 8
-_READ_BACK_S = 5.0  # how long a post's read back waits for another's put in flight
-_FULL_LEASE_S = 1.0  # how long a claim retries its lease's post into a full pool
+_SLACK = 256  # scratch room past a record: its header and the small keys of one put
+_POST_TRIES = 64  # a post's attempts while another record stays under its name
+_PUT_WAIT_S = 1.0  # how long a read waits for a put in flight under that key
 _log = logging.getLogger("mooncake_diffusion.mailbox")
 T = TypeVar("T")
 
@@ -117,47 +104,34 @@ class Claim:
     ``expires_at`` its expiry (unix seconds, or ``None``). Call exactly one of
     ``confirm`` or ``give_back`` once the work the record names is done or failed."""
 
-    def __init__(
-        self,
-        box: Mailbox,
-        name: str,
-        record: bytes,
-        expires_ms: int,
-        leased: bool,
-        token: bytes = b"",
-    ) -> None:
-        self.name = name
-        self.record = record
-        self.expires_at = expires_ms / 1000 if expires_ms else None
+    def __init__(self, box: Mailbox, held: Held) -> None:
+        self.name = held.name
+        self.record = held.record
+        self.expires_at = held.expires_ms / 1000 if held.expires_ms else None
+        #: whether a lease holds it (``False``: the record needed none, or the pool
+        #: had no room for one)
+        self.leased = held.g > 0
         self._box = box
-        self._expires_ms = expires_ms
-        self._leased = leased
-        self._token = token
+        self._held: Held | None = held
 
-    def confirm(self) -> bool:
-        """Remove the lease: the record is consumed. ``False`` when the lease was no
-        longer there (it lapsed and another claimer took the record over, or it was
-        discarded): the caller then leaves what the record names to that one."""
-        if not self._leased:
-            return True
-        self._leased = False
-        return self._box._end_lease(self.name, self._token)
+    def confirm(self, also: tuple[str, ...] = ()) -> bool:
+        """Commit: the record is delivered to this caller, and the store keys ``also``
+        (what the record names) are removed in the same round trip. ``False`` when it
+        was not: the lease lapsed (the record stays for the next claim) or another
+        party committed it first (a replace or a discard); the caller then drops what
+        it fetched and leaves the rest alone."""
+        held, self._held = self._held, None
+        if held is None:
+            raise PayloadError(f"claim on {self.name!r} already ended")
+        return bool(self._box._run(protocol.confirm(self._box.keys, held, also)))
 
     def give_back(self) -> bool:
-        """Post the record under its name again (a later claim retries) and remove the
-        lease; ``False`` when that failed (another record was posted meanwhile, or the
-        store refused), in which case the lease is removed all the same and the caller
-        frees what the record names."""
-        try:
-            self._box.post(self.name, self.record, expires_at=self.expires_at)
-            ok = True
-        except MooncakeDiffusionError as e:
-            _log.warning("could not give back the record under %r: %s", self.name, e)
-            ok = False
-        if self._leased:
-            self._leased = False
-            self._box._end_lease(self.name, self._token)
-        return ok
+        """End the lease without committing: the record is claimable again at once.
+        ``False`` for a record that needed no lease (it was committed when claimed)."""
+        held, self._held = self._held, None
+        if held is None:
+            return False
+        return bool(self._box._run(protocol.give_back(self._box.keys, held)))
 
 
 class Mailbox:
@@ -166,6 +140,7 @@ class Mailbox:
     ``client`` may be shared (it is then left open by ``close``); otherwise the
     mailbox makes its own, which probes the master first and raises
     ``MasterUnavailableError`` within ``settings.connect_timeout_s``.
+    ``async_cleanup``: see the attribute.
     """
 
     def __init__(
@@ -175,12 +150,15 @@ class Mailbox:
         namespace: str = MAILBOX_ROOT,
         max_record: int = DEFAULT_MAX_RECORD,
         client: StoreClient | None = None,
+        async_cleanup: bool = False,
     ) -> None:
         if max_record <= 0:
             raise PayloadError(f"max_record must be positive, got {max_record}")
         self.namespace = namespace
-        #: where records claimed under a lease wait for their taker's confirmation
-        self.lease_namespace = namespace.rstrip("/") + "-lease/"
+        self.keys = protocol.Keys(namespace)
+        #: send a committer's cleanup from a thread of its own after the caller went
+        #: on (one round trip off a delivery's path; ``flush`` waits for them)
+        self.async_cleanup = async_cleanup
         self.max_record = max_record
         self._own_client = client is None
         # records are read with ``read()``, never directly: no second Transfer Engine
@@ -189,14 +167,18 @@ class Mailbox:
             if client is not None
             else StoreClient(dataclasses.replace(settings, store_direct_reads=False))
         )
-        room = max_record + _HEADER.size + _LEASE.size
+        room = max_record + _SLACK + 2 * _MAX_NAME
         self._out = np.empty(room, dtype=np.uint8)
         self._in = np.empty(room, dtype=np.uint8)
         self._out_lock = threading.Lock()
         self._in_lock = threading.Lock()
         self._closed = False
-        #: claims that went on without a lease because the pool stayed full
+        #: claims that went on without a lease because the pool was full
         self.unleased_claims = 0
+        # cleanups nobody waits for (``Remove(later=True)``), sent by one thread in order
+        self._later: deque[tuple[str, ...]] = deque()
+        self._later_cv = threading.Condition()
+        self._later_thread: threading.Thread | None = None
         try:
             for buf in (self._out, self._in):
                 self._client.regs.pin(describe("mailbox", buf)[1])
@@ -208,11 +190,7 @@ class Mailbox:
         """The store key of ``name``'s record."""
         if not 0 < len(name) <= _MAX_NAME:
             raise PayloadError(f"mailbox names are 1..{_MAX_NAME} characters, got {len(name)}")
-        return self.namespace + name
-
-    def lease_key_of(self, name: str) -> str:
-        """The store key of ``name``'s record while it is claimed under a lease."""
-        return self.lease_namespace + self.key_of(name)[len(self.namespace) :]
+        return self.keys.record(name)
 
     def post(
         self,
@@ -221,94 +199,51 @@ class Mailbox:
         *,
         expires_at: float | None = None,
         replace: bool = False,
+        also_of: Callable[[bytes], tuple[str, ...]] | None = None,
     ) -> bytes | None:
         """Store ``record`` under ``name`` (hard-pinned), expiring at ``expires_at`` (unix
         seconds; see the module docstring) when given. Returns the record it replaced
-        (``replace=True``) or ``None``. Raises ``PayloadError`` when it exceeds
-        ``max_record``, ``DuplicatePublishError`` when ``name`` holds a record and
-        ``replace`` is false, or another poster put one at the same instant (see
-        "Concurrent posts"), and the store's errors (``StoreFullError``, ...)
-        otherwise. Returns only once the record under ``name`` was read back as this
-        one."""
-        key = self.key_of(name)
+        (``replace=True``: a record there that no reader holds is committed by this
+        post; ``also_of(old)`` names the store keys of what it named, removed in the
+        same round trip as the commit) or ``None``. Raises ``PayloadError``
+        when it exceeds ``max_record``, ``DuplicatePublishError`` when ``name`` holds a
+        record and ``replace`` is false (or a reader kept holding it through every
+        attempt), ``StoreFullError`` when the pool has no room; after an error nothing
+        of this post is in the store. Returns once the record under ``name`` was read
+        back as this one (or was already taken)."""
+        self.key_of(name)
         n = len(record)
         if not 0 < n <= self.max_record:
             raise PayloadError(f"a mailbox record is 1..{self.max_record} bytes, got {n}")
         expires_ms = int(expires_at * 1000) if expires_at is not None else 0
-        mine = bytes(record)
-        replaced = None
-        for _ in range(_REPLACE_TRIES):
-            # a put of an existing key may report success without writing: check first
-            if self._client.exists_many([key])[0]:
-                if not replace:
-                    break
-                old = self.take(name)
-                replaced = old if old is not None else replaced
-                continue
-            wrote = self._put(key, expires_ms, mine)
-            there = self._read(key, ready_by=time.monotonic() + _READ_BACK_S)
-            if wrote and (there is None or there == (expires_ms, mine)):
-                return replaced  # ours (None: a taker was quicker than the read back)
-            # another poster's record is there: ours was never written, or a replace
-            # took it (and frees what it named). Either way the other one stands; our
-            # marker, if it differs from theirs, is all of ours left in the store
-            if expires_ms and (there is None or there[0] != expires_ms):
-                self._client.remove_many([ttl_marker(expires_ms, key)])
-            raise DuplicatePublishError(
-                f"mailbox name {name!r}: another record was posted there at the same time"
+        return self._run(
+            protocol.post(
+                self.keys,
+                name,
+                bytes(record),
+                expires_ms=expires_ms,
+                nonce=os.urandom(16),
+                replace=replace,
+                tries=_POST_TRIES,
+                also_of=also_of,
             )
-        raise DuplicatePublishError(f"mailbox name {name!r} already holds a record")
-
-    def _put(self, key: str, expires_ms: int, body: bytes) -> bool:
-        """Put ``body`` under ``key`` with its header and expiry marker; ``False`` when
-        the store said the key exists."""
-        keys = [key, ttl_marker(expires_ms, key)] if expires_ms else [key]
-        n = len(body)
-        with self._out_lock:
-            _HEADER.pack_into(self._out, 0, expires_ms)
-            self._out[_HEADER.size : _HEADER.size + n] = np.frombuffer(body, np.uint8)
-            base = self._out.ctypes.data
-            sizes = [[_HEADER.size + n], [1]][: len(keys)]
-            try:
-                self._client.put_many(keys, [[base]] * len(keys), sizes, pin="hard")
-            except MooncakeError as e:
-                if e.code == OBJECT_ALREADY_EXISTS:
-                    return False
-                raise
-        return True
+        )
 
     def peek(self, name: str) -> bytes | None:
         """The record under ``name`` without taking it, or ``None`` at once."""
-        got = self._read(self.key_of(name))
-        return None if got is None else got[1]
+        got = self._get(self.key_of(name))
+        return None if got is None else protocol.unpack_record(got, name)[2]
 
-    def _read(self, key: str, ready_by: float | None = None) -> tuple[int, bytes] | None:
-        with self._in_lock:
-            n = self._client.read(key, self._in.ctypes.data, len(self._in), ready_by=ready_by)
-            if n is None:
-                return None
-            if n < _HEADER.size:
-                raise PayloadError(f"mailbox record {key!r} has no header ({n} bytes)")
-            (expires_ms,) = _HEADER.unpack_from(self._in, 0)
-            return expires_ms, self._in[_HEADER.size : n].tobytes()
-
-    def _take_key(self, key: str) -> tuple[int, bytes] | None:
-        """Read and remove ``key`` (and its expiry marker); ``None`` when absent or a
-        racing taker removed it first."""
-        got = self._read(key)
-        if got is None:
-            return None
-        also = [ttl_marker(got[0], key)] if got[0] else []
-        if not self._client.claim(key, also=also):
-            return None
-        return got
-
-    def take(self, name: str) -> bytes | None:
-        """Read and remove the record under ``name`` (and its expiry marker); ``None`` at
-        once when absent or when a racing taker removed it first (exactly one taker
-        gets each record)."""
-        got = self._take_key(self.key_of(name))
-        return None if got is None else got[1]
+    def take(
+        self, name: str, *, also_of: Callable[[bytes], tuple[str, ...]] | None = None
+    ) -> bytes | None:
+        """The record under ``name``, delivered to this caller (committed at once), or
+        ``None`` at once when absent, held under a reader's live lease, or committed
+        first by a racing party. ``also_of(record)``: store keys removed in the
+        commit's own round trip (what the record names, when the caller has no more
+        use for it)."""
+        self.key_of(name)
+        return self._run(protocol.take(self.keys, name, also_of=also_of))
 
     def take_until(self, name: str, deadline: float) -> bytes | None:
         """``take`` polled with bounded backoff (0.5 ms doubling to 20 ms) until
@@ -318,98 +253,31 @@ class Mailbox:
     def claim(
         self, name: str, lease_s: float, *, lease_if: Callable[[bytes], bool] | None = None
     ) -> Claim | None:
-        """Take the record under ``name`` under a lease of ``lease_s`` seconds, or take
-        over one whose lease lapsed (see the module docstring); ``None`` at once when
-        neither is there (or a racing claimer won). ``lease_if(record)`` false: the
-        record needs no lease (all of it is in hand once read); it is taken as by
-        ``take`` and ``confirm`` is free."""
-        key, lkey = self.key_of(name), self.lease_key_of(name)
-        there, leased = self._client.exists_many([key, lkey])
-        if there:
-            got = self._take_key(key)
-            if got is None:
-                return None
-            expires_ms, record = got
-        elif leased:
-            held = self._read(lkey)
-            if held is None or len(held[1]) < _LEASE.size:
-                return None
-            until_ms, _ = _LEASE.unpack_from(held[1])
-            if until_ms > time.time() * 1000 or self._take_key(lkey) is None:
-                return None
-            _log.warning("the lease on %r lapsed (its taker died or stalled): taken over", name)
-            expires_ms, record = held[0], held[1][_LEASE.size :]
-        else:
+        """Claim the record under ``name`` under a lease of ``lease_s`` seconds (taking
+        over a lapsed one), or ``None`` at once when there is none, another reader's
+        lease is live, or it was committed meanwhile. ``lease_if(record)`` false: the
+        record needs no lease (all of it is in hand once read); it is committed here
+        and ``confirm`` is free."""
+        self.key_of(name)
+        held = self._run(
+            protocol.claim(
+                self.keys,
+                name,
+                lease_ms=max(int(lease_s * 1000), 1),
+                token=os.urandom(16),
+                lease_if=lease_if,
+            )
+        )
+        if held is None:
             return None
-        if lease_if is not None and not lease_if(record):
-            return Claim(self, name, record, expires_ms, leased=False)
-        try:
-            token = self._post_lease(name, expires_ms, lease_s, record)
-        except BaseException:
-            Claim(self, name, record, expires_ms, leased=False).give_back()
-            raise
-        if token is None:
+        if held.g < 0:
             self.unleased_claims += 1
             _log.warning(
-                "the store pool stayed full for %.1fs: %r is taken without a lease "
-                "(a taker dying before it is done loses it)",
-                _FULL_LEASE_S,
+                "the store pool had no room for a lease on %r: claimed without one "
+                "(still delivered at most once; another reader may fetch it meanwhile)",
                 name,
             )
-            return Claim(self, name, record, expires_ms, leased=False)
-        return Claim(self, name, record, expires_ms, leased=True, token=token)
-
-    def _post_lease(
-        self, name: str, expires_ms: int, lease_s: float, record: bytes
-    ) -> bytes | None:
-        """Post ``record`` under ``name``'s lease key with a lease of ``lease_s`` from
-        now; its token, or ``None`` when the pool stayed full for ``_FULL_LEASE_S``."""
-        token = os.urandom(16)
-
-        def body() -> bytes:
-            return _LEASE.pack(int((time.time() + lease_s) * 1000), token) + record
-
-        wrote = self._put_with_room(self.lease_key_of(name), expires_ms, body)
-        if wrote is None:
-            return None
-        if not wrote:
-            raise DuplicatePublishError(f"a lease on {name!r} is already there")
-        return token
-
-    def _put_with_room(self, key: str, expires_ms: int, body: Callable[[], bytes]) -> bool | None:
-        """``_put`` of ``body()`` (built again at each try) retried while the pool is
-        full, for up to ``_FULL_LEASE_S``; ``None`` when it stayed full."""
-        give_up = time.monotonic() + _FULL_LEASE_S
-        delay = 0.001
-        while True:
-            try:
-                return self._put(key, expires_ms, body())
-            except StoreFullError:
-                left = give_up - time.monotonic()
-                if left <= 0:
-                    return None
-                time.sleep(min(delay, left))
-                delay = min(delay * 2, 0.05)
-
-    def _end_lease(self, name: str, token: bytes) -> bool:
-        """Remove ``name``'s lease if it is still the one ``token`` holds; ``False`` when
-        it is not (taken over, or discarded), and a taken-over one is put back (retried
-        while the pool is full; if it stays full, that taker's confirm says ``False``
-        too, and the bytes are left to their expiry)."""
-        lkey = self.lease_key_of(name)
-        got = self._take_key(lkey)
-        if got is None:
-            return False
-        if got[1][_LEASE.size - 16 : _LEASE.size] != token:  # a takeover's: put it back
-            if self._put_with_room(lkey, got[0], lambda: got[1]) is None:
-                _log.warning(
-                    "the lease of the taker that took %r over could not be put back: "
-                    "the store pool stayed full for %.1fs",
-                    name,
-                    _FULL_LEASE_S,
-                )
-            return False
-        return True
+        return Claim(self, held)
 
     def claim_until(
         self,
@@ -422,43 +290,156 @@ class Mailbox:
         """``claim`` polled as ``take_until`` polls ``take``."""
         return _poll(lambda: self.claim(name, lease_s, lease_if=lease_if), deadline)
 
-    def take_claimed(self, name: str) -> bytes | None:
-        """Remove the record under ``name`` that a claimer holds under a lease (and its
-        marker), returning it; ``None`` when there is none. For discarding: the
-        claimer's ``confirm`` then says ``False``."""
-        got = self._take_key(self.lease_key_of(name))
-        return None if got is None else got[1][_LEASE.size :]
-
-    def discard(self, name: str) -> None:
-        """Remove ``name``'s record, its lease and their expiry markers (any process)."""
-        self.take(name)
-        self.take_claimed(name)
+    def discard(
+        self, name: str, *, also_of: Callable[[bytes], tuple[str, ...]] | None = None
+    ) -> bytes | None:
+        """Commit whatever is under ``name`` as a discard (from any process), with
+        ``also_of(record)`` removed in the same round trip, and return its record;
+        ``None`` when there was none. A reader holding it then fails its confirm."""
+        self.key_of(name)
+        return self._run(protocol.discard(self.keys, name, also_of=also_of))
 
     def discard_matching(self, pattern: str) -> int:
         """Remove every record whose name matches the regular expression ``pattern``
-        (anchored at the start of the name), their leases and expiry markers; returns
-        how many records went."""
+        (anchored at the start of the name), their anchors, lease slots and expiry
+        markers, without the protocol (an operator's sweep); returns how many records
+        went."""
         n = 0
-        for root in (self.namespace, self.lease_namespace):
+        roots = (self.keys.root, self.keys.anchor_root, self.keys.slot_root)
+        for root in roots:
             body = re.escape(root) + pattern
             got = self._client.remove_regex("^" + body)
-            n += got if root == self.namespace else 0
-            self._client.remove_regex("^" + re.escape(TTL_ROOT) + r"\d+/" + body)
+            n += got if root == self.keys.root else 0
+            self._client.remove_regex("^" + re.escape(TTL_ROOT) + r"\d+(\.[0-9a-f]+)?/" + body)
         return n
 
     def discard_prefix(self, prefix: str) -> int:
         """Remove every record whose name starts with ``prefix``; returns how many."""
         return self.discard_matching(re.escape(prefix))
 
+    # ------------------------------------------------------------ the driver
+    def _run(self, step: protocol.Step) -> Any:
+        """Run one protocol call, answering each operation from the store."""
+        if self._closed:
+            raise PayloadError("mailbox is closed")
+        answer: Any = None
+        pause = 0.0005
+        while True:
+            try:
+                op = step.send(answer)
+            except StopIteration as done:
+                return done.value
+            if isinstance(op, Pause):
+                time.sleep(pause)
+                pause = min(pause * 2, 0.02)
+                answer = None
+            else:
+                answer = self._answer(op)
+
+    def _answer(self, op: protocol.Op) -> Any:
+        if isinstance(op, Get):
+            return self._get(op.key)
+        if isinstance(op, Put):
+            return self._put(op.items)
+        if isinstance(op, Remove):
+            if op.later and self.async_cleanup:
+                self._send_later(op.keys)
+                return tuple(True for _ in op.keys)
+            codes = self._client.remove_each(op.keys)
+            for key, code in zip(op.keys, codes, strict=True):
+                if code < 0 and code != OBJECT_NOT_FOUND:
+                    raise error_for(code, f"mailbox remove of {key!r} (outcome unknown)")
+            return tuple(code >= 0 for code in codes)
+        if isinstance(op, Exists):
+            return tuple(self._client.exists_many(op.keys))
+        if isinstance(op, Now):
+            return int(time.time() * 1000)
+        raise TypeError(f"not a store operation: {op!r}")
+
+    def _get(self, key: str) -> bytes | None:
+        with self._in_lock:
+            ready_by = time.monotonic() + _PUT_WAIT_S
+            n = self._client.read(key, self._in.ctypes.data, len(self._in), ready_by=ready_by)
+            return None if n is None else self._in[:n].tobytes()
+
+    def _put(self, items: tuple[tuple[str, bytes], ...]) -> tuple[int, ...]:
+        with self._out_lock:
+            base = self._out.ctypes.data
+            ptrs, sizes, at = [], [], 0
+            for _, body in items:
+                n = len(body)
+                if at + n > len(self._out):
+                    raise PayloadError(f"a mailbox put of {at + n} bytes exceeds its scratch")
+                self._out[at : at + n] = np.frombuffer(body, np.uint8)
+                ptrs.append([base + at])
+                sizes.append([n])
+                at += -(-n // 64) * 64
+            keys = [k for k, _ in items]
+            codes = self._client.put_each(keys, ptrs, sizes, pin="hard")
+        out = []
+        for key, code in zip(keys, codes, strict=True):
+            if code >= 0 or code == OBJECT_ALREADY_EXISTS:
+                out.append(OK)
+            elif code == NO_AVAILABLE_HANDLE:
+                out.append(FULL)
+            else:
+                raise error_for(code, f"mailbox put of {key!r}")
+        return tuple(out)
+
+    def _send_later(self, keys: tuple[str, ...]) -> None:
+        with self._later_cv:
+            self._later.append(keys)
+            if self._later_thread is None:
+                self._later_thread = threading.Thread(
+                    target=self._cleaner, name="mailbox-cleanup", daemon=True
+                )
+                self._later_thread.start()
+            self._later_cv.notify()
+
+    def _cleaner(self) -> None:
+        """Send queued cleanups in order until ``close`` (which waits for the queue)."""
+        while True:
+            with self._later_cv:
+                while not self._later and not self._closed:
+                    self._later_cv.wait()
+                if not self._later:
+                    return
+                keys = self._later[0]
+            try:
+                self._client.remove_many(keys)
+            except MooncakeDiffusionError as e:  # left to their expiry markers / discard
+                _log.warning("mailbox cleanup of %d keys failed: %s", len(keys), e)
+            with self._later_cv:
+                self._later.popleft()
+                self._later_cv.notify_all()
+
+    def flush(self, timeout_s: float = 10.0) -> bool:
+        """Wait until every queued cleanup was sent; ``False`` on timeout."""
+        end = time.monotonic() + timeout_s
+        with self._later_cv:
+            while self._later:
+                left = end - time.monotonic()
+                if left <= 0:
+                    return False
+                self._later_cv.wait(left)
+        return True
+
     @property
     def closed(self) -> bool:
         return self._closed
 
     def close(self) -> None:
-        """Unregister the scratches and close an owned client. Records stay. Idempotent."""
+        """Send the queued cleanups, unregister the scratches and close an owned
+        client. Records stay. Idempotent."""
         if self._closed:
             return
-        self._closed = True
+        self.flush()
+        with self._later_cv:
+            self._closed = True
+            self._later_cv.notify_all()
+            thread = self._later_thread
+        if thread is not None:
+            thread.join(timeout=10.0)
         for buf in (self._out, self._in):
             try:
                 self._client.regs.unpin(describe("mailbox", buf)[1])

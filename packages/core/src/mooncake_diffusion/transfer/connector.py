@@ -721,6 +721,13 @@ class DiffusionConnector:
         if handle.transport == "store":
             self._transports.get("store").discard(handle)
 
+    def payload_keys(self, handle: PayloadHandle) -> tuple[str, ...]:
+        """The store keys holding ``handle``'s bytes (empty for a p2p payload), for a
+        caller that removes them itself in a batch of its own (``Mailbox``'s commit)."""
+        if handle.transport != "store":
+            return ()
+        return tuple(self._transports.get("store").keys_of(handle))
+
     def cleanup(self, request_id: str) -> int:
         """Withdraw every publication of ``request_id`` made by this connector,
         and in store mode every stored object of the request, whoever published

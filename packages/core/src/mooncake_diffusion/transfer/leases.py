@@ -10,9 +10,10 @@ the key alone, without asking the producer (who may be dead). Objects whose
 name is fixed by someone else (mailbox records, found by name) get a one-byte
 marker beside them instead, whose key carries the expiry and the object's key:
 
-    mcd-ttl/<expires_ms>/<key>
+    mcd-ttl/<expires_ms>/<key>    or    mcd-ttl/<expires_ms>.<tag>/<key>
 
-and an expired marker takes its object with it. The store host
+(the tag, hex digits, tells apart the markers several writers put beside one
+key with the same expiry), and an expired marker takes its object with it. The store host
 of ``LocalCluster`` runs ``Reaper`` for its pool; a deployment runs one next
 to its store hosts. Consumers treat an expired handle as gone whether or not
 the reaper has come by yet. Clocks are assumed synchronised (NTP) to well
@@ -38,14 +39,15 @@ __all__ = ["TTL_ROOT", "Reaper", "expired_keys", "expiry_of", "ttl_marker"]
 #: Where expiry markers of fixed-name objects live.
 TTL_ROOT = "mcd-ttl/"
 _EXPIRY = re.compile(r"^mcd/[^/]+/[^/]+/[^/@]+@(\d+)/")
-_MARKER = re.compile(r"^" + re.escape(TTL_ROOT) + r"(\d+)/(.+)$", re.DOTALL)
+_MARKER = re.compile(r"^" + re.escape(TTL_ROOT) + r"(\d+)(?:\.[0-9a-f]+)?/(.+)$", re.DOTALL)
 #: At most this many objects removed by one sweep (the rest wait for the next one).
 SWEEP_BUDGET = 4096
 
 
-def ttl_marker(expires_ms: int, key: str) -> str:
-    """The marker key saying that ``key`` expires at ``expires_ms`` (unix ms)."""
-    return f"{TTL_ROOT}{expires_ms}/{key}"
+def ttl_marker(expires_ms: int, key: str, tag: str = "") -> str:
+    """The marker key saying that ``key`` expires at ``expires_ms`` (unix ms);
+    ``tag`` (hex digits) makes it the writer's own beside others' of one key."""
+    return f"{TTL_ROOT}{expires_ms}.{tag}/{key}" if tag else f"{TTL_ROOT}{expires_ms}/{key}"
 
 
 def expiry_of(key: str) -> float | None:

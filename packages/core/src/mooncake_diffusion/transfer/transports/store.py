@@ -299,6 +299,10 @@ class StoreTransport(Transport):
         assert isinstance(handle.source, StoreSource)
         return [k for c in range(len(plan)) for k, _ in _objects(handle.source, plan, c)]
 
+    def keys_of(self, handle: PayloadHandle) -> list[str]:
+        """Every store key of ``handle``'s payload (its parts, chunk by chunk)."""
+        return self._all_keys(handle, plan_for(handle))
+
     def discard(self, handle: PayloadHandle) -> None:
         with self._cv:
             state = self._progress.pop(handle.payload_id, None)
