@@ -4,6 +4,7 @@
     stack.start()                      # head + encoder + denoiser + decoder, ready
     out = stack.generate("small", "req-1")   # sglang's own client protocol, one request
     stack.kill_scheduler("decoder")    # SIGKILL a role's scheduler process
+    stack.restart("decoder")           # the role's processes ended, started again, ready
     stack.close()                      # SIGTERM every process group, reap, no orphans
 
 Each process is started exactly as a user starts it, through the ``sglang``
@@ -85,6 +86,21 @@ def _guard() -> None:
             _GUARD["signals"].append(signum)
 
 
+def _group_alive(pgid: int) -> bool:
+    """Whether a process of process group ``pgid`` is still running (not a zombie)."""
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(") ", 1)[1].split()
+        except (FileNotFoundError, IndexError, ProcessLookupError):
+            continue
+        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+            return True
+    return False
+
+
 def _free_base(span: int) -> int:
     """A port P with P .. P+span-1 all free (the head binds P+1..P+5 for results)."""
     for _ in range(200):
@@ -159,22 +175,39 @@ class ServeStack:
             ],
         )  # fmt: skip
         for role in ROLES:
-            self._spawn(
-                role,
-                [
-                    "--disagg-role", role,
-                    "--scheduler-port", str(self.role_ports[role]),
-                    "--disagg-server-addr", f"tcp://127.0.0.1:{self.head_port}",
-                    "--disagg-transfer-backend", "mooncake-diffusion",
-                    "--disagg-transfer-pool-size", str(512 << 20),
-                    *self.extra.get(role, []),
-                ],
-            )  # fmt: skip
-        self._wait_ready()
-
-    def _wait_ready(self) -> None:
+            self._spawn(role, self._role_argv(role))
         want = {"head": "Starting HTTP server"}
-        want.update({r: f"Role {r.upper()} ready" for r in ROLES})
+        self._wait_ready({**want, **{r: f"Role {r.upper()} ready" for r in ROLES}})
+
+    def _role_argv(self, role: str) -> list[str]:
+        """A role's ``sglang serve`` arguments; its extras come last (they win)."""
+        return [
+            "--disagg-role", role,
+            "--scheduler-port", str(self.role_ports[role]),
+            "--disagg-server-addr", f"tcp://127.0.0.1:{self.head_port}",
+            "--disagg-transfer-backend", "mooncake-diffusion",
+            "--disagg-transfer-pool-size", str(512 << 20),
+            *self.extra.get(role, []),
+        ]  # fmt: skip
+
+    def restart(self, role: str) -> None:
+        """End ``role``'s process group (SIGKILL) and, once none of its processes is
+        left, start the role again with the same arguments: a new scheduler, Transfer
+        Engine and session. Returns when it is ready; its log starts over."""
+        proc = self.procs[role]
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        deadline = time.monotonic() + START_MAX_S  # a hang guard, never a measured bound
+        while _group_alive(proc.pid):  # its scheduler holds the role's ports until gone
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the {role}'s processes outlived SIGKILL")
+            time.sleep(0.05)
+        self._spawn(role, self._role_argv(role))
+        self._wait_ready({role: f"Role {role.upper()} ready"})
+
+    def _wait_ready(self, want: dict[str, str]) -> None:
+        """Wait until each process named in ``want`` logged its line."""
         deadline = time.monotonic() + START_MAX_S
         pending = dict(want)
         while pending:

@@ -24,7 +24,8 @@ Transfer Engine (the decoder runs with ``--mooncake-diffusion-same-host off``,
 so its session offers senders no same-host path): both paths, with
 small and 68 MB latents. No Mooncake master or store: sglang's transfer path
 moves bytes peer to peer only. The processes start once for the module (sglang
-imports take minutes on a busy machine); the fault test runs last.
+imports take minutes on a busy machine); the fault tests run last, in order:
+stopped receivers, then the decoder killed, then the decoder started again.
 """
 
 from __future__ import annotations
@@ -47,6 +48,19 @@ from mooncake_diffusion.testing import assert_no_leaks
 pytestmark = [pytest.mark.engines, pytest.mark.timeout(1800)]
 
 WAIT_MAX_S = 900.0  # hang guard for the gate and the client (never a measured bound)
+#: the decoder offers senders no same-host path; the encoder's staging pool holds
+#: one 128 MiB slot (the large request's) or eight 16 MiB ones (a small request's),
+#: so staging slots its failed pushes kept would soon leave no room for a 64 MiB
+#: one; its same-host pushes to a stopped receiver end after 10 s
+ROLE_FLAGS = {
+    "decoder": ["--mooncake-diffusion-same-host", "off"],
+    "encoder": [
+        "--disagg-transfer-pool-size",
+        str(128 << 20),
+        "--mooncake-diffusion-timeout",
+        "10",
+    ],
+}
 
 
 def _fake():
@@ -65,11 +79,13 @@ fake = _fake()
 def stack(sgl_model: str, tmp_path_factory: pytest.TempPathFactory):
     threads = {f"{t.name}#{t.ident}" for t in threading.enumerate()}
     root = tmp_path_factory.mktemp("sglang-roles")
-    st = ServeStack(sgl_model, root, roles={"decoder": ["--mooncake-diffusion-same-host", "off"]})
+    st = ServeStack(sgl_model, root, roles=ROLE_FLAGS)
+    pids: set[int] = set()
     try:
         st.start()
-        pids = [st.scheduler_pid(r) for r in ROLES]
+        pids.update(st.scheduler_pid(r) for r in ROLES)
         yield st
+        pids.update(st.scheduler_pid(r) for r in ROLES)  # a role may have restarted
     finally:
         st.close()
     # nothing left: every sglang process (heads, roles and their schedulers) is gone,
@@ -190,8 +206,8 @@ def test_a_stopped_same_host_receiver_fails_the_request_within_timeout_s(
 ) -> None:
     """The denoiser's scheduler SIGSTOPped: the encoder's same-host push copies into
     its pool, but nobody reads it. The request fails with that reason once the
-    adapter's ``timeout_s`` (30 s by default) has passed, not after
-    ``--disagg-timeout`` (a day here). The denoiser runs again afterwards."""
+    encoder's ``timeout_s`` (10 s here) has passed, not after ``--disagg-timeout``
+    (a day here). The denoiser runs again afterwards."""
     rid = "stopped-1"
     victim = stack.scheduler_pid("denoiser")
     os.kill(victim, signal.SIGSTOP)
@@ -249,6 +265,44 @@ def test_a_network_push_cut_off_by_a_stopped_receiver_keeps_its_slot_out_of_use(
     assert got["decoder"]["received"]["latents"] == got["denoiser"]["sent"]["latents"]
 
 
+def test_failed_pushes_to_a_stopped_receiver_free_their_staging_slots(
+    stack: ServeStack,
+) -> None:
+    """The denoiser's scheduler SIGSTOPped, five small requests in a row: each fails
+    with the reason (its receiver is stopped). The same-host copy of each ran in the
+    encoder's push thread and ended before the push failed, so nothing can read its
+    staging slot any more and the adapter frees it (sglang frees a slot only after
+    a push that landed). Kept, the six 16 MiB slots of these and the first stopped
+    request would leave the encoder's 128 MiB pool no 64 MiB slot: after SIGCONT, a
+    request with 32 MiB latents must still cross every hop byte for byte, with only
+    its own staging slot held at the encoder."""
+    victim = stack.scheduler_pid("denoiser")
+    os.kill(victim, signal.SIGSTOP)
+    try:
+        _wait_stopped(victim, "denoiser", time.monotonic() + WAIT_MAX_S)
+        for i in range(5):
+            rid = f"stalled-{i}"
+            client, answer = _client(stack, "small stalled", rid)
+            client.join(WAIT_MAX_S)
+            assert not client.is_alive(), f"request {i} is still waiting"
+            error = answer["out"].error
+            assert error, f"request {i} did not fail"
+            assert error.startswith(f"encoder error: mooncake-diffusion push of {rid} "), error
+            assert "is stopped" in error, error
+            _sent_no_pushed(stack, "encoder", rid)
+    finally:
+        os.kill(victim, signal.SIGCONT)
+    rid = "after-stalls"
+    out = stack.generate("mid after stalls", rid)
+    assert out.error is None, out.error
+    produced = fake.encoder_outputs(rid, "mid")
+    seen = _records(stack, rid)
+    assert seen["denoiser"]["received"] == {n: fake.digest(v) for n, v in produced.items()}
+    assert seen["decoder"]["received"]["latents"] == seen["denoiser"]["sent"]["latents"]
+    # no staging slot of a failed push is left at the encoder (the leak check)
+    assert _records(stack, rid, ".push")["encoder"]["staged"] == [rid]
+
+
 def test_a_killed_decoder_fails_the_request_with_its_reason(stack: ServeStack) -> None:
     """The denoiser holds the request (gate file) while the decoder's scheduler is
     SIGKILLed; then the push to the dead decoder fails. The client must get that
@@ -296,3 +350,37 @@ def test_every_request_to_a_dead_decoder_fails_with_the_reason(stack: ServeStack
         _sent_no_pushed(stack, "denoiser", rid)
     # the server marked the decoder's session dead (the adapter's hook in its process)
     assert "is gone; no more requests go to it" in stack.log("head")
+
+
+def test_a_restarted_decoder_serves_and_its_dead_session_is_forgotten(
+    stack: ServeStack,
+) -> None:
+    """After the decoder died (the tests above), its role starts again: a new
+    scheduler registers a new session with the head in the dead one's place. The
+    head then forgets the dead session (it keeps none per receiver that restarted,
+    not every dead one for ever), and the next request crosses every hop to the new
+    decoder byte for byte."""
+    old = stack.scheduler_pid("decoder")
+    assert not _alive(old), "run after the decoder was killed"
+    gone = [line for line in stack.log("head").splitlines() if "is gone; no more" in line]
+    assert len(gone) == 1, gone
+    dead_segment = gone[0].split("(session ", 1)[1].split(")", 1)[0]
+    stack.restart("decoder")
+    assert stack.scheduler_pid("decoder") != old
+    # the head has the new session before a request is dispatched to it (the
+    # registration travels on the decoder's own socket, in no fixed order with them)
+    registered = "DiffusionServer transfer: registered RoleType.DECODER[0]"
+    deadline = time.monotonic() + WAIT_MAX_S
+    while stack.log("head").count(registered) < 2:
+        assert time.monotonic() < deadline, "the restarted decoder never registered"
+        time.sleep(0.05)
+    rid = "after-restart"
+    out = stack.generate("small after restart", rid)
+    assert out.error is None, out.error
+    seen = _records(stack, rid)
+    assert seen["decoder"]["received"]["latents"] == seen["denoiser"]["sent"]["latents"]
+    assert bytes(out.output.tolist()) == bytes.fromhex(seen["denoiser"]["sent"]["latents"])
+    forgotten = [
+        line for line in stack.log("head").splitlines() if "of a dead receiver forgotten" in line
+    ]
+    assert len(forgotten) == 1 and f"session {dead_segment} " in forgotten[0], forgotten

@@ -15,10 +15,14 @@ socket of its own connected to the role's result endpoint, marked
 ``_mcd_dst_lost`` when the push may still write into the receive slot) for the
 server-side hooks (``server.py``: the receive slot comes back unless it may still
 be written, a dead receiver leaves rotation). The push hook frees the staging
-slot (sglang frees it only on success) when no byte can still be read out of it:
-the receiver was gone or refused the range, or the push was never attempted.
-After a deadline the Transfer Engine may still be reading it, so then it stays
-with sglang.
+slot (sglang frees it only on success) once no byte can still be read out of it.
+Its fence is ``DirectEngine.write`` returning, bounded by ``timeout_s``: the
+same-host paths copy in the pushing thread, so when the write raises (a receiver
+stopped past the deadline, gone, or a range refused) nothing reads the slot any
+more, and a receiver that resumes reads only its own pool. The one exception is
+``direct.may_write_late``: a network write submitted and then failed or cut off,
+which the Transfer Engine may still be reading (Mooncake cannot cancel it, and
+core offers no fence for its end); that slot stays with sglang.
 
 The hook then raises ``PushFailedError``: sglang's push thread logs it and sends
 no ``transfer_pushed``. Were it sent, it would race the error report (another

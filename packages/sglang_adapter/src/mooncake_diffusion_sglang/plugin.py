@@ -180,7 +180,7 @@ def around_push_to_peer(original: Callable[..., Any], self: Any, *args: Any, **k
     if not selected():
         return original(self, *args, **kwargs)
     from mooncake_diffusion.errors import PeerGoneError
-    from mooncake_diffusion.handoff.direct import UnregisteredDestinationError, may_write_late
+    from mooncake_diffusion.handoff.direct import may_write_late
     from mooncake_diffusion_sglang.failure import PushFailedError, report_failed_push
     from mooncake_diffusion_sglang.server import dead_reason
 
@@ -204,13 +204,9 @@ def around_push_to_peer(original: Callable[..., Any], self: Any, *args: Any, **k
         f"{BACKEND} push of {request_id} to {dest.split('|', 1)[0]} failed: "
         f"{error or 'see the sender log'}"
     )
-    report_failed_push(
-        request_id,
-        reason,
-        peer_gone=peer_gone,
-        dst_lost=error is not None and may_write_late(error),
-    )
-    if peer_gone or isinstance(error, UnregisteredDestinationError):
+    late = error is not None and may_write_late(error)
+    report_failed_push(request_id, reason, peer_gone=peer_gone, dst_lost=late)
+    if not late:  # the write returned: no reader is left on the slot (``failure.py``)
         self.free_staged(request_id)
     raise PushFailedError(reason) from error
 

@@ -24,7 +24,9 @@ with ``_mcd_failed_push``; sglang's own backend is left alone):
            sender's push hook fails it at once with that reason and frees its
            staging slot, through the failure path every push failure takes
 
-A receiver that restarts registers a new session, which is not dead.
+A receiver that restarts registers a new session, which is not dead; the dead
+one is then forgotten (at the next dispatch or failure), so the server keeps at
+most one dead session per receiver.
 """
 
 from __future__ import annotations
@@ -43,10 +45,26 @@ _ATTR = "_mcd_dead_sessions"
 
 
 def _dead(server: Any) -> dict[str, str]:
+    """The server's dead sessions (session -> reason), only those a receiver still
+    has registered: one that restarted registered a new session in its place
+    (sglang's ``_handle_transfer_register`` replaces the entry), and nothing routes
+    to the old one again, so it is forgotten here. At most one per receiver."""
     dead = getattr(server, _ATTR, None)
     if dead is None:
         dead = {}
         setattr(server, _ATTR, dead)
+    if dead:
+        live = {
+            peer.get("session_id", "")
+            for pool in server._pools.values()
+            for peer in pool.peers.values()
+        }
+        for session in [s for s in dead if s not in live]:
+            del dead[session]
+            logger.info(
+                "session %s of a dead receiver forgotten: a new session took its place",
+                session.split("|", 1)[0],
+            )
     return dead
 
 
@@ -105,7 +123,7 @@ def around_dispatch(
     role: Any,
 ) -> Any:
     """Route around a dead receiver; with none left, fail the push at its sender."""
-    dead = getattr(self, _ATTR, None)
+    dead = _dead(self)
     pool = self._pools[role]
     session = pool.peers.get(receiver_idx, {}).get("session_id", "")
     if not dead or session not in dead:

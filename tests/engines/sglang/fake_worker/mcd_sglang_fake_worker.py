@@ -27,8 +27,10 @@ the ``__transfer__`` protocol, the transfer buffer and manager):
 Observed, not replaced: around each ``DiffusionTransferManager.push_to_peer``
 a hook records the result (not ok for a push that returned False or raised:
 the adapter's hook raises after a failure; which of the two AROUND hooks wraps
-the other follows plugin discovery, so this one sees either), the size pushed
-and the adapter engine's counters by path in ``<request id>.<role>.push.json``.
+the other follows plugin discovery, so this one sees either), the size pushed,
+the adapter engine's counters by path and the request ids whose staging slots
+the sender holds as the push ends (``staged``; sglang frees a pushed one only
+after) in ``<request id>.<role>.push.json``.
 An AFTER hook would not run when the push raises (sglang logs a warning for two
 AROUND hooks on one target).
 
@@ -37,11 +39,12 @@ per request ``<request id>.<role>.json`` with the SHA-256 of every tensor it
 received and sent. A request whose prompt contains ``hold`` makes the denoiser
 write ``<request id>.reached`` and wait for ``<request id>.released`` before it
 returns (fault tests put their fault there). The prompt's first word sizes the
-latents: ``medium`` is 44 MB of float32 (with the text embeddings the decoder
-gets too, it still fits one of sglang's 64 MiB pre-allocated receive slots, and
-it is more than loopback's socket buffers hold),
-``large`` is 68 MB (``LATENTS``: Wan 2.1's 16 latent
-channels and 21 latent frames of an 81-frame video, 160x316 latent pixels).
+latents: ``mid`` is 32 MiB of float32 (with the text, a 64 MiB staging slot),
+``medium`` is 44 MB of float32 (with the text embeddings the decoder gets too, it
+still fits one of sglang's 64 MiB pre-allocated receive slots, and it is more
+than loopback's socket buffers hold), ``large`` is 68 MB (``LATENTS``: Wan 2.1's
+16 latent channels and 21 latent frames of an 81-frame video, 160x316 latent
+pixels).
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ HOLD_MAX_S = 600.0
 #: latents [batch, channels, latent frames, height/8, width/8] per size tag
 LATENTS = {
     "small": [1, 16, 2, 8, 8],
+    "mid": [1, 16, 16, 128, 256],  # 32 MiB: with the text, a 64 MiB staging slot
     "medium": [1, 16, 21, 160, 204],  # 44 MB: with the text, one 64 MiB pre-allocated slot
     "large": [1, 16, 21, 160, 316],
 }
@@ -211,11 +215,14 @@ def record_push(original: Any, manager: Any, *args: Any, **kwargs: Any) -> bool:
         try:  # a record that cannot be written must not replace the push's own outcome
             role = get_global_server_args().disagg_role
             stats = getattr(manager._engine, "stats", None)
+            with manager._lock:
+                staged = sorted(manager._staged)
             record = {
                 "ok": bool(result),
                 "raised": error,
                 "size": size,
                 "by_path": stats().by_path if stats else {},
+                "staged": staged,
             }
             path = Path(os.environ[DIR_ENV]) / f"{rid}.{getattr(role, 'value', role)}.push.json"
             path.write_text(json.dumps(record))
