@@ -7,8 +7,12 @@ dynamo_stack   module: a Dynamo deployment of the MammothModa2 pipeline (AR ->
                worker with only the model engine stubbed), discovery ``file``,
                request plane ``tcp``, event plane ``zmq`` (no etcd, no NATS). The
                0 -> 1 edge is MooncakeDiffusionConnector in store mode, named in
-               the deploy YAML and nowhere else. Stopped (SIGTERM, then SIGKILL)
-               at teardown.
+               the deploy YAML and nowhere else. A second router,
+               ``router_reclaim``, serves the same stages as RECLAIM_MODEL_NAME
+               (its own endpoint, ``--endpoint generate_reclaim``) with the
+               adapter's opt-in hook on (``MOONCAKE_DIFFUSION_DYNAMO_RECLAIM=1``);
+               the first router runs with it off, the default. Stopped
+               (SIGTERM, then SIGKILL) at teardown.
 """
 
 from __future__ import annotations
@@ -26,7 +30,9 @@ from servicestack import Proc, free_port
 
 HERE = Path(__file__).resolve().parent
 MODEL_NAME = "mammoth-moda2-stub"
-#: A bound on the deployment coming up, not a sleep: three processes import torch,
+#: The model the reclaiming router serves (the same stage workers behind it).
+RECLAIM_MODEL_NAME = "mammoth-moda2-stub-reclaim"
+#: A bound on the deployment coming up, not a sleep: four processes import torch,
 #: vLLM, vLLM-Omni and Dynamo (~9 GB of packages) at once, which took over 15 min
 #: on a 2-core machine shared with other test runs (a few seconds of CPU each are
 #: spent waiting on the disk).
@@ -75,7 +81,7 @@ def _start(stack: DynamoStack, name: str, argv: list[str], env: dict[str, str]) 
     stack.procs[name] = Proc(argv, env)
 
 
-def _wait_model(stack: DynamoStack, deadline: float) -> None:
+def _wait_models(stack: DynamoStack, names: set[str], deadline: float) -> None:
     import openai
 
     client = openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=10)
@@ -87,7 +93,7 @@ def _wait_model(stack: DynamoStack, deadline: float) -> None:
                         f"{name} exited ({proc.popen.returncode}):\n" + stack.output(name)[-6000:]
                     )
             try:
-                if any(m.id == MODEL_NAME for m in client.models.list()):
+                if names <= {m.id for m in client.models.list()}:
                     return
             except openai.APIConnectionError:
                 pass
@@ -95,7 +101,7 @@ def _wait_model(stack: DynamoStack, deadline: float) -> None:
     finally:
         client.close()
     tails = "\n".join(f"--- {n}\n{stack.output(n)[-3000:]}" for n in stack.procs)
-    raise AssertionError(f"{MODEL_NAME} never appeared on the frontend:\n{tails}")
+    raise AssertionError(f"{sorted(names)} never all appeared on the frontend:\n{tails}")
 
 
 @pytest.fixture(scope="module")
@@ -125,21 +131,28 @@ def dynamo_stack(mooncake_cluster) -> Iterator[DynamoStack]:
         }
         omni = [
             "--model", str(root / "model"),
-            "--served-model-name", MODEL_NAME,
             "--stage-configs-path", str(root / "deploy.yaml"),
             "--output-modalities", "image",
         ]  # fmt: skip
-        stage = [sys.executable, str(HERE / "dyn_stage.py"), *omni]
+        served = ["--served-model-name", MODEL_NAME]
+        stage = [sys.executable, str(HERE / "dyn_stage.py"), *omni, *served]
         try:
             _start(stack, "stage0", [*stage, "--stage-id", "0"], env)
             _start(stack, "stage1", [*stage, "--stage-id", "1"],
                    {**env, "MCD_DYNAMO_GATE_DIR": str(stack.gate)})  # fmt: skip
             # the router as a user starts it: nothing of ours imported up front
-            _start(stack, "router", [sys.executable, "-m", "dynamo.vllm.omni", *omni,
-                                     "--omni-router"], env)  # fmt: skip
+            router = [sys.executable, "-m", "dynamo.vllm.omni", *omni, "--omni-router"]
+            _start(stack, "router", [*router, *served], env)
+            # the same with the adapter's reclaim hook on: its own endpoint and model
+            # name, so the frontend sends it only the requests that name that model
+            _start(stack, "router_reclaim",
+                   [*router, "--served-model-name", RECLAIM_MODEL_NAME,
+                    "--endpoint", "generate_reclaim"],
+                   {**env, "MOONCAKE_DIFFUSION_DYNAMO_RECLAIM": "1"})  # fmt: skip
             _start(stack, "frontend", [sys.executable, "-m", "dynamo.frontend",
                                        "--http-port", str(stack.http_port)], env)  # fmt: skip
-            _wait_model(stack, time.monotonic() + START_TIMEOUT_S)
+            _wait_models(stack, {MODEL_NAME, RECLAIM_MODEL_NAME},
+                         time.monotonic() + START_TIMEOUT_S)  # fmt: skip
             yield stack
         finally:
             for proc in stack.procs.values():

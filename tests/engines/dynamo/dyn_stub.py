@@ -20,6 +20,8 @@ The test computes the same functions (``prompt_ids``, ``latent``, ``colour``) to
 know the image it must get. DitStub holds a request at a gate when the test arms
 it (``GATE_DIR``): it writes ``held.json`` (its pid, the request id) and waits
 until the test releases it or kills the worker, so a fault lands exactly there.
+Armed with ``fail`` instead, it writes ``failed.json`` (the same) and raises, so
+stage 1 answers the router with an error chunk (after it took the payload).
 """
 
 from __future__ import annotations
@@ -65,14 +67,22 @@ class _Gate:
         root = os.environ.get(GATE_DIR_ENV)
         self.root = Path(root) if root else None
 
+    def _note(self, name: str, request_id: str) -> None:
+        tmp = self.root / f"{name}.tmp"
+        tmp.write_text(json.dumps({"pid": os.getpid(), "request_id": request_id}))
+        tmp.rename(self.root / name)
+
     async def hold(self, request_id: str) -> None:
-        if self.root is None or not (self.root / "armed").exists():
+        if self.root is None:
+            return
+        if (self.root / "fail").exists():
+            (self.root / "fail").unlink()  # one request per arming
+            self._note("failed.json", request_id)
+            raise RuntimeError("DitStub: failed as armed")
+        if not (self.root / "armed").exists():
             return
         (self.root / "armed").unlink()  # one request per arming
-        held = {"pid": os.getpid(), "request_id": request_id}
-        tmp = self.root / "held.json.tmp"
-        tmp.write_text(json.dumps(held))
-        tmp.rename(self.root / "held.json")
+        self._note("held.json", request_id)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + HOLD_MAX_S
         while loop.time() < deadline and not (self.root / "released").exists():

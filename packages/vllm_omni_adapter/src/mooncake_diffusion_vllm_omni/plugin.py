@@ -14,6 +14,9 @@ registered once vLLM-Omni's connector factory has loaded (an import hook; the
 connector registers the types when it is built) and declines to be a platform
 (returns ``None``).
 
+Each connector it builds also installs, when ``MOONCAKE_DIFFUSION_DYNAMO_RECLAIM`` is
+on and Dynamo's omni router is loaded, the router hook of ``dynamo.py``.
+
 ``register()`` may run many times in one process: it registers only when the
 name is not there yet. ``VLLM_PLUGINS`` (vLLM's allow-list, read for both
 groups), when set, must include ``mooncake_diffusion``.
@@ -36,8 +39,11 @@ _lock = threading.Lock()
 
 def _create(config: dict[str, Any]) -> Any:
     from mooncake_diffusion_vllm_omni.connector import MooncakeDiffusionConnector
+    from mooncake_diffusion_vllm_omni.dynamo import install_if_enabled
 
-    return MooncakeDiffusionConnector(config)
+    connector = MooncakeDiffusionConnector(config)
+    install_if_enabled()  # Dynamo's router: the opt-in reclaim hook (dynamo.py)
+    return connector
 
 
 def register() -> None:
