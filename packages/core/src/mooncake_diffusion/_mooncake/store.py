@@ -393,18 +393,7 @@ class StoreClient:
         """
         if not keys:
             return
-        cfg = self._config(pin)
-
-        def put(idx: list[int]) -> Sequence[int]:
-            return self._call(
-                "batch_put_from_multi_buffers",
-                [keys[i] for i in idx],
-                [list(ptrs[i]) for i in idx],
-                [list(sizes[i]) for i in idx],
-                cfg,
-            )
-
-        codes = self._retrying(len(keys), put, deadline)
+        codes = self.put_each(keys, ptrs, sizes, pin=pin, deadline=deadline)
         failed = [(k, c) for k, c in zip(keys, codes, strict=True) if c < 0]
         if failed:
             self.remove_many([k for k, c in zip(keys, codes, strict=True) if c >= 0])
@@ -418,11 +407,12 @@ class StoreClient:
         sizes: Sequence[Sequence[int]],
         *,
         pin: str,
+        deadline: float | None = None,
     ) -> list[int]:
         """``put_many`` that answers each key's code instead of raising, and removes
         nothing when one fails (a key that was already there answers 0 or
         OBJECT_ALREADY_EXISTS and is left as it is: it may be another writer's).
-        Transient faults are retried within the client's retry window."""
+        Transient faults are retried until ``deadline``."""
         if not keys:
             return []
         cfg = self._config(pin)
@@ -436,7 +426,7 @@ class StoreClient:
                 cfg,
             )
 
-        return self._retrying(len(keys), put, None)
+        return self._retrying(len(keys), put, deadline)
 
     def remove_each(self, keys: Sequence[str]) -> list[int]:
         """One ``batch_remove`` with force and no retry: each key's code (0: this call
