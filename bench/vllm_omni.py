@@ -81,7 +81,22 @@ Spread: every repeat runs every connector once, so each ratio is also taken per 
 (paired samples, the same stretch of machine noise); ``spread`` in the summary gives
 [min, median, max] of those per-repeat ratios, and each row its min / median / max
 seconds.
-``--quick`` runs the same sizes and connectors as the full run with 3 repeats instead of 7.
+Small-payload sweep (``small_sweep`` in the JSON): ours_store against builtin_store
+alone, ``{"x": float32 tensor of N bytes, "step": i}`` for N = 1 KiB, 4 KiB, 64 KiB,
+256 KiB and 1 MiB, through the same ``put`` / ``get`` calls (put timed in the peer, get
+here, the builtin's key removed after its timed get, untimed): per size
+``SMALL_WARMUP`` untimed rounds of both, then ``--sweep-repeats`` timed rounds (1000;
+``--quick`` 300), the two alternating and the order flipped every round. It runs last,
+after the large transfers, so every figure above is measured as before it existed.
+Per size: the p50s in ms, ``put_vs_builtin`` / ``get_vs_builtin`` = ours p50 / builtin
+p50 (below 1: ours faster; the summary's ``small_put_vs_builtin`` /
+``small_get_vs_builtin`` by size) and ``paired_*``, the median of the per-round ratios;
+``sides`` says what each side does within its timed calls (ours delivers exactly once
+and removes its keys; the builtin does neither).
+``--ours-extra JSON`` merges settings into ours' connector ``extra`` (both ours rows),
+e.g. a larger ``inline_bytes``; the config records it.
+``--quick`` runs the same sizes and connectors as the full run with 3 repeats instead of 7
+(and 300 sweep rounds a size instead of 1000).
 Absolute times on this shared 2-vCPU machine are noise; read the ratios.
 """
 
@@ -115,6 +130,21 @@ SMALL = 1024  # bytes of the small object's tensor
 #: long past, and the row measured first would pay it alone. They run before any
 #: other timed figure of the run.
 SMALL_WARMUP = 16
+#: the small-payload sweep (issue 57): ours_store against builtin_store only, each put
+#: ``{"x": float32 tensor of this many bytes, "step": i}``
+SWEEP_SIZES = (1 << 10, 4 << 10, 64 << 10, 256 << 10, 1 << 20)
+SWEEP_ROWS = ("ours_store", "builtin_store")
+#: what each side of the sweep did within its timed put and get (written to the JSON)
+SWEEP_SIDES = {
+    "ours_store": "MooncakeDiffusionConnector, store mode, default settings unless "
+    "config.ours_extra says otherwise: delivers each key exactly once (a claim, a "
+    "lease where the record names a payload, a commit) and removes every store key "
+    "of the put (record, anchor, markers, payload) within the timed get",
+    "builtin_store": "vLLM-Omni's MooncakeStoreConnector with the shims above: one "
+    "Mooncake put of the serialized object, one get; no exactly-once (every get of a "
+    "key returns it) and it never removes what it stores (this bench removes each key "
+    "after the timed get, untimed)",
+}
 NAME = "MooncakeDiffusionConnector"
 ROWS = ("ours_store", "ours_p2p", "core_store", "raw_store", "builtin_store", "builtin_shm")
 FACTORY_NAME = {
@@ -178,8 +208,11 @@ def factory() -> Any:
     return OmniConnectorFactory
 
 
-def extras(master: str, admin: str, localbuf: int) -> dict[str, dict[str, Any]]:
+def extras(
+    master: str, admin: str, localbuf: int, ours_extra: dict[str, Any] | None = None
+) -> dict[str, dict[str, Any]]:
     ours = {"master": master, "admin": admin, "host": "127.0.0.1", "ttl_s": 600}
+    ours.update(ours_extra or {})
     return {
         "ours_store": {**ours, "transfer_mode": "store"},
         "ours_p2p": {**ours, "transfer_mode": "p2p"},
@@ -259,10 +292,14 @@ class RawStore:
         self.store.close()
 
 
-def small_dict(i: int) -> dict[str, Any]:
+def small_dict(i: int, nbytes: int = SMALL) -> dict[str, Any]:
     import torch
 
-    return {"x": torch.full((SMALL // 4,), float(i)), "step": i}
+    return {"x": torch.full((nbytes // 4,), float(i)), "step": i}
+
+
+def size_label(nbytes: int) -> str:
+    return f"{nbytes >> 20}MiB" if nbytes >= MIB else f"{nbytes >> 10}KiB"
 
 
 # ------------------------------------------------------------------ the peer (producer)
@@ -283,6 +320,7 @@ def peer_main() -> int:
         state["core"], state["pubs"] = core, []
         state["raw"] = raw = RawStore(settings)
         state["small"] = small_dict(0)
+        state["sweep"] = {n: small_dict(n % 997, n) for n in SWEEP_SIZES}
         raw.register(state["small"]["x"])
         shas = {}
         for mb in sizes:
@@ -292,8 +330,8 @@ def peer_main() -> int:
             shas[str(mb)] = sha(state["data"][mb]["latent"])
         return {"shas": shas}
 
-    def put_small(row: str, key: str) -> dict[str, Any]:
-        data = state["small"]
+    def put_small(row: str, key: str, nbytes: int = SMALL) -> dict[str, Any]:
+        data = state["small"] if nbytes == SMALL else state["sweep"][nbytes]
         t0 = time.perf_counter()
         if row == "raw_store":
             state["raw"].put(key, data["x"].data_ptr(), SMALL)
@@ -368,7 +406,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # 256 MiB read on this loaded 2-vCPU machine can take longer than 1 s
     with LocalCluster(pool_bytes=pool, lease_ttl_ms=5000, prefault=True) as cluster:
         s = cluster.settings
-        ex = extras(s.master, s.admin_address, localbuf)
+        ex = extras(s.master, s.admin_address, localbuf, args.ours_extra)
         peer = PeerClient([sys.executable, __file__, "--peer"], env=dict(os.environ, **s.as_env()))
         try:
             f = factory()  # imports vLLM-Omni here while the peer does the same
@@ -434,6 +472,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                          "small_put_ms": smalls.get(row, {}).get("put_ms"),
                          "small_get_ms": smalls.get(row, {}).get("get_ms")}
                     )  # fmt: skip
+            # last: the figures above are measured as before the sweep existed
+            sweep = sweep_ms(peer, conns, args.sweep_repeats)
             for conn in conns.values():
                 conn.close()
             core.close()
@@ -483,6 +523,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "vs_builtin_store_256mb_p2p": vs("builtin_store", 256, "ours_p2p"),
         "vs_builtin_shm_min_p2p": min(vs("builtin_shm", mb, "ours_p2p") or 0 for mb in sizes),
         "store_rtt_ms": rtt_ms,
+        "small_put_vs_builtin": {k: v["put_vs_builtin"] for k, v in sweep["sizes"].items()},
+        "small_get_vs_builtin": {k: v["get_vs_builtin"] for k, v in sweep["sizes"].items()},
         "miss_vs_raw": round(ours["miss_get_ms"] / bare["miss_get_ms"], 2),
         "small_get_vs_raw": round(ours["small_get_ms"] / bare["small_get_ms"], 2),
         "small_put_vs_raw": round(ours["small_put_ms"] / bare["small_put_ms"], 2),
@@ -503,9 +545,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "wall_s": round(time.perf_counter() - t_start, 1),
     }
     config = {"quick": args.quick, "sizes_mb": sizes, "repeats": args.repeats,
-              "warmup": args.warmup, "miss_repeats": args.miss_repeats}  # fmt: skip
+              "warmup": args.warmup, "miss_repeats": args.miss_repeats,
+              "sweep_repeats": args.sweep_repeats, "ours_extra": args.ours_extra}  # fmt: skip
     return {"bench": "vllm_omni", "machine": machine_info(), "config": config,
-            "rows": rows_out, "summary": summary}  # fmt: skip
+            "rows": rows_out, "summary": summary, "small_sweep": sweep}  # fmt: skip
 
 
 def misses_ms(conns: dict[str, Any], raw: RawStore, dst: Any, repeats: int) -> dict[str, float]:
@@ -540,19 +583,22 @@ def rtt(raw: RawStore, repeats: int) -> float:
 
 
 def small_round(
-    peer: Any, conn: Any, raw: RawStore, dst: Any, row: str, key: str
+    peer: Any, conn: Any, raw: RawStore | None, dst: Any, row: str, key: str, nbytes: int = SMALL
 ) -> tuple[float, float]:
-    """One put (in the peer) and get (here) of a small object through ``row``: ms each."""
-    put = peer.call("put_small", row=row, key=key)
+    """One put (in the peer) and get (here) of a small object (``nbytes`` of tensor)
+    through ``row``: ms each. Checks what came back (untimed)."""
+    put = peer.call("put_small", row=row, key=key, nbytes=nbytes)
     t0 = time.perf_counter()
     if row == "raw_store":  # the remove timed, as our take's is
+        assert raw is not None
         ok = raw.get(key, dst.data_ptr(), SMALL) == SMALL
         raw.store.remove(key, True)
     else:
-        ok = conn.get("0", "1", key) is not None
+        got = conn.get("0", "1", key)
+        ok = got is not None and got[0]["x"].numel() * 4 == nbytes
     get_s = time.perf_counter() - t0
     if not ok:
-        raise RuntimeError(f"{row}: small {key} not found after its put")
+        raise RuntimeError(f"{row}: small {key} not found, or not whole, after its put")
     if row == "builtin_store":
         conn.store.remove(conn._make_key(key, "0", "1"), True)
     return put["seconds"] * 1e3, get_s * 1e3
@@ -581,6 +627,56 @@ def smalls_ms(
         }
         for row, (puts, gets) in samples.items()
     }
+
+
+def sweep_ms(peer: Any, conns: dict[str, Any], repeats: int) -> dict[str, Any]:
+    """The small-payload sweep: per size of ``SWEEP_SIZES``, p50 put and get of
+    ours_store and builtin_store through vLLM-Omni's connector interface, as
+    ``smalls_ms`` times them (``SMALL_WARMUP`` untimed rounds of both rows per size,
+    then ``repeats`` timed ones, the two rows alternating and the order flipped
+    every round, so machine noise hits both). ``*_vs_builtin`` = ours p50 / builtin
+    p50 (below 1: ours faster); ``paired_*`` the median of the per-round ratios."""
+    out: dict[str, Any] = {
+        "repeats": repeats,
+        "warmup": SMALL_WARMUP,
+        "sides": SWEEP_SIDES,
+        "sizes": {},
+    }
+    rows = list(SWEEP_ROWS)
+    t0 = time.perf_counter()
+    for nbytes in SWEEP_SIZES:
+        label = size_label(nbytes)
+        for i in range(SMALL_WARMUP):
+            for row in rows:
+                key = f"bench-sw{label}-{row}-w{i}"
+                small_round(peer, conns[row], None, None, row, key, nbytes)
+        puts: dict[str, list[float]] = {row: [] for row in rows}
+        gets: dict[str, list[float]] = {row: [] for row in rows}
+        for i in range(repeats):
+            for row in rows if i % 2 == 0 else rows[::-1]:
+                key = f"bench-sw{label}-{row}-{i}"
+                put, get = small_round(peer, conns[row], None, None, row, key, nbytes)
+                puts[row].append(put)
+                gets[row].append(get)
+        med = {row: (statistics.median(puts[row]), statistics.median(gets[row])) for row in rows}
+        (op, og), (bp, bg) = med["ours_store"], med["builtin_store"]
+
+        def paired(ours: list[float], base: list[float]) -> float:
+            return round(statistics.median(a / b for a, b in zip(ours, base, strict=True)), 2)
+
+        out["sizes"][label] = {
+            "bytes": nbytes,
+            "ours_put_ms": round(op, 3),
+            "ours_get_ms": round(og, 3),
+            "builtin_put_ms": round(bp, 3),
+            "builtin_get_ms": round(bg, 3),
+            "put_vs_builtin": round(op / bp, 2),
+            "get_vs_builtin": round(og / bg, 2),
+            "paired_put_vs_builtin": paired(puts["ours_store"], puts["builtin_store"]),
+            "paired_get_vs_builtin": paired(gets["ours_store"], gets["builtin_store"]),
+        }
+    out["wall_s"] = round(time.perf_counter() - t0, 1)
+    return out
 
 
 def machine_info() -> dict[str, Any]:
@@ -621,6 +717,20 @@ def table(result: dict[str, Any]) -> str:
             f"{ms(r['small_put_ms'])} / {ms(r['small_get_ms'])} |"
         )
     s = result["summary"]
+    sweep = result["small_sweep"]
+    lines += [
+        "",
+        f"Small-payload sweep ({sweep['repeats']} timed rounds a size, p50 ms):",
+        "",
+        "| size | ours put / get | builtin put / get | put / get vs builtin |",
+        "|---:|---:|---:|---:|",
+    ]
+    for label, v in sweep["sizes"].items():
+        lines.append(
+            f"| {label} | {v['ours_put_ms']:.2f} / {v['ours_get_ms']:.2f} | "
+            f"{v['builtin_put_ms']:.2f} / {v['builtin_get_ms']:.2f} | "
+            f"{v['put_vs_builtin']:.2f} / {v['get_vs_builtin']:.2f} |"
+        )
     lines += [
         "",
         "builtin_store ran with shims: ReplicateConfig subclass accepting with_soft_pin "
@@ -641,11 +751,26 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument(
-        "--quick", action="store_true", help="3 repeats instead of 7 (same sizes, connectors)"
+        "--quick",
+        action="store_true",
+        help="3 repeats instead of 7, 300 sweep rounds instead of 1000 (same sizes, connectors)",
     )
     p.add_argument("--json", help="write the result as JSON here")
     p.add_argument("--sizes-mb", default="16,64,256")
     p.add_argument("--repeats", type=int, default=None)
+    p.add_argument(
+        "--sweep-repeats",
+        type=int,
+        default=None,
+        help="timed rounds a size of the small-payload sweep (default 1000; --quick 300)",
+    )
+    p.add_argument(
+        "--ours-extra",
+        type=json.loads,
+        default=None,
+        help="JSON object merged into ours' connector extra (e.g. "
+        '\'{"inline_bytes": 2097152, "max_record": 4194304}\'); recorded in the config',
+    )
     p.add_argument("--peer", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.peer:
@@ -660,6 +785,7 @@ def main(argv: list[str] | None = None) -> int:
     args.repeats = args.repeats or (3 if args.quick else 7)
     args.warmup = 1
     args.miss_repeats = 3 if args.quick else 5
+    args.sweep_repeats = args.sweep_repeats or (300 if args.quick else 1000)
     result = run(args)
     print(table(result))
     if args.json:
