@@ -121,8 +121,8 @@ def test_the_demo_shifts_its_mix_and_the_planner_moves_a_worker_to_denoise(tmp_p
 
 
 def test_store_ls_lists_our_keys_by_kind_size_and_expiry(mooncake_cluster):
-    """A keyed send with a TTL, one still untaken: ``store ls`` counts its payload, record
-    and expiry marker with their bytes; ``--keys --ttl-s`` gives each key its expiry and
+    """A keyed send with a TTL, one still untaken: ``store ls`` counts its payload, record,
+    the record's anchor and their two expiry markers with their bytes; ``--keys --ttl-s`` gives each key its expiry and
     age; after the take, it says the store is empty."""
     import time
 
@@ -144,15 +144,16 @@ def test_store_ls_lists_our_keys_by_kind_size_and_expiry(mooncake_cluster):
         producer.send("req-ls_0_0@0_1", {"t": torch.zeros(1 << 20)})  # 4 MiB
         table = ls()
         rows = {line.split()[0]: line.split()[1:] for line in table.splitlines()[1:]}
-        assert set(rows) == {"payload", "record", "marker"}, table
+        assert set(rows) == {"payload", "record", "anchor", "marker"}, table
         assert rows["payload"][:3] == ["1", "4.0", "MiB"], table
-        assert rows["record"][0] == rows["marker"][0] == "1", table
+        assert rows["record"][0] == rows["anchor"][0] == "1", table
+        assert rows["marker"][0] == "2", table  # the record's and the anchor's
         per_key = ls("--keys", "--ttl-s", "600")
         line = next(x for x in per_key.splitlines() if x.startswith("payload"))
         expires_in, age = int(line.split()[3]), int(line.split()[5])
         assert 0 < expires_in <= 600 and 0 <= age < 600 and expires_in + age == 600, line
         entries = json.loads(ls("--json"))
-        assert {e["kind"] for e in entries} == {"payload", "record", "marker"}
+        assert {e["kind"] for e in entries} == {"payload", "record", "anchor", "marker"}
         assert taker.receive("req-ls_0_0@0_1") is not None
         deadline = time.monotonic() + 60
         while mooncake_cluster.keys() and time.monotonic() < deadline:
