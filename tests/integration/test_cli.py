@@ -121,9 +121,10 @@ def test_the_demo_shifts_its_mix_and_the_planner_moves_a_worker_to_denoise(tmp_p
 
 
 def test_store_ls_lists_our_keys_by_kind_size_and_expiry(mooncake_cluster):
-    """A keyed send with a TTL, one still untaken: ``store ls`` counts its payload, record,
-    the record's anchor and their two expiry markers with their bytes; ``--keys --ttl-s`` gives each key its expiry and
-    age; after the take, it says the store is empty."""
+    """A keyed send with a TTL, one still untaken: ``store ls`` counts its payload,
+    record, the record's anchor and their two expiry markers with their bytes;
+    ``--keys --ttl-s`` gives each key its expiry and age; after the take, it says the
+    store is empty."""
     import time
 
     import torch
