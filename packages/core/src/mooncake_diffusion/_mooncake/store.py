@@ -66,6 +66,8 @@ from typing import Any, NamedTuple
 from mooncake_diffusion._mooncake import gil, import_mooncake, segment_watch
 from mooncake_diffusion._mooncake.codes import (
     LEASE_EXPIRED,
+    NO_AVAILABLE_HANDLE,
+    OBJECT_ALREADY_EXISTS,
     OBJECT_NOT_FOUND,
     REPLICA_NOT_READY,
     RPC_FAIL,
@@ -393,7 +395,7 @@ class StoreClient:
         """
         if not keys:
             return
-        codes = self.put_each(keys, ptrs, sizes, pin=pin, deadline=deadline)
+        codes = self._put_codes(keys, ptrs, sizes, pin, deadline)
         failed = [(k, c) for k, c in zip(keys, codes, strict=True) if c < 0]
         if failed:
             self.remove_many([k for k, c in zip(keys, codes, strict=True) if c >= 0])
@@ -408,11 +410,31 @@ class StoreClient:
         *,
         pin: str,
         deadline: float | None = None,
-    ) -> list[int]:
-        """``put_many`` that answers each key's code instead of raising, and removes
-        nothing when one fails (a key that was already there answers 0 or
-        OBJECT_ALREADY_EXISTS and is left as it is: it may be another writer's).
+    ) -> list[bool]:
+        """``put_many`` that answers per key instead of all or nothing: ``True`` when
+        the store took it (written, or already there: Mooncake leaves an existing
+        key as it is and may say nothing, so it may be another writer's), ``False``
+        when the pool had no room for it. Removes nothing; any other failure raises.
         Transient faults are retried until ``deadline``."""
+        out = []
+        for key, code in zip(keys, self._put_codes(keys, ptrs, sizes, pin, deadline), strict=True):
+            if code == NO_AVAILABLE_HANDLE:
+                out.append(False)
+            elif code >= 0 or code == OBJECT_ALREADY_EXISTS:
+                out.append(True)
+            else:
+                raise error_for(code, f"store put of {key!r}")
+        return out
+
+    def _put_codes(
+        self,
+        keys: Sequence[str],
+        ptrs: Sequence[Sequence[int]],
+        sizes: Sequence[Sequence[int]],
+        pin: str,
+        deadline: float | None,
+    ) -> list[int]:
+        """One batched put, retried on transient codes; each key's last code."""
         if not keys:
             return []
         cfg = self._config(pin)
@@ -428,13 +450,19 @@ class StoreClient:
 
         return self._retrying(len(keys), put, deadline)
 
-    def remove_each(self, keys: Sequence[str]) -> list[int]:
-        """One ``batch_remove`` with force and no retry: each key's code (0: this call
-        removed it, OBJECT_NOT_FOUND: it was not there). A transient code means the
-        outcome is unknown (the master may have removed it): the caller decides."""
+    def remove_each(self, keys: Sequence[str]) -> list[bool]:
+        """One ``batch_remove`` with force and no retry: per key, whether this call
+        removed it (of any number of callers racing on a key, exactly one gets
+        ``True``). Any other code raises, a transient one too: the master may have
+        removed the key, so the outcome is unknown and the caller must not guess."""
         if not keys:
             return []
-        return list(self._call("batch_remove", list(keys), True))
+        out = []
+        for key, code in zip(keys, self._call("batch_remove", list(keys), True), strict=True):
+            if code < 0 and code != OBJECT_NOT_FOUND:
+                raise error_for(code, f"store remove of {key!r} (outcome unknown)")
+            out.append(code >= 0)
+        return out
 
     def get_many(
         self,

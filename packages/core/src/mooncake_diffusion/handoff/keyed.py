@@ -567,14 +567,12 @@ class KeyedHandoff:
             return ()
 
     def _drop_payload_of(self, raw: bytes, key: str) -> None:
-        """Free what a record taken out of the mailbox names, beyond its store keys
-        (those went with the commit): a p2p hold of this side's."""
+        """Free what a replaced record names: this side's hold of it (its store keys
+        went with the replace's commit; removing them again costs nothing)."""
         try:
             record = _decode_record(raw, key)
             if record.handle:
-                handle = decode_handle(record.handle)
-                if handle.transport != "store":
-                    self._open()[1].drop(handle)
+                self._open()[1].drop(decode_handle(record.handle))
         except MooncakeDiffusionError as e:  # foreign record: nothing of ours to free
             _log.warning("replaced record under %r: %s", key, e)
 

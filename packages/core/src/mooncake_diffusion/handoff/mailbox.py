@@ -72,12 +72,6 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from mooncake_diffusion._mooncake.codes import (
-    NO_AVAILABLE_HANDLE,
-    OBJECT_ALREADY_EXISTS,
-    OBJECT_NOT_FOUND,
-    error_for,
-)
 from mooncake_diffusion._mooncake.store import StoreClient
 from mooncake_diffusion.errors import MooncakeDiffusionError, PayloadError
 from mooncake_diffusion.handoff import protocol
@@ -345,11 +339,7 @@ class Mailbox:
             if op.later and self.async_cleanup:
                 self._send_later(op.keys)
                 return tuple(True for _ in op.keys)
-            codes = self._client.remove_each(op.keys)
-            for key, code in zip(op.keys, codes, strict=True):
-                if code < 0 and code != OBJECT_NOT_FOUND:
-                    raise error_for(code, f"mailbox remove of {key!r} (outcome unknown)")
-            return tuple(code >= 0 for code in codes)
+            return tuple(self._client.remove_each(op.keys))
         if isinstance(op, Exists):
             return tuple(self._client.exists_many(op.keys))
         if isinstance(op, Now):
@@ -374,17 +364,8 @@ class Mailbox:
                 ptrs.append([base + at])
                 sizes.append([n])
                 at += -(-n // 64) * 64
-            keys = [k for k, _ in items]
-            codes = self._client.put_each(keys, ptrs, sizes, pin="hard")
-        out = []
-        for key, code in zip(keys, codes, strict=True):
-            if code >= 0 or code == OBJECT_ALREADY_EXISTS:
-                out.append(OK)
-            elif code == NO_AVAILABLE_HANDLE:
-                out.append(FULL)
-            else:
-                raise error_for(code, f"mailbox put of {key!r}")
-        return tuple(out)
+            took = self._client.put_each([k for k, _ in items], ptrs, sizes, pin="hard")
+        return tuple(OK if ok else FULL for ok in took)
 
     def _send_later(self, keys: tuple[str, ...]) -> None:
         with self._later_cv:

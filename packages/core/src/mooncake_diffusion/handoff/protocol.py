@@ -186,7 +186,6 @@ class Held:
     expires_ms: int
     g: int = 0
     until_ms: int = 0
-    token: bytes = b""
     slots: tuple[tuple[int, int, bytes], ...] = ()
 
 
@@ -386,7 +385,7 @@ def claim(
                     drop.append(slot)
             if drop:
                 yield Remove(tuple(drop))
-            return Held(name, nonce, record, expires_ms, g=-1, token=token, slots=tuple(seen))
+            return Held(name, nonce, record, expires_ms, g=-1, slots=tuple(seen))
         there = yield Get(slot)
         if there is None:  # the slots went with a commit: the record is gone
             yield Remove((marker,))
@@ -398,7 +397,7 @@ def claim(
             if not open_:  # won a slot of a record already committed
                 yield Remove((slot, marker))
                 return None
-            return Held(name, nonce, record, expires_ms, g, until, token, tuple(seen))
+            return Held(name, nonce, record, expires_ms, g, until, tuple(seen))
         yield Remove((marker,))  # ours, beside a slot that is another's
         seen.append((g, held_until, holder))
         now = yield Now()
@@ -417,11 +416,9 @@ def confirm(keys: Keys, held: Held, also: tuple[str, ...] = ()) -> Step:
             yield Remove(also)
         return True
     own = slot_keys(keys, held.name, held.nonce, held.slots[-1:]) if held.g > 0 else []
-    if held.g > 0:
-        now = yield Now()
-        if now >= held.until_ms:
-            yield Remove(tuple(own))
-            return False
+    if own and (yield Now()) >= held.until_ms:
+        yield Remove(tuple(own))
+        return False
     won = yield from _commit(
         keys, held.name, held.nonce, held.expires_ms, slots=held.slots, also=also
     )
@@ -460,7 +457,7 @@ def _commit(
 ) -> Step:
     """Remove incarnation ``nonce``'s anchor (and ``also`` in the same operation);
     when this call removed it, remove the record, the markers and the ``slots``
-    (``(g, until_ms)``) with theirs, unawaited unless ``now``. Returns whether this
+    (``(g, until_ms, token)``) with theirs, unawaited unless ``now``. Returns whether this
     call committed."""
     a = keys.anchor(name, nonce)
     won = yield Remove((a, *also))
